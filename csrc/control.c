@@ -1,0 +1,459 @@
+#include "control.h"
+
+#include <errno.h>
+#include <poll.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <zmq.h>
+
+#include "table.h"
+#include "wire.h"
+
+struct kvr_ctl_conn {
+    void *sock;
+    void *ctx;
+    kvr_ctl_conn_t *next;
+};
+
+struct kvr_ctl {
+    void *zctx;
+    void *router;
+    char endpoint[128];
+    kvr_ctl_callbacks_t cb;
+    kvr_ctl_conn_t *conns;
+    zmq_pollitem_t *items;
+    int nitems_cap;
+    zmq_msg_t frames[2];
+};
+
+static void kvr_ctl_common_opts(void *sock)
+{
+    int linger = 0, hwm = 1000000, ivl = 100, ivl_max = 1000;
+    zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof(linger));
+    zmq_setsockopt(sock, ZMQ_SNDHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(sock, ZMQ_RCVHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(sock, ZMQ_RECONNECT_IVL, &ivl, sizeof(ivl));
+    zmq_setsockopt(sock, ZMQ_RECONNECT_IVL_MAX, &ivl_max, sizeof(ivl_max));
+}
+
+static int kvr_ctl_bind(void *sock, const char *host, int port, char *endpoint, size_t eplen,
+                        char *err, size_t errlen)
+{
+    char ep[160];
+    if (port > 0) {
+        snprintf(ep, sizeof(ep), "tcp://%s:%d", host, port);
+    } else {
+        snprintf(ep, sizeof(ep), "tcp://%s:*", host);
+    }
+    if (zmq_bind(sock, ep) != 0) {
+        snprintf(err, errlen, "cannot bind %s: %s", ep, zmq_strerror(zmq_errno()));
+        return -1;
+    }
+    size_t len = eplen;
+    zmq_getsockopt(sock, ZMQ_LAST_ENDPOINT, endpoint, &len);
+    return 0;
+}
+
+int kvr_ctl_create(const char *host, int port, int64_t max_msg, const kvr_ctl_callbacks_t *cb,
+                   kvr_ctl_t **ctl_p, char *err, size_t errlen)
+{
+    kvr_ctl_t *ctl = calloc(1, sizeof(*ctl));
+    if (ctl == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    ctl->cb = *cb;
+    ctl->zctx = zmq_ctx_new();
+    if (ctl->zctx == NULL) {
+        snprintf(err, errlen, "zmq_ctx_new: %s", zmq_strerror(zmq_errno()));
+        goto err_free;
+    }
+    ctl->router = zmq_socket(ctl->zctx, ZMQ_ROUTER);
+    if (ctl->router == NULL) {
+        snprintf(err, errlen, "zmq_socket: %s", zmq_strerror(zmq_errno()));
+        goto err_term;
+    }
+    kvr_ctl_common_opts(ctl->router);
+    int one = 1;
+    zmq_setsockopt(ctl->router, ZMQ_ROUTER_MANDATORY, &one, sizeof(one));
+    zmq_setsockopt(ctl->router, ZMQ_MAXMSGSIZE, &max_msg, sizeof(max_msg));
+    if (kvr_ctl_bind(ctl->router, host, port, ctl->endpoint, sizeof(ctl->endpoint), err,
+                     errlen) != 0) {
+        goto err_close;
+    }
+    zmq_msg_init(&ctl->frames[0]);
+    zmq_msg_init(&ctl->frames[1]);
+    *ctl_p = ctl;
+    return 0;
+
+err_close:
+    zmq_close(ctl->router);
+err_term:
+    zmq_ctx_term(ctl->zctx);
+err_free:
+    free(ctl);
+    return -1;
+}
+
+void kvr_ctl_destroy(kvr_ctl_t *ctl)
+{
+    if (ctl == NULL) {
+        return;
+    }
+    while (ctl->conns) {
+        kvr_ctl_conn_close(ctl, ctl->conns);
+    }
+    zmq_msg_close(&ctl->frames[0]);
+    zmq_msg_close(&ctl->frames[1]);
+    zmq_close(ctl->router);
+    zmq_ctx_term(ctl->zctx);
+    free(ctl->items);
+    free(ctl);
+}
+
+const char *kvr_ctl_endpoint(kvr_ctl_t *ctl)
+{
+    return ctl->endpoint;
+}
+
+int kvr_ctl_connect(kvr_ctl_t *ctl, const char *endpoint, const void *ident, size_t ident_len,
+                    void *conn_ctx, kvr_ctl_conn_t **conn_p, char *err, size_t errlen)
+{
+    kvr_ctl_conn_t *c = calloc(1, sizeof(*c));
+    if (c == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    c->sock = zmq_socket(ctl->zctx, ZMQ_DEALER);
+    if (c->sock == NULL) {
+        snprintf(err, errlen, "zmq_socket: %s", zmq_strerror(zmq_errno()));
+        free(c);
+        return -1;
+    }
+    kvr_ctl_common_opts(c->sock);
+    if (ident_len > 0) {
+        zmq_setsockopt(c->sock, ZMQ_ROUTING_ID, ident, ident_len);
+    }
+    if (zmq_connect(c->sock, endpoint) != 0) {
+        snprintf(err, errlen, "cannot connect to %s: %s", endpoint, zmq_strerror(zmq_errno()));
+        zmq_close(c->sock);
+        free(c);
+        return -1;
+    }
+    c->ctx = conn_ctx;
+    c->next = ctl->conns;
+    ctl->conns = c;
+    *conn_p = c;
+    return 0;
+}
+
+void kvr_ctl_conn_close(kvr_ctl_t *ctl, kvr_ctl_conn_t *conn)
+{
+    for (kvr_ctl_conn_t **pp = &ctl->conns; *pp; pp = &(*pp)->next) {
+        if (*pp == conn) {
+            *pp = conn->next;
+            break;
+        }
+    }
+    zmq_close(conn->sock);
+    free(conn);
+}
+
+int kvr_ctl_send_conn(kvr_ctl_conn_t *conn, const void *data, size_t len)
+{
+    return zmq_send(conn->sock, data, len, ZMQ_DONTWAIT) < 0 ? -1 : 0;
+}
+
+int kvr_ctl_send_router(kvr_ctl_t *ctl, const void *ident, size_t ident_len, const void *data,
+                        size_t len)
+{
+    if (zmq_send(ctl->router, ident, ident_len, ZMQ_DONTWAIT | ZMQ_SNDMORE) < 0) {
+        return -1;
+    }
+    return zmq_send(ctl->router, data, len, ZMQ_DONTWAIT) < 0 ? -1 : 0;
+}
+
+/* Receives one whole multipart message into frames[0..1]; returns the number
+ * of frames (extra frames are discarded and make the count 3), 0 if none. */
+static int kvr_ctl_recv(void *sock, zmq_msg_t frames[2])
+{
+    int n = 0;
+    for (;;) {
+        zmq_msg_t tmp;
+        zmq_msg_t *m = n < 2 ? &frames[n] : &tmp;
+        if (n >= 2) {
+            zmq_msg_init(&tmp);
+        }
+        if (zmq_msg_recv(m, sock, ZMQ_DONTWAIT) < 0) {
+            if (n >= 2) {
+                zmq_msg_close(&tmp);
+            }
+            return n; /* EAGAIN before the first frame: nothing pending */
+        }
+        int more = zmq_msg_more(m);
+        if (n >= 2) {
+            zmq_msg_close(&tmp);
+            n = 3;
+        } else {
+            n++;
+        }
+        if (!more) {
+            return n;
+        }
+    }
+}
+
+int kvr_ctl_poll(kvr_ctl_t *ctl, const int *fds, int nfds, int *fd_ready, long timeout_ms)
+{
+    int nconn = 0;
+    for (kvr_ctl_conn_t *c = ctl->conns; c; c = c->next) {
+        nconn++;
+    }
+    int n = 1 + nconn + nfds;
+    if (n > ctl->nitems_cap) {
+        zmq_pollitem_t *ni = realloc(ctl->items, (size_t)n * 2 * sizeof(*ni));
+        if (ni == NULL) {
+            return -1;
+        }
+        ctl->items = ni;
+        ctl->nitems_cap = n * 2;
+    }
+    zmq_pollitem_t *it = ctl->items;
+    memset(it, 0, (size_t)n * sizeof(*it));
+    it[0].socket = ctl->router;
+    it[0].events = ZMQ_POLLIN;
+    int k = 1;
+    for (kvr_ctl_conn_t *c = ctl->conns; c; c = c->next, k++) {
+        it[k].socket = c->sock;
+        it[k].events = ZMQ_POLLIN;
+    }
+    for (int i = 0; i < nfds; i++, k++) {
+        it[k].fd = fds[i];
+        it[k].events = ZMQ_POLLIN;
+    }
+    if (zmq_poll(it, n, timeout_ms) < 0) {
+        return -1;
+    }
+    for (int i = 0; i < nfds; i++) {
+        fd_ready[i] = (it[1 + nconn + i].revents & ZMQ_POLLIN) != 0;
+    }
+    int dispatched = 0;
+    /* Drain every socket regardless of revents: cheap, and ZMQ's readiness
+     * is edge-like, so a missed message would otherwise wait a whole poll. */
+    for (;;) {
+        int nf = kvr_ctl_recv(ctl->router, ctl->frames);
+        if (nf == 0) {
+            break;
+        }
+        dispatched++;
+        if (nf == 2) {
+            ctl->cb.on_router_msg(ctl->cb.arg, zmq_msg_data(&ctl->frames[0]),
+                                  zmq_msg_size(&ctl->frames[0]), zmq_msg_data(&ctl->frames[1]),
+                                  zmq_msg_size(&ctl->frames[1]));
+        } else {
+            /* A frame count the protocol never sends: let the engine count
+             * it as malformed through an empty message. */
+            ctl->cb.on_router_msg(ctl->cb.arg, zmq_msg_data(&ctl->frames[0]),
+                                  zmq_msg_size(&ctl->frames[0]), "", 0);
+        }
+    }
+    /* Callbacks may open connections (added at the head) but never close
+     * one: the engine closes them between polls. */
+    for (kvr_ctl_conn_t *c = ctl->conns; c; c = c->next) {
+        int nf;
+        while ((nf = kvr_ctl_recv(c->sock, ctl->frames)) > 0) {
+            dispatched++;
+            ctl->cb.on_conn_msg(ctl->cb.arg, c, c->ctx, zmq_msg_data(&ctl->frames[0]),
+                                nf == 1 ? zmq_msg_size(&ctl->frames[0]) : 0);
+        }
+    }
+    return dispatched;
+}
+
+/* ---- bootstrap service ---- */
+
+typedef struct {
+    uint64_t epoch;
+    char endpoint[KVR_WIRE_MAX_STR + 1];
+} kvr_bs_entry_t;
+
+struct kvr_bootstrap {
+    void *zctx;
+    void *router;
+    int stop_fd;
+    int port;
+    pthread_t thread;
+    kvr_table_t ranks; /* rank -> kvr_bs_entry_t* */
+    atomic_ullong registered;
+    atomic_ullong dropped;
+};
+
+static void kvr_bs_reply(kvr_bootstrap_t *bs, zmq_msg_t *ident, kvr_msg_t *reply)
+{
+    kvr_wbuf_t b;
+    kvr_wbuf_init(&b);
+    if (kvr_wire_encode(&b, reply) == 0) {
+        zmq_send(bs->router, zmq_msg_data(ident), zmq_msg_size(ident),
+                 ZMQ_DONTWAIT | ZMQ_SNDMORE);
+        zmq_send(bs->router, b.data, b.len, ZMQ_DONTWAIT);
+    }
+    kvr_wbuf_free(&b);
+}
+
+static void kvr_bs_handle(kvr_bootstrap_t *bs, zmq_msg_t frames[2], int nf)
+{
+    kvr_msg_t m, reply;
+    const char *why = NULL;
+    if (nf != 2 || kvr_wire_decode(zmq_msg_data(&frames[1]), zmq_msg_size(&frames[1]), &m,
+                                   &why) != 0) {
+        bs->dropped++;
+        return;
+    }
+    memset(&reply, 0, sizeof(reply));
+    reply.rank = m.rank;
+    if (m.type == KVR_MSG_BS_REGISTER) {
+        kvr_bs_entry_t *e = kvr_table_get(&bs->ranks, m.rank);
+        if (e == NULL) {
+            e = calloc(1, sizeof(*e));
+            if (e == NULL || kvr_table_put(&bs->ranks, m.rank, e) != 0) {
+                free(e);
+                return;
+            }
+        }
+        if (e->epoch != m.epoch) {
+            bs->registered++;
+        }
+        e->epoch = m.epoch;
+        memcpy(e->endpoint, m.str, m.str_len);
+        e->endpoint[m.str_len] = '\0';
+        reply.type = KVR_MSG_BS_REGISTER_OK;
+        kvr_bs_reply(bs, &frames[0], &reply);
+    } else if (m.type == KVR_MSG_BS_QUERY) {
+        kvr_bs_entry_t *e = kvr_table_get(&bs->ranks, m.rank);
+        reply.type = KVR_MSG_BS_QUERY_REPLY;
+        if (e != NULL) {
+            reply.found = 1;
+            reply.peer_epoch = e->epoch;
+            reply.str = e->endpoint;
+            reply.str_len = (uint16_t)strlen(e->endpoint);
+        }
+        kvr_bs_reply(bs, &frames[0], &reply);
+    } else {
+        bs->dropped++;
+    }
+}
+
+static void *kvr_bs_main(void *arg)
+{
+    kvr_bootstrap_t *bs = arg;
+    zmq_msg_t frames[2];
+    zmq_msg_init(&frames[0]);
+    zmq_msg_init(&frames[1]);
+    for (;;) {
+        zmq_pollitem_t it[2];
+        memset(it, 0, sizeof(it));
+        it[0].socket = bs->router;
+        it[0].events = ZMQ_POLLIN;
+        it[1].fd = bs->stop_fd;
+        it[1].events = ZMQ_POLLIN;
+        if (zmq_poll(it, 2, -1) < 0 && zmq_errno() != EINTR) {
+            break;
+        }
+        if (it[1].revents & ZMQ_POLLIN) {
+            break;
+        }
+        int nf;
+        while ((nf = kvr_ctl_recv(bs->router, frames)) > 0) {
+            kvr_bs_handle(bs, frames, nf);
+        }
+    }
+    zmq_msg_close(&frames[0]);
+    zmq_msg_close(&frames[1]);
+    return NULL;
+}
+
+int kvr_bootstrap_start(const char *host, int port, kvr_bootstrap_t **bs_p, char *err,
+                        size_t errlen)
+{
+    char endpoint[128];
+    kvr_bootstrap_t *bs = calloc(1, sizeof(*bs));
+    if (bs == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    kvr_table_init(&bs->ranks);
+    bs->stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (bs->stop_fd < 0) {
+        snprintf(err, errlen, "eventfd: %s", strerror(errno));
+        goto err_free;
+    }
+    bs->zctx = zmq_ctx_new();
+    if (bs->zctx == NULL) {
+        snprintf(err, errlen, "zmq_ctx_new: %s", zmq_strerror(zmq_errno()));
+        goto err_close_fd;
+    }
+    bs->router = zmq_socket(bs->zctx, ZMQ_ROUTER);
+    if (bs->router == NULL) {
+        snprintf(err, errlen, "zmq_socket: %s", zmq_strerror(zmq_errno()));
+        goto err_term;
+    }
+    kvr_ctl_common_opts(bs->router);
+    int64_t max_msg = 1 << 16;
+    zmq_setsockopt(bs->router, ZMQ_MAXMSGSIZE, &max_msg, sizeof(max_msg));
+    if (kvr_ctl_bind(bs->router, host, port, endpoint, sizeof(endpoint), err, errlen) != 0) {
+        goto err_close_sock;
+    }
+    const char *colon = strrchr(endpoint, ':');
+    bs->port = colon ? atoi(colon + 1) : port;
+    if (pthread_create(&bs->thread, NULL, kvr_bs_main, bs) != 0) {
+        snprintf(err, errlen, "pthread_create failed");
+        goto err_close_sock;
+    }
+    *bs_p = bs;
+    return 0;
+
+err_close_sock:
+    zmq_close(bs->router);
+err_term:
+    zmq_ctx_term(bs->zctx);
+err_close_fd:
+    close(bs->stop_fd);
+err_free:
+    free(bs);
+    return -1;
+}
+
+int kvr_bootstrap_port(kvr_bootstrap_t *bs)
+{
+    return bs->port;
+}
+
+void kvr_bootstrap_counts(kvr_bootstrap_t *bs, uint64_t *registered, uint64_t *dropped)
+{
+    *registered = bs->registered;
+    *dropped = bs->dropped;
+}
+
+void kvr_bootstrap_stop(kvr_bootstrap_t *bs)
+{
+    uint64_t one = 1;
+    if (write(bs->stop_fd, &one, sizeof(one)) != sizeof(one)) {
+        /* eventfd writes of 8 bytes only fail on overflow; the thread
+         * still sees the fd readable. */
+    }
+    pthread_join(bs->thread, NULL);
+    zmq_close(bs->router);
+    zmq_ctx_term(bs->zctx);
+    close(bs->stop_fd);
+    for (size_t i = 0; i < bs->ranks.capacity; i++) {
+        free(bs->ranks.slots[i].value);
+    }
+    kvr_table_destroy(&bs->ranks);
+    free(bs);
+}

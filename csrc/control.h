@@ -1,0 +1,71 @@
+/*
+ * control: everything that touches ZMQ.
+ *
+ * A kvr_ctl_t is one manager's control plane: a ROUTER socket bound on the
+ * manager's host (peers connect to it) and any number of DEALER connections
+ * to other ROUTERs (the bootstrap server, prefill peers).  All sockets belong
+ * to the engine thread; nothing here is thread safe, except that
+ * kvr_bootstrap_* run their own thread.  Sends never block: a message that
+ * cannot be queued is dropped and the call says so.
+ */
+#ifndef KVR_CONTROL_H
+#define KVR_CONTROL_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct kvr_ctl kvr_ctl_t;
+typedef struct kvr_ctl_conn kvr_ctl_conn_t;
+
+#define KVR_IDENT_MAX 32
+
+typedef struct {
+    void *arg;
+    /* A message on the ROUTER from the peer with routing id ident. */
+    void (*on_router_msg)(void *arg, const void *ident, size_t ident_len, const void *data,
+                          size_t len);
+    /* A message on a DEALER connection. */
+    void (*on_conn_msg)(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void *data,
+                        size_t len);
+} kvr_ctl_callbacks_t;
+
+/* Creates the context and binds the ROUTER on tcp://host:port (port 0: any).
+ * max_msg bounds incoming messages.  Returns 0, or -1 with err filled. */
+int kvr_ctl_create(const char *host, int port, int64_t max_msg, const kvr_ctl_callbacks_t *cb,
+                   kvr_ctl_t **ctl_p, char *err, size_t errlen);
+void kvr_ctl_destroy(kvr_ctl_t *ctl);
+/* "tcp://host:port" of the bound ROUTER. */
+const char *kvr_ctl_endpoint(kvr_ctl_t *ctl);
+
+/* Opens a DEALER to endpoint ("tcp://..."), with our routing id. */
+int kvr_ctl_connect(kvr_ctl_t *ctl, const char *endpoint, const void *ident, size_t ident_len,
+                    void *conn_ctx, kvr_ctl_conn_t **conn_p, char *err, size_t errlen);
+/* Must not be called from inside a callback of kvr_ctl_poll. */
+void kvr_ctl_conn_close(kvr_ctl_t *ctl, kvr_ctl_conn_t *conn);
+
+/* Non-blocking sends; 0 on success, -1 if the message was dropped (the peer
+ * is unknown to the ROUTER, or its queue is full). */
+int kvr_ctl_send_conn(kvr_ctl_conn_t *conn, const void *data, size_t len);
+int kvr_ctl_send_router(kvr_ctl_t *ctl, const void *ident, size_t ident_len, const void *data,
+                        size_t len);
+
+/*
+ * Waits up to timeout_ms (-1: forever) for a message on any socket or for
+ * one of the extra fds to become readable, then dispatches every pending
+ * message to the callbacks.  fd_ready[i] is set for each readable extra fd.
+ * Returns the number of messages dispatched, or -1 if interrupted.
+ */
+int kvr_ctl_poll(kvr_ctl_t *ctl, const int *fds, int nfds, int *fd_ready, long timeout_ms);
+
+/* Bootstrap service: a ROUTER on its own thread where prefill ranks register
+ * (rank -> epoch, endpoint) and decode ranks look them up. */
+typedef struct kvr_bootstrap kvr_bootstrap_t;
+int kvr_bootstrap_start(const char *host, int port, kvr_bootstrap_t **bs_p, char *err,
+                        size_t errlen);
+int kvr_bootstrap_port(kvr_bootstrap_t *bs);
+/* Number of prefill ranks registered, and messages dropped as malformed. */
+void kvr_bootstrap_counts(kvr_bootstrap_t *bs, uint64_t *registered, uint64_t *dropped);
+/* Stops the thread (blocks until it has exited) and frees everything. */
+void kvr_bootstrap_stop(kvr_bootstrap_t *bs);
+
+#endif

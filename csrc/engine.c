@@ -1,0 +1,2070 @@
+#include "engine.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdarg.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/random.h>
+#include <unistd.h>
+
+#include "control.h"
+#include "room.h"
+#include "table.h"
+#include "transport.h"
+#include "wire.h"
+
+/* ------------------------------------------------------------------ */
+/* Types                                                               */
+/* ------------------------------------------------------------------ */
+
+enum { KVR_PEER_RESOLVING, KVR_PEER_CONNECTING, KVR_PEER_READY, KVR_PEER_FAILED };
+enum { KVR_PEER_IS_PREFILL, KVR_PEER_IS_DECODE };
+
+#define KVR_MS ((uint64_t)1000000)
+#define KVR_MAX_DEAD 1024
+
+typedef struct kvr_peer {
+    int kind;
+    int state;
+    uint64_t epoch;             /* remote instance epoch; 0 before known */
+    int remote_rank;
+    char key[160];              /* decode: bootstrap addr; prefill: routing id */
+    char name[160];             /* "host:port" for reasons and logs */
+    kvr_ctl_conn_t *bs_conn;    /* decode: to the bootstrap server */
+    kvr_ctl_conn_t *conn;       /* decode: to the prefill's ROUTER */
+    unsigned char ident[KVR_IDENT_MAX];
+    size_t ident_len;           /* prefill: the decode's routing id */
+    kvr_tp_ep_t *ep;            /* prefill: endpoint to the decode's worker */
+    uint64_t last_heard_ns;
+    uint64_t next_ping_ns;
+    uint64_t next_try_ns;
+    uint64_t resolve_deadline_ns;
+    struct kvr_peer *next;
+} kvr_peer_t;
+
+typedef struct {
+    kvr_tp_op_t base; /* first: the transport hands this pointer back */
+    kvr_room_t *room;
+    uint64_t len;
+    /* UCX 1.13 reads an AM header until the send completes: it lives here. */
+    unsigned char hdr[KVR_AM_HEADER_LEN];
+} kvr_op_t;
+
+/* A decode request that reached the prefill before its KVSender. */
+typedef struct {
+    kvr_peer_t *peer;
+    uint64_t tag;
+    int64_t aux_index;
+    uint32_t npages;
+    int32_t *pages;
+    uint64_t arrived_ns;
+} kvr_pending_t;
+
+struct kvr_engine {
+    int mode;
+    int rank;
+    uint64_t epoch;
+    kvr_config_t cfg;
+    char host[128];
+    char bootstrap_addr[128];
+    uint32_t page_size;
+    uint32_t nkv, naux;
+    uint64_t *kv_ptrs, *kv_lens, *kv_item;
+    uint64_t *aux_ptrs, *aux_lens, *aux_item;
+    int64_t min_pages;   /* pages every KV buffer has */
+    int64_t aux_rows;    /* rows every aux buffer has */
+    uint64_t page_bytes; /* sum of kv item lengths */
+    uint64_t aux_bytes;  /* sum of aux item lengths */
+    unsigned char *layout_kv; /* little-endian copies for the wire */
+    unsigned char *layout_aux;
+
+    pthread_mutex_t lock;
+    pthread_t thread;
+    int thread_started;
+    int wake_fd;
+    int stopping;
+    int closed;
+
+    kvr_registry_t registry;
+    kvr_transport_t *tp;
+    kvr_ctl_t *ctl;
+    kvr_table_t rooms;   /* id -> room (open rooms) */
+    kvr_table_t tags;    /* tag -> room (rooms alive, for data lookup) */
+    kvr_table_t pending; /* room id -> kvr_pending_t* (prefill) */
+    uint64_t next_tag;
+    kvr_room_t *work_head;
+    kvr_peer_t *peers;
+
+    /* prefill registration with the bootstrap server */
+    kvr_ctl_conn_t *bs_conn;
+    int registered;
+    uint64_t next_register_ns;
+
+    /* closed outside callbacks by kvr_reap_locked */
+    kvr_ctl_conn_t *dead_conns[KVR_MAX_DEAD];
+    int ndead_conns;
+    kvr_tp_ep_t *dead_eps[KVR_MAX_DEAD];
+    int ndead_eps;
+
+    kvr_wbuf_t wbuf;
+    kvr_stats_t stats; /* counters (room gauges are computed on demand) */
+};
+
+
+/* ------------------------------------------------------------------ */
+/* Small helpers                                                       */
+/* ------------------------------------------------------------------ */
+
+void kvr_config_default(kvr_config_t *cfg)
+{
+    cfg->bootstrap_timeout_ms = 30000;
+    cfg->heartbeat_interval_ms = 100;
+    cfg->heartbeat_timeout_ms = 600;
+    cfg->deadline_base_ms = 60000;
+    cfg->deadline_floor_bps = 100ULL * 1000 * 1000;
+    cfg->max_rooms = 65536;
+    cfg->max_pending = 65536;
+    cfg->ctrl_port = 0;
+    cfg->register_memory = 1;
+}
+
+static int kvr_err(char *err, size_t errlen, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+
+static int kvr_err(char *err, size_t errlen, int code, const char *fmt, ...)
+{
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(err, errlen, fmt, ap);
+    va_end(ap);
+    return code;
+}
+
+static void kvr_wake(kvr_engine_t *e)
+{
+    uint64_t one = 1;
+    ssize_t n = write(e->wake_fd, &one, sizeof(one));
+    (void)n; /* an eventfd at its limit is already readable */
+}
+
+static const char *kvr_side(const kvr_engine_t *e)
+{
+    return e->mode == KVR_MODE_PREFILL ? "prefill" : "decode";
+}
+
+static void kvr_room_ref(kvr_room_t *r)
+{
+    r->refs++;
+}
+
+static void kvr_room_unref_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    if (--r->refs > 0) {
+        return;
+    }
+    if (kvr_table_get(&e->tags, r->tag) == r) {
+        kvr_table_remove(&e->tags, r->tag);
+    }
+    kvr_room_free(r);
+}
+
+static void kvr_work_push_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    if (r->on_work) {
+        return;
+    }
+    r->on_work = 1;
+    kvr_room_ref(r);
+    r->work_next = e->work_head;
+    e->work_head = r;
+}
+
+/* ------------------------------------------------------------------ */
+/* Failures                                                            */
+/* ------------------------------------------------------------------ */
+
+static void kvr_send_ctrl_to_peer(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m);
+
+/*
+ * Records the root cause for room r (first wins) and starts failing it.
+ * notify: tell the peer.  Returns 1 if this was the first failure.
+ */
+static int kvr_room_fail_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_failure_t *f,
+                                int notify)
+{
+    if (!kvr_room_fail(r, f->code)) {
+        return 0;
+    }
+    if (r->in_table) {
+        kvr_registry_record(&e->registry, r->id, f);
+    }
+    e->stats.failures_by_code[f->code < KVR_STATUS_LAST ? f->code : 0]++;
+    if (getenv("KVRECV_DEBUG")) {
+        fprintf(stderr, "kvrecv %s rank %d: %s: %s\n", kvr_side(e), e->rank,
+                kvr_status_name(f->code), f->reason);
+    }
+    if (notify && r->peer != NULL && r->notice == NULL) {
+        /* Sockets belong to the engine thread: it sends the notice. */
+        r->notice = malloc(sizeof(kvr_failure_t));
+        if (r->notice != NULL) {
+            memcpy(r->notice, f, sizeof(*f));
+            kvr_work_push_locked(e, r);
+        }
+    }
+    kvr_room_settle(r);
+    return 1;
+}
+
+/* Engine thread: tells the room's peer about the room's failure. */
+static void kvr_send_notice_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    kvr_failure_t *f = r->notice;
+    r->notice = NULL;
+    if (r->peer != NULL && r->peer->state == KVR_PEER_READY) {
+        kvr_msg_t m;
+        memset(&m, 0, sizeof(m));
+        m.type = KVR_MSG_ROOM_FAIL;
+        m.room = r->id;
+        m.tag = e->mode == KVR_MODE_DECODE ? r->tag : r->dst_tag;
+        m.code = (uint16_t)f->code;
+        m.origin_rank = f->origin_rank;
+        m.str = f->reason;
+        m.str_len = (uint16_t)strlen(f->reason);
+        m.peer = f->peer;
+        m.peer_len = (uint16_t)strlen(f->peer);
+        kvr_send_ctrl_to_peer(e, r->peer, &m);
+    }
+    free(f);
+}
+
+static int kvr_room_failf_locked(kvr_engine_t *e, kvr_room_t *r, int code, int notify,
+                                 const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+static int kvr_room_failf_locked(kvr_engine_t *e, kvr_room_t *r, int code, int notify,
+                                 const char *fmt, ...)
+{
+    kvr_failure_t f;
+    char text[KVR_REASON_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof(text), fmt, ap);
+    va_end(ap);
+    kvr_failure_fill(&f, code, e->rank, r->peer ? r->peer->name : "", "room %" PRIu64 ": %s",
+                     r->id, text);
+    return kvr_room_fail_locked(e, r, &f, notify);
+}
+
+/* Fails every open room bound to peer p. */
+static void kvr_peer_fail_rooms_locked(kvr_engine_t *e, kvr_peer_t *p, int code, int notify,
+                                       const char *what)
+{
+    for (size_t i = 0; i < e->rooms.capacity; i++) {
+        kvr_room_t *r = e->rooms.slots[i].value;
+        if (r == NULL || r->peer != p || kvr_room_terminal(r)) {
+            continue;
+        }
+        kvr_room_failf_locked(e, r, code, notify, "%s %s", p->name, what);
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* Control messages out                                                */
+/* ------------------------------------------------------------------ */
+
+static void kvr_send_ctrl_to_peer(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m_in)
+{
+    kvr_msg_t m = *m_in;
+    m.epoch = e->epoch;
+    if (kvr_wire_encode(&e->wbuf, &m) != 0) {
+        return;
+    }
+    int rc = -1;
+    if (p->kind == KVR_PEER_IS_PREFILL && p->conn != NULL) {
+        rc = kvr_ctl_send_conn(p->conn, e->wbuf.data, e->wbuf.len);
+    } else if (p->kind == KVR_PEER_IS_DECODE) {
+        rc = kvr_ctl_send_router(e->ctl, p->ident, p->ident_len, e->wbuf.data, e->wbuf.len);
+    }
+    (void)rc; /* a lost notice is covered by heartbeats and deadlines */
+}
+
+static void kvr_fill_layout(kvr_engine_t *e, kvr_wire_layout_t *l)
+{
+    l->page_size = e->page_size;
+    l->nkv = e->nkv;
+    l->kv_item_lens = e->layout_kv;
+    l->naux = e->naux;
+    l->aux_item_lens = e->layout_aux;
+}
+
+/* Compares a peer's layout with ours; returns 0 or writes the first
+ * difference into why. */
+static int kvr_layout_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *why, size_t n)
+{
+    if (l->page_size != e->page_size) {
+        snprintf(why, n, "page_size %u here, %u there", e->page_size, l->page_size);
+        return -1;
+    }
+    if (l->nkv != e->nkv) {
+        snprintf(why, n, "%u KV buffers here, %u there", e->nkv, l->nkv);
+        return -1;
+    }
+    for (uint32_t i = 0; i < e->nkv; i++) {
+        uint64_t v = kvr_wire_u64_at(l->kv_item_lens, i);
+        if (v != e->kv_item[i]) {
+            snprintf(why, n, "KV buffer %u item_len %" PRIu64 " here, %" PRIu64 " there", i,
+                     e->kv_item[i], v);
+            return -1;
+        }
+    }
+    if (l->naux != e->naux) {
+        snprintf(why, n, "%u aux buffers here, %u there", e->naux, l->naux);
+        return -1;
+    }
+    for (uint32_t i = 0; i < e->naux; i++) {
+        uint64_t v = kvr_wire_u64_at(l->aux_item_lens, i);
+        if (v != e->aux_item[i]) {
+            snprintf(why, n, "aux buffer %u item_len %" PRIu64 " here, %" PRIu64 " there", i,
+                     e->aux_item[i], v);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* ------------------------------------------------------------------ */
+/* Peers                                                               */
+/* ------------------------------------------------------------------ */
+
+static kvr_peer_t *kvr_peer_find(kvr_engine_t *e, int kind, const char *key)
+{
+    for (kvr_peer_t *p = e->peers; p; p = p->next) {
+        if (p->kind == kind && strcmp(p->key, key) == 0) {
+            return p;
+        }
+    }
+    return NULL;
+}
+
+static kvr_peer_t *kvr_peer_new(kvr_engine_t *e, int kind, const char *key)
+{
+    kvr_peer_t *p = calloc(1, sizeof(*p));
+    if (p == NULL) {
+        return NULL;
+    }
+    p->kind = kind;
+    p->remote_rank = -1;
+    snprintf(p->key, sizeof(p->key), "%s", key);
+    snprintf(p->name, sizeof(p->name), "%s", key);
+    p->next = e->peers;
+    e->peers = p;
+    e->stats.peers++;
+    return p;
+}
+
+/* Queues the peer's sockets and endpoint for closing.  They are closed by
+ * kvr_reap_locked, outside UCX progress and outside the socket poll, since
+ * this may run inside a callback of either. */
+static void kvr_peer_disconnect(kvr_engine_t *e, kvr_peer_t *p)
+{
+    kvr_ctl_conn_t *conns[2] = {p->bs_conn, p->conn};
+    for (int i = 0; i < 2; i++) {
+        if (conns[i] && e->ndead_conns < KVR_MAX_DEAD) {
+            e->dead_conns[e->ndead_conns++] = conns[i];
+        } else if (conns[i]) {
+            kvr_ctl_conn_close(e->ctl, conns[i]); /* never in practice */
+        }
+    }
+    p->bs_conn = NULL;
+    p->conn = NULL;
+    if (p->ep) {
+        if (e->ndead_eps < KVR_MAX_DEAD) {
+            e->dead_eps[e->ndead_eps++] = p->ep;
+        }
+        p->ep = NULL;
+    }
+}
+
+static void kvr_reap_locked(kvr_engine_t *e)
+{
+    while (e->ndead_conns > 0) {
+        kvr_ctl_conn_close(e->ctl, e->dead_conns[--e->ndead_conns]);
+    }
+    while (e->ndead_eps > 0) {
+        kvr_tp_ep_close(e->tp, e->dead_eps[--e->ndead_eps], 1);
+    }
+}
+
+/* Declares the peer failed: every room bound to it fails with code. */
+static void kvr_peer_fail_locked(kvr_engine_t *e, kvr_peer_t *p, int code, const char *what)
+{
+    if (p->state == KVR_PEER_FAILED) {
+        return;
+    }
+    /* Rooms first (they may want to notify), then the sockets. */
+    kvr_peer_fail_rooms_locked(e, p, code, 0, what);
+    p->state = KVR_PEER_FAILED;
+    kvr_peer_disconnect(e, p);
+}
+
+/* Decode: start (or restart) resolving a prefill peer through bootstrap. */
+static int kvr_peer_resolve(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen)
+{
+    char ep[192];
+    unsigned char ident[12];
+    kvr_peer_disconnect(e, p);
+    p->state = KVR_PEER_RESOLVING;
+    p->epoch = 0;
+    snprintf(p->name, sizeof(p->name), "%s", p->key);
+    snprintf(ep, sizeof(ep), "tcp://%s", p->key);
+    memcpy(ident, &e->epoch, 8);
+    memcpy(ident + 8, &e->rank, 4);
+    if (kvr_ctl_connect(e->ctl, ep, NULL, 0, p, &p->bs_conn, err, errlen) != 0) {
+        p->state = KVR_PEER_FAILED;
+        return -1;
+    }
+    p->resolve_deadline_ns = kvr_now_ns() + e->cfg.bootstrap_timeout_ms * KVR_MS;
+    p->next_try_ns = 0; /* query at once */
+    return 0;
+}
+
+static void kvr_peer_query(kvr_engine_t *e, kvr_peer_t *p)
+{
+    kvr_msg_t m;
+    memset(&m, 0, sizeof(m));
+    m.type = KVR_MSG_BS_QUERY;
+    m.epoch = e->epoch;
+    m.rank = (uint32_t)e->rank;
+    if (kvr_wire_encode(&e->wbuf, &m) == 0) {
+        kvr_ctl_send_conn(p->bs_conn, e->wbuf.data, e->wbuf.len);
+    }
+}
+
+static void kvr_peer_hello(kvr_engine_t *e, kvr_peer_t *p)
+{
+    kvr_msg_t m;
+    const void *addr;
+    size_t alen;
+    memset(&m, 0, sizeof(m));
+    m.type = KVR_MSG_HELLO;
+    m.rank = (uint32_t)e->rank;
+    kvr_fill_layout(e, &m.layout);
+    kvr_tp_address(e->tp, &addr, &alen);
+    m.addr = addr;
+    m.addr_len = (uint32_t)alen;
+    kvr_send_ctrl_to_peer(e, p, &m);
+}
+
+/* ------------------------------------------------------------------ */
+/* Data path                                                           */
+/* ------------------------------------------------------------------ */
+
+static kvr_op_t *kvr_op_new(kvr_room_t *r, uint64_t len)
+{
+    kvr_op_t *op = malloc(sizeof(*op));
+    if (op == NULL) {
+        return NULL;
+    }
+    op->room = r;
+    op->len = len;
+    kvr_room_ref(r);
+    r->inflight++;
+    return op;
+}
+
+static void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    if (r->failing || kvr_room_terminal(r) || !r->done_received || r->inflight > 0) {
+        return;
+    }
+    if (kvr_room_advance(r, KVR_POLL_SUCCESS)) {
+        e->stats.rooms_succeeded++;
+    }
+}
+
+/* Ends one operation of a room: accounting, then settle or succeed. */
+static void kvr_op_end_locked(kvr_engine_t *e, kvr_op_t *op, int failed, const char *status_text)
+{
+    kvr_room_t *r = op->room;
+    r->inflight--;
+    if (failed) {
+        if (e->mode == KVR_MODE_PREFILL && status_text &&
+            strstr(status_text, "rejected") != NULL) {
+            e->stats.data_rejected++;
+        }
+        kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "%s %s data operation failed: %s",
+                              kvr_side(e), r->peer ? r->peer->name : "?", status_text);
+    } else {
+        e->stats.bytes_moved += op->len;
+        if (e->mode == KVR_MODE_DECODE) {
+            r->received += op->len;
+        }
+    }
+    if (r->failing) {
+        kvr_room_settle(r);
+    } else if (e->mode == KVR_MODE_DECODE) {
+        if (kvr_room_complete(r) && kvr_room_advance(r, KVR_POLL_SUCCESS)) {
+            e->stats.rooms_succeeded++;
+            if (r->peer) {
+                kvr_msg_t m;
+                memset(&m, 0, sizeof(m));
+                m.type = KVR_MSG_ROOM_DONE;
+                m.room = r->id;
+                m.tag = r->tag;
+                kvr_send_ctrl_to_peer(e, r->peer, &m);
+            }
+        }
+    } else {
+        kvr_check_prefill_done_locked(e, r);
+    }
+    kvr_room_unref_locked(e, r);
+    free(op);
+}
+
+static void kvr_on_recv_done(void *arg, kvr_tp_op_t *op, size_t len, int failed,
+                             const char *status_text)
+{
+    (void)len;
+    kvr_op_end_locked(arg, (kvr_op_t *)op, failed, status_text);
+}
+
+static void kvr_on_send_done(void *arg, kvr_tp_op_t *op, int failed, const char *status_text)
+{
+    kvr_op_end_locked(arg, (kvr_op_t *)op, failed, status_text);
+}
+
+/* Decode: a data message arrived; decide where (if anywhere) it lands. */
+static void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len,
+                        kvr_tp_accept_t *acc)
+{
+    kvr_engine_t *e = arg;
+    kvr_am_header_t h;
+    const char *why = NULL;
+    if (kvr_am_header_decode(hdr, hdr_len, &h, &why) != 0) {
+        goto reject;
+    }
+    kvr_room_t *r = kvr_table_get(&e->tags, h.tag);
+    if (r == NULL || r->role != KVR_ROLE_DECODE) {
+        why = "no such room";
+        goto reject;
+    }
+    if (r->peer == NULL || r->peer->epoch != h.epoch) {
+        why = "sender is not the room's prefill";
+        goto reject;
+    }
+    if (r->failing || kvr_room_terminal(r) || !r->meta_set) {
+        why = "room is not receiving";
+        goto reject;
+    }
+    char *dst;
+    if (h.kind == KVR_AM_KIND_KV) {
+        if (h.buf >= e->nkv || h.pos >= r->npages || h.npages > r->npages - h.pos) {
+            why = "run outside the room";
+            goto protocol;
+        }
+        if (kvr_run_length(NULL, r->pages, h.pos, h.pos + h.npages) != h.npages) {
+            why = "run is not contiguous in the room's pages";
+            goto protocol;
+        }
+        if ((uint64_t)len != (uint64_t)h.npages * e->kv_item[h.buf]) {
+            why = "run length does not match item_len";
+            goto protocol;
+        }
+        dst = (char *)(uintptr_t)e->kv_ptrs[h.buf] + (uint64_t)r->pages[h.pos] * e->kv_item[h.buf];
+    } else {
+        if (h.buf >= e->naux || r->aux_index < 0 || h.npages != 1 ||
+            (uint64_t)len != e->aux_item[h.buf]) {
+            why = "aux row does not match the room";
+            goto protocol;
+        }
+        dst = (char *)(uintptr_t)e->aux_ptrs[h.buf] + (uint64_t)r->aux_index * e->aux_item[h.buf];
+    }
+    if (r->received + len > r->expected) {
+        why = "more bytes than the room expects";
+        goto protocol;
+    }
+    kvr_op_t *op = kvr_op_new(r, len);
+    if (op == NULL) {
+        why = "out of memory";
+        kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory receiving data");
+        goto reject;
+    }
+    if (kvr_room_advance(r, KVR_POLL_TRANSFERRING)) {
+        /* first byte */
+    }
+    acc->dst = dst;
+    acc->op = &op->base;
+    return;
+
+protocol:
+    kvr_room_failf_locked(e, r, KVR_PROTOCOL, 1, "%s sent a bad data message: %s",
+                          r->peer ? r->peer->name : "?", why);
+reject:
+    e->stats.data_rejected++;
+    if (getenv("KVRECV_DEBUG")) {
+        fprintf(stderr, "kvrecv decode rank %d: rejected a data message: %s\n", e->rank, why);
+    }
+    acc->dst = NULL;
+    acc->reject_why = why;
+}
+
+static void kvr_on_ep_error(void *arg, void *ep_ctx, const char *status_text)
+{
+    kvr_engine_t *e = arg;
+    kvr_peer_t *p = ep_ctx;
+    char what[256];
+    snprintf(what, sizeof(what), "lost: %s", status_text);
+    kvr_peer_fail_locked(e, p, KVR_PEER_LOST, what);
+}
+
+/* Prefill: post the operations for pages [posted, given) and, after the last
+ * page, the aux rows.  Called on the engine thread with the lock held. */
+static void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    if (!r->bound || !r->inited || r->failing || kvr_room_terminal(r) || r->peer == NULL ||
+        r->peer->ep == NULL) {
+        return;
+    }
+    if (r->given > r->ndst) {
+        kvr_room_failf_locked(e, r, KVR_LAYOUT_MISMATCH, 1,
+                              "prefill sends %u pages but decode asked for %u", r->total_pages,
+                              r->ndst);
+        return;
+    }
+    if (r->given > r->posted) {
+        kvr_room_advance(r, KVR_POLL_TRANSFERRING);
+    }
+    kvr_am_header_t h;
+    memset(&h, 0, sizeof(h));
+    h.tag = r->dst_tag;
+    h.epoch = e->epoch;
+    while (r->posted < r->given) {
+        uint32_t pos = r->posted;
+        uint32_t n = kvr_run_length(r->src_pages, r->dst_pages, pos, r->given);
+        for (uint32_t b = 0; b < e->nkv && !r->failing; b++) {
+            uint64_t len = (uint64_t)n * e->kv_item[b];
+            const char *src =
+                (const char *)(uintptr_t)e->kv_ptrs[b] + (uint64_t)r->src_pages[pos] * e->kv_item[b];
+            h.kind = KVR_AM_KIND_KV;
+            h.buf = (uint16_t)b;
+            h.pos = pos;
+            h.npages = n;
+            kvr_op_t *op = kvr_op_new(r, len);
+            if (op == NULL) {
+                kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory posting data");
+                break;
+            }
+            kvr_am_header_encode(op->hdr, &h);
+            const char *st = NULL;
+            int rc = kvr_tp_send(e->tp, r->peer->ep, op->hdr, sizeof(op->hdr), src, len,
+                                 &op->base, &st);
+            e->stats.ops_posted++;
+            r->ops_posted++;
+            if (rc <= 0) {
+                kvr_op_end_locked(e, op, rc < 0, st);
+            }
+        }
+        if (r->failing) {
+            return;
+        }
+        r->posted += n;
+    }
+    if (r->posted == r->total_pages && !r->aux_posted) {
+        r->aux_posted = 1;
+        if (r->dst_aux >= 0 && r->src_aux < 0) {
+            kvr_room_failf_locked(e, r, KVR_LAYOUT_MISMATCH, 1,
+                                  "decode asked for aux row %" PRId64
+                                  " but the prefill sender has no aux_index",
+                                  r->dst_aux);
+            return;
+        }
+        if (r->dst_aux >= 0) {
+            kvr_room_advance(r, KVR_POLL_TRANSFERRING);
+            for (uint32_t a = 0; a < e->naux && !r->failing; a++) {
+                const char *src = (const char *)(uintptr_t)e->aux_ptrs[a] +
+                                  (uint64_t)r->src_aux * e->aux_item[a];
+                h.kind = KVR_AM_KIND_AUX;
+                h.buf = (uint16_t)a;
+                h.pos = 0;
+                h.npages = 1;
+                kvr_op_t *op = kvr_op_new(r, e->aux_item[a]);
+                if (op == NULL) {
+                    kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory posting aux");
+                    break;
+                }
+                kvr_am_header_encode(op->hdr, &h);
+                const char *st = NULL;
+                int rc = kvr_tp_send(e->tp, r->peer->ep, op->hdr, sizeof(op->hdr), src,
+                                     e->aux_item[a], &op->base, &st);
+                e->stats.ops_posted++;
+                r->ops_posted++;
+                if (rc <= 0) {
+                    kvr_op_end_locked(e, op, rc < 0, st);
+                }
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* Work list: what the API asked for                                   */
+/* ------------------------------------------------------------------ */
+
+static void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    kvr_msg_t m;
+    memset(&m, 0, sizeof(m));
+    m.type = KVR_MSG_ROOM_REQ;
+    m.room = r->id;
+    m.tag = r->tag;
+    m.aux_index = r->aux_index;
+    m.npages = r->npages;
+    m.pages = (const unsigned char *)r->pages; /* little-endian host */
+    kvr_send_ctrl_to_peer(e, r->peer, &m);
+    r->req_sent = 1;
+    r->started_ns = kvr_now_ns();
+    r->deadline_ns = r->started_ns + e->cfg.deadline_base_ms * KVR_MS +
+                     (uint64_t)((double)r->expected * 1e9 / (double)e->cfg.deadline_floor_bps);
+    kvr_room_advance(r, KVR_POLL_TRANSFERRING);
+}
+
+static void kvr_service_room_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    if (r->notice) {
+        kvr_send_notice_locked(e, r);
+    }
+    if (r->failing) {
+        kvr_room_settle(r);
+        return;
+    }
+    if (kvr_room_terminal(r)) {
+        return;
+    }
+    if (e->mode == KVR_MODE_DECODE) {
+        kvr_peer_t *p = r->peer;
+        if (p == NULL || !r->init_called) {
+            return;
+        }
+        if (p->state == KVR_PEER_READY) {
+            kvr_room_advance(r, KVR_POLL_WAITING);
+            if (r->meta_set && !r->req_sent) {
+                kvr_decode_send_req_locked(e, r);
+            }
+        }
+    } else {
+        kvr_post_locked(e, r);
+        kvr_check_prefill_done_locked(e, r);
+    }
+}
+
+static void kvr_service_peer_rooms_locked(kvr_engine_t *e, kvr_peer_t *p)
+{
+    for (size_t i = 0; i < e->rooms.capacity; i++) {
+        kvr_room_t *r = e->rooms.slots[i].value;
+        if (r != NULL && r->peer == p) {
+            kvr_service_room_locked(e, r);
+        }
+    }
+}
+
+static void kvr_drain_work_locked(kvr_engine_t *e)
+{
+    while (e->work_head) {
+        kvr_room_t *r = e->work_head;
+        e->work_head = r->work_next;
+        r->on_work = 0;
+        r->work_next = NULL;
+        if (r->role == KVR_ROLE_DECODE && r->init_called && r->peer != NULL &&
+            r->peer->state == KVR_PEER_FAILED && !r->failing && !kvr_room_terminal(r)) {
+            /* A new room on a peer that failed earlier: resolve again. */
+            char err[256];
+            if (kvr_peer_resolve(e, r->peer, err, sizeof(err)) != 0) {
+                kvr_room_failf_locked(e, r, KVR_BOOTSTRAP, 0, "%s", err);
+            }
+        }
+        kvr_service_room_locked(e, r);
+        kvr_room_unref_locked(e, r);
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* Control messages in                                                 */
+/* ------------------------------------------------------------------ */
+
+static void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint64_t tag,
+                                    int64_t aux_index, uint32_t npages, int32_t *pages)
+{
+    r->bound = 1;
+    r->peer = p;
+    r->dst_tag = tag;
+    r->dst_aux = aux_index;
+    r->ndst = npages;
+    r->dst_pages = pages;
+    r->started_ns = kvr_now_ns();
+    uint64_t bytes = (uint64_t)npages * e->page_bytes + (aux_index >= 0 ? e->aux_bytes : 0);
+    r->deadline_ns = r->started_ns + e->cfg.deadline_base_ms * KVR_MS +
+                     (uint64_t)((double)bytes * 1e9 / (double)e->cfg.deadline_floor_bps);
+    kvr_room_advance(r, KVR_POLL_WAITING);
+    if (r->inited && r->total_pages != npages) {
+        kvr_room_failf_locked(e, r, KVR_LAYOUT_MISMATCH, 1,
+                              "decode asked for %u pages, prefill announced %u", npages,
+                              r->total_pages);
+        return;
+    }
+    kvr_work_push_locked(e, r);
+}
+
+static void kvr_pending_free(kvr_pending_t *pd)
+{
+    free(pd->pages);
+    free(pd);
+}
+
+static kvr_peer_t *kvr_decode_peer_by_ident(kvr_engine_t *e, const void *ident, size_t len)
+{
+    char key[2 * KVR_IDENT_MAX + 1];
+    if (len == 0 || len > KVR_IDENT_MAX) {
+        return NULL;
+    }
+    for (size_t i = 0; i < len; i++) {
+        snprintf(key + 2 * i, 3, "%02x", ((const unsigned char *)ident)[i]);
+    }
+    return kvr_peer_find(e, KVR_PEER_IS_DECODE, key);
+}
+
+/* Prefill: HELLO from a decode rank. */
+static void kvr_handle_hello_locked(kvr_engine_t *e, const void *ident, size_t ident_len,
+                                    const kvr_msg_t *m)
+{
+    char key[2 * KVR_IDENT_MAX + 1], why[256], err[256];
+    kvr_msg_t reply;
+    memset(&reply, 0, sizeof(reply));
+    reply.rank = (uint32_t)e->rank;
+    for (size_t i = 0; i < ident_len; i++) {
+        snprintf(key + 2 * i, 3, "%02x", ((const unsigned char *)ident)[i]);
+    }
+    kvr_peer_t *p = kvr_peer_find(e, KVR_PEER_IS_DECODE, key);
+    if (p == NULL) {
+        p = kvr_peer_new(e, KVR_PEER_IS_DECODE, key);
+        if (p == NULL) {
+            return;
+        }
+    } else {
+        kvr_peer_disconnect(e, p);
+    }
+    memcpy(p->ident, ident, ident_len);
+    p->ident_len = ident_len;
+    p->epoch = m->epoch;
+    p->remote_rank = (int)m->rank;
+    snprintf(p->name, sizeof(p->name), "decode rank %u (epoch %016" PRIx64 ")", m->rank,
+             m->epoch);
+    p->last_heard_ns = kvr_now_ns();
+    p->state = KVR_PEER_READY; /* so that the reply can be sent */
+    if (kvr_layout_diff(e, &m->layout, why, sizeof(why)) != 0) {
+        reply.type = KVR_MSG_HELLO_REJECT;
+        reply.code = KVR_LAYOUT_MISMATCH;
+        char reason[1024];
+        snprintf(reason, sizeof(reason), "layout mismatch between prefill rank %d (%s) and %s: %s",
+                 e->rank, kvr_ctl_endpoint(e->ctl), p->name, why);
+        reply.str = reason;
+        reply.str_len = (uint16_t)strlen(reason);
+        kvr_send_ctrl_to_peer(e, p, &reply);
+        p->state = KVR_PEER_FAILED;
+        /* Rooms the decode already asked for through this peer cannot move. */
+        for (size_t i = 0; i < e->pending.capacity; i++) {
+            kvr_pending_t *pd = e->pending.slots[i].value;
+            if (pd && pd->peer == p) {
+                pd->peer = NULL;
+            }
+        }
+        return;
+    }
+    if (kvr_tp_ep_create(e->tp, m->addr, m->addr_len, p, &p->ep, err, sizeof(err)) != 0) {
+        reply.type = KVR_MSG_HELLO_REJECT;
+        reply.code = KVR_TRANSPORT;
+        reply.str = err;
+        reply.str_len = (uint16_t)strlen(err);
+        kvr_send_ctrl_to_peer(e, p, &reply);
+        p->state = KVR_PEER_FAILED;
+        return;
+    }
+    reply.type = KVR_MSG_HELLO_OK;
+    kvr_fill_layout(e, &reply.layout);
+    kvr_send_ctrl_to_peer(e, p, &reply);
+}
+
+static void kvr_handle_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
+{
+    int32_t *pages = NULL;
+    if (m->npages) {
+        pages = malloc((size_t)m->npages * sizeof(int32_t));
+        if (pages == NULL) {
+            return;
+        }
+        for (uint32_t i = 0; i < m->npages; i++) {
+            pages[i] = kvr_wire_i32_at(m->pages, i);
+        }
+    }
+    kvr_room_t *r = kvr_table_get(&e->rooms, m->room);
+    if (r != NULL && !r->bound && !kvr_room_terminal(r) && !r->failing) {
+        kvr_bind_request_locked(e, r, p, m->tag, m->aux_index, m->npages, pages);
+        return;
+    }
+    if (r != NULL) {
+        /* A second request for a room already bound: the decode restarted
+         * the room, or a stale duplicate.  Refuse it explicitly. */
+        kvr_msg_t f;
+        char reason[200];
+        snprintf(reason, sizeof(reason), "room %" PRIu64 ": prefill rank %d already serves it",
+                 m->room, e->rank);
+        memset(&f, 0, sizeof(f));
+        f.type = KVR_MSG_ROOM_FAIL;
+        f.room = m->room;
+        f.tag = m->tag;
+        f.code = KVR_PROTOCOL;
+        f.origin_rank = e->rank;
+        f.str = reason;
+        f.str_len = (uint16_t)strlen(reason);
+        kvr_send_ctrl_to_peer(e, p, &f);
+        free(pages);
+        return;
+    }
+    if (e->pending.count >= e->cfg.max_pending) {
+        e->stats.ctrl_dropped++;
+        free(pages);
+        return;
+    }
+    kvr_pending_t *pd = calloc(1, sizeof(*pd));
+    if (pd == NULL) {
+        free(pages);
+        return;
+    }
+    pd->peer = p;
+    pd->tag = m->tag;
+    pd->aux_index = m->aux_index;
+    pd->npages = m->npages;
+    pd->pages = pages;
+    pd->arrived_ns = kvr_now_ns();
+    kvr_pending_t *old = kvr_table_get(&e->pending, m->room);
+    if (old) {
+        kvr_pending_free(old);
+    }
+    kvr_table_put(&e->pending, m->room, pd);
+}
+
+/* A ROOM_FAIL from a peer: the peer's root cause becomes ours (unless we
+ * already have one). */
+static void kvr_handle_remote_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
+{
+    kvr_room_t *r = kvr_table_get(&e->rooms, m->room);
+    if (r == NULL) {
+        if (e->mode == KVR_MODE_PREFILL) {
+            /* The decode gave up on a request we never served. */
+            kvr_pending_t *pd = kvr_table_remove(&e->pending, m->room);
+            if (pd) {
+                kvr_pending_free(pd);
+            }
+        }
+        return;
+    }
+    uint64_t mytag = e->mode == KVR_MODE_DECODE ? r->tag : r->dst_tag;
+    if (r->peer != p || mytag != m->tag) {
+        return; /* about another incarnation of the room */
+    }
+    kvr_failure_t f;
+    memset(&f, 0, sizeof(f));
+    f.code = m->code < KVR_STATUS_LAST && m->code != KVR_OK ? m->code : KVR_REMOTE;
+    f.origin_rank = m->origin_rank;
+    f.from_remote = 1;
+    f.time_ns = kvr_now_ns();
+    snprintf(f.reason, sizeof(f.reason), "%.*s", (int)m->str_len, m->str);
+    snprintf(f.peer, sizeof(f.peer), "%s", p->name);
+    kvr_room_fail_locked(e, r, &f, 0);
+}
+
+static void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, const void *data,
+                              size_t len)
+{
+    kvr_engine_t *e = arg;
+    kvr_msg_t m;
+    const char *why;
+    if (kvr_wire_decode(data, len, &m, &why) != 0) {
+        e->stats.ctrl_dropped++;
+        if (getenv("KVRECV_DEBUG")) {
+            fprintf(stderr, "kvrecv: dropped control message (%zu bytes): %s\n", len, why);
+        }
+        return;
+    }
+    if (e->mode != KVR_MODE_PREFILL) {
+        e->stats.ctrl_dropped++;
+        return;
+    }
+    if (m.type == KVR_MSG_HELLO) {
+        if (ident_len == 0 || ident_len > KVR_IDENT_MAX) {
+            e->stats.ctrl_dropped++;
+            return;
+        }
+        kvr_handle_hello_locked(e, ident, ident_len, &m);
+        return;
+    }
+    kvr_peer_t *p = kvr_decode_peer_by_ident(e, ident, ident_len);
+    if (m.type == KVR_MSG_PING) {
+        kvr_msg_t pong;
+        memset(&pong, 0, sizeof(pong));
+        pong.type = KVR_MSG_PONG;
+        pong.rank = (uint32_t)e->rank;
+        pong.epoch = e->epoch;
+        if (p) {
+            p->last_heard_ns = kvr_now_ns();
+        }
+        if (kvr_wire_encode(&e->wbuf, &pong) == 0) {
+            kvr_ctl_send_router(e->ctl, ident, ident_len, e->wbuf.data, e->wbuf.len);
+        }
+        return;
+    }
+    if (p == NULL || p->epoch != m.epoch || p->state != KVR_PEER_READY) {
+        e->stats.ctrl_dropped++;
+        return;
+    }
+    p->last_heard_ns = kvr_now_ns();
+    switch (m.type) {
+    case KVR_MSG_ROOM_REQ:
+        kvr_handle_req_locked(e, p, &m);
+        break;
+    case KVR_MSG_ROOM_DONE: {
+        kvr_room_t *r = kvr_table_get(&e->rooms, m.room);
+        if (r && r->peer == p && r->dst_tag == m.tag) {
+            r->done_received = 1;
+            kvr_check_prefill_done_locked(e, r);
+        }
+        break;
+    }
+    case KVR_MSG_ROOM_FAIL:
+        kvr_handle_remote_fail_locked(e, p, &m);
+        break;
+    case KVR_MSG_BYE:
+        kvr_peer_fail_locked(e, p, KVR_PEER_LOST, "closed its manager");
+        break;
+    default:
+        e->stats.ctrl_dropped++;
+    }
+}
+
+/* Decode: a message from the bootstrap server or a prefill. */
+static void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void *data,
+                            size_t len)
+{
+    kvr_engine_t *e = arg;
+    kvr_peer_t *p = conn_ctx;
+    kvr_msg_t m;
+    const char *why;
+    char err[256];
+    if (kvr_wire_decode(data, len, &m, &why) != 0) {
+        e->stats.ctrl_dropped++;
+        return;
+    }
+    if (e->mode == KVR_MODE_PREFILL) {
+        /* Our registration with the bootstrap server. */
+        if (m.type == KVR_MSG_BS_REGISTER_OK) {
+            e->registered = 1;
+        } else {
+            e->stats.ctrl_dropped++;
+        }
+        return;
+    }
+    if (p == NULL) {
+        e->stats.ctrl_dropped++;
+        return;
+    }
+    if (conn == p->bs_conn) {
+        if (m.type != KVR_MSG_BS_QUERY_REPLY || p->state != KVR_PEER_RESOLVING) {
+            e->stats.ctrl_dropped++;
+            return;
+        }
+        if (!m.found) {
+            return; /* not registered yet: the timer asks again */
+        }
+        char endpoint[KVR_WIRE_MAX_STR + 1];
+        memcpy(endpoint, m.str, m.str_len);
+        endpoint[m.str_len] = '\0';
+        unsigned char ident[12];
+        memcpy(ident, &e->epoch, 8);
+        memcpy(ident + 8, &e->rank, 4);
+        kvr_peer_disconnect(e, p); /* retires the bootstrap connection */
+        p->epoch = m.peer_epoch;
+        snprintf(p->name, sizeof(p->name), "prefill rank %d at %.120s", e->rank,
+                 strncmp(endpoint, "tcp://", 6) == 0 ? endpoint + 6 : endpoint);
+        if (kvr_ctl_connect(e->ctl, endpoint, ident, sizeof(ident), p, &p->conn, err,
+                            sizeof(err)) != 0) {
+            kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, err);
+            return;
+        }
+        p->state = KVR_PEER_CONNECTING;
+        kvr_peer_hello(e, p);
+        return;
+    }
+    if (conn != p->conn) {
+        e->stats.ctrl_dropped++;
+        return;
+    }
+    if (m.epoch != p->epoch) {
+        /* A different instance answers at the address we bound rooms to. */
+        char what[200];
+        snprintf(what, sizeof(what), "restarted (epoch %016" PRIx64 " replaced by %016" PRIx64 ")",
+                 p->epoch, m.epoch);
+        kvr_peer_fail_locked(e, p, KVR_PEER_RESTARTED, what);
+        return;
+    }
+    p->last_heard_ns = kvr_now_ns();
+    switch (m.type) {
+    case KVR_MSG_HELLO_OK: {
+        if (p->state != KVR_PEER_CONNECTING) {
+            break;
+        }
+        char diff[256];
+        if (kvr_layout_diff(e, &m.layout, diff, sizeof(diff)) != 0) {
+            char what[400];
+            snprintf(what, sizeof(what), "has a different layout: %s", diff);
+            kvr_peer_fail_locked(e, p, KVR_LAYOUT_MISMATCH, what);
+            break;
+        }
+        p->state = KVR_PEER_READY;
+        p->next_ping_ns = kvr_now_ns() + e->cfg.heartbeat_interval_ms * KVR_MS;
+        kvr_service_peer_rooms_locked(e, p);
+        break;
+    }
+    case KVR_MSG_HELLO_REJECT: {
+        kvr_failure_t f;
+        kvr_failure_fill(&f, m.code < KVR_STATUS_LAST ? m.code : KVR_REMOTE, (int)m.rank,
+                         p->name, "%.*s", (int)m.str_len, m.str);
+        f.from_remote = 1;
+        for (size_t i = 0; i < e->rooms.capacity; i++) {
+            kvr_room_t *r = e->rooms.slots[i].value;
+            if (r && r->peer == p && !kvr_room_terminal(r)) {
+                kvr_failure_t fr = f;
+                snprintf(fr.reason, sizeof(fr.reason), "room %" PRIu64 ": %.*s", r->id,
+                         (int)m.str_len, m.str);
+                kvr_room_fail_locked(e, r, &fr, 0);
+            }
+        }
+        p->state = KVR_PEER_FAILED;
+        kvr_peer_disconnect(e, p);
+        break;
+    }
+    case KVR_MSG_PONG:
+        break;
+    case KVR_MSG_ROOM_FAIL:
+        kvr_handle_remote_fail_locked(e, p, &m);
+        break;
+    case KVR_MSG_BYE:
+        kvr_peer_fail_locked(e, p, KVR_PEER_LOST, "closed its manager");
+        break;
+    default:
+        e->stats.ctrl_dropped++;
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* Timers                                                              */
+/* ------------------------------------------------------------------ */
+
+static void kvr_register_tick_locked(kvr_engine_t *e, uint64_t now)
+{
+    if (e->mode != KVR_MODE_PREFILL || e->registered || e->bs_conn == NULL ||
+        now < e->next_register_ns) {
+        return;
+    }
+    kvr_msg_t m;
+    memset(&m, 0, sizeof(m));
+    m.type = KVR_MSG_BS_REGISTER;
+    m.epoch = e->epoch;
+    m.rank = (uint32_t)e->rank;
+    m.str = kvr_ctl_endpoint(e->ctl);
+    m.str_len = (uint16_t)strlen(m.str);
+    if (kvr_wire_encode(&e->wbuf, &m) == 0) {
+        kvr_ctl_send_conn(e->bs_conn, e->wbuf.data, e->wbuf.len);
+    }
+    e->next_register_ns = now + 200 * KVR_MS;
+}
+
+static void kvr_timers_locked(kvr_engine_t *e)
+{
+    uint64_t now = kvr_now_ns();
+    kvr_register_tick_locked(e, now);
+    for (kvr_peer_t *p = e->peers; p; p = p->next) {
+        if (p->kind == KVR_PEER_IS_PREFILL) {
+            if (p->state == KVR_PEER_RESOLVING || p->state == KVR_PEER_CONNECTING) {
+                if (now >= p->resolve_deadline_ns) {
+                    char what[200];
+                    snprintf(what, sizeof(what), "%s within the bootstrap timeout (%u ms)",
+                             p->state == KVR_PEER_RESOLVING
+                                 ? "was not found at the bootstrap server (unreachable, or the "
+                                   "prefill rank is not registered)"
+                                 : "did not answer the handshake",
+                             e->cfg.bootstrap_timeout_ms);
+                    kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, what);
+                } else if (p->state == KVR_PEER_RESOLVING && now >= p->next_try_ns) {
+                    kvr_peer_query(e, p);
+                    p->next_try_ns = now + 200 * KVR_MS;
+                }
+            } else if (p->state == KVR_PEER_READY) {
+                if (now - p->last_heard_ns > e->cfg.heartbeat_timeout_ms * KVR_MS) {
+                    char what[200];
+                    snprintf(what, sizeof(what), "lost: no heartbeat for %" PRIu64 " ms",
+                             (now - p->last_heard_ns) / KVR_MS);
+                    e->stats.heartbeats_missed++;
+                    kvr_peer_fail_locked(e, p, KVR_PEER_LOST, what);
+                } else if (now >= p->next_ping_ns) {
+                    kvr_msg_t m;
+                    memset(&m, 0, sizeof(m));
+                    m.type = KVR_MSG_PING;
+                    m.rank = (uint32_t)e->rank;
+                    kvr_send_ctrl_to_peer(e, p, &m);
+                    p->next_ping_ns = now + e->cfg.heartbeat_interval_ms * KVR_MS;
+                }
+            }
+        } else if (p->state == KVR_PEER_READY &&
+                   now - p->last_heard_ns > e->cfg.heartbeat_timeout_ms * KVR_MS) {
+            char what[200];
+            snprintf(what, sizeof(what), "lost: no heartbeat for %" PRIu64 " ms",
+                     (now - p->last_heard_ns) / KVR_MS);
+            e->stats.heartbeats_missed++;
+            kvr_peer_fail_locked(e, p, KVR_PEER_LOST, what);
+        }
+    }
+    for (size_t i = 0; i < e->rooms.capacity; i++) {
+        kvr_room_t *r = e->rooms.slots[i].value;
+        if (r == NULL || r->failing || kvr_room_terminal(r)) {
+            continue;
+        }
+        if (r->deadline_ns && now > r->deadline_ns) {
+            uint64_t expected = e->mode == KVR_MODE_DECODE
+                                    ? r->expected
+                                    : (uint64_t)r->ndst * e->page_bytes +
+                                          (r->dst_aux >= 0 ? e->aux_bytes : 0);
+            uint64_t got = e->mode == KVR_MODE_DECODE ? r->received : 0;
+            if (e->mode == KVR_MODE_DECODE) {
+                kvr_room_failf_locked(e, r, KVR_TIMEOUT, 1,
+                                      "no completion within its deadline of %" PRIu64
+                                      " ms: %" PRIu64 " of %" PRIu64 " bytes received",
+                                      (r->deadline_ns - r->started_ns) / KVR_MS, got, expected);
+            } else {
+                kvr_room_failf_locked(e, r, KVR_TIMEOUT, 1,
+                                      "no completion within its deadline of %" PRIu64
+                                      " ms: %u of %u pages handed to send(), %" PRIu64
+                                      " bytes expected",
+                                      (r->deadline_ns - r->started_ns) / KVR_MS, r->given,
+                                      r->total_pages, expected);
+            }
+        }
+    }
+}
+
+/* ------------------------------------------------------------------ */
+/* The progress thread                                                 */
+/* ------------------------------------------------------------------ */
+
+static void kvr_shutdown_locked(kvr_engine_t *e)
+{
+    /* Fail what is still open, tell the peers, then close endpoints (force:
+     * outstanding operations complete with an error and the rooms drain). */
+    for (size_t i = 0; i < e->rooms.capacity; i++) {
+        kvr_room_t *r = e->rooms.slots[i].value;
+        if (r && !kvr_room_terminal(r)) {
+            kvr_room_failf_locked(e, r, KVR_ABORTED, 1, "%s manager rank %d closed",
+                                  kvr_side(e), e->rank);
+        }
+    }
+    kvr_msg_t bye;
+    memset(&bye, 0, sizeof(bye));
+    bye.type = KVR_MSG_BYE;
+    bye.rank = (uint32_t)e->rank;
+    for (kvr_peer_t *p = e->peers; p; p = p->next) {
+        if (p->state == KVR_PEER_READY) {
+            kvr_send_ctrl_to_peer(e, p, &bye);
+        }
+    }
+    kvr_drain_work_locked(e); /* sends the notices */
+    for (kvr_peer_t *p = e->peers; p; p = p->next) {
+        kvr_peer_disconnect(e, p);
+    }
+    kvr_reap_locked(e);
+    kvr_tp_progress(e->tp);
+    for (size_t i = 0; i < e->rooms.capacity; i++) {
+        kvr_room_t *r = e->rooms.slots[i].value;
+        if (r) {
+            kvr_room_settle(r);
+        }
+    }
+}
+
+static void *kvr_engine_main(void *arg)
+{
+    kvr_engine_t *e = arg;
+    int fds[2] = {e->wake_fd, kvr_tp_fd(e->tp)};
+    int ready[2];
+    long tick_ms = e->cfg.heartbeat_interval_ms / 2;
+    if (tick_ms < 5) {
+        tick_ms = 5;
+    }
+    if (tick_ms > 50) {
+        tick_ms = 50;
+    }
+    pthread_mutex_lock(&e->lock);
+    for (;;) {
+        if (e->stopping) {
+            break;
+        }
+        kvr_drain_work_locked(e);
+        kvr_tp_progress(e->tp);
+        kvr_timers_locked(e);
+        kvr_drain_work_locked(e);
+        kvr_reap_locked(e);
+        if (kvr_tp_progress(e->tp) > 0 || e->work_head) {
+            /* Still busy: poll the sockets without sleeping. */
+            pthread_mutex_unlock(&e->lock);
+            kvr_ctl_poll(e->ctl, fds, 2, ready, 0);
+            pthread_mutex_lock(&e->lock);
+            continue;
+        }
+        if (kvr_tp_arm(e->tp)) {
+            pthread_mutex_unlock(&e->lock);
+            kvr_ctl_poll(e->ctl, fds, 2, ready, 0);
+            pthread_mutex_lock(&e->lock);
+            continue;
+        }
+        pthread_mutex_unlock(&e->lock);
+        /* The callbacks of kvr_ctl_poll run without the lock; they take it. */
+        kvr_ctl_poll(e->ctl, fds, 2, ready, tick_ms);
+        pthread_mutex_lock(&e->lock);
+        if (ready[0]) {
+            uint64_t v;
+            ssize_t n = read(e->wake_fd, &v, sizeof(v));
+            (void)n;
+        }
+    }
+    kvr_shutdown_locked(e);
+    pthread_mutex_unlock(&e->lock);
+    return NULL;
+}
+
+/* The control callbacks run inside kvr_ctl_poll, which the thread calls
+ * without the lock: these wrappers take it. */
+static void kvr_on_router_msg_entry(void *arg, const void *ident, size_t ident_len,
+                                    const void *data, size_t len)
+{
+    kvr_engine_t *e = arg;
+    pthread_mutex_lock(&e->lock);
+    kvr_on_router_msg(e, ident, ident_len, data, len);
+    pthread_mutex_unlock(&e->lock);
+}
+
+static void kvr_on_conn_msg_entry(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx,
+                                  const void *data, size_t len)
+{
+    kvr_engine_t *e = arg;
+    pthread_mutex_lock(&e->lock);
+    kvr_on_conn_msg(e, conn, conn_ctx, data, len);
+    pthread_mutex_unlock(&e->lock);
+}
+
+/* ------------------------------------------------------------------ */
+/* Create / close                                                      */
+/* ------------------------------------------------------------------ */
+
+static int kvr_copy_u64(uint64_t **dst, const uint64_t *src, uint32_t n)
+{
+    *dst = calloc(n ? n : 1, sizeof(uint64_t));
+    if (*dst == NULL) {
+        return -1;
+    }
+    if (n) {
+        memcpy(*dst, src, n * sizeof(uint64_t));
+    }
+    return 0;
+}
+
+static unsigned char *kvr_le_array(const uint64_t *v, uint32_t n)
+{
+    unsigned char *out = calloc(n ? n : 1, 8);
+    if (out == NULL) {
+        return NULL;
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        for (int b = 0; b < 8; b++) {
+            out[i * 8 + b] = (unsigned char)(v[i] >> (8 * b));
+        }
+    }
+    return out;
+}
+
+static int kvr_validate_buffers(const char *what, uint32_t n, const uint64_t *ptrs,
+                                const uint64_t *lens, const uint64_t *items, int64_t *min_rows,
+                                uint64_t *row_bytes, char *err, size_t errlen)
+{
+    *min_rows = n ? INT64_MAX : 0;
+    *row_bytes = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        if (items[i] == 0) {
+            return kvr_err(err, errlen, KVR_EVALUE, "%s_item_lens[%u] is 0", what, i);
+        }
+        if (lens[i] % items[i] != 0) {
+            return kvr_err(err, errlen, KVR_EVALUE,
+                           "%s_item_lens[%u]=%" PRIu64 " does not divide %s_data_lens[%u]=%" PRIu64,
+                           what, i, items[i], what, i, lens[i]);
+        }
+        if (ptrs[i] == 0 && lens[i] != 0) {
+            return kvr_err(err, errlen, KVR_EVALUE, "%s_data_ptrs[%u] is NULL", what, i);
+        }
+        int64_t rows = (int64_t)(lens[i] / items[i]);
+        if (rows > INT32_MAX) {
+            rows = INT32_MAX;
+        }
+        if (rows < *min_rows) {
+            *min_rows = rows;
+        }
+        *row_bytes += items[i];
+    }
+    return 0;
+}
+
+int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *err, size_t errlen)
+{
+    int rc;
+    if (p->mode != KVR_MODE_PREFILL && p->mode != KVR_MODE_DECODE) {
+        return kvr_err(err, errlen, KVR_EVALUE, "mode must be 'prefill' or 'decode'");
+    }
+    if (p->nkv == 0) {
+        return kvr_err(err, errlen, KVR_EVALUE, "kv_data_ptrs is empty: at least one KV buffer");
+    }
+    if (p->nkv > KVR_WIRE_MAX_BUFFERS || p->naux > KVR_WIRE_MAX_BUFFERS) {
+        return kvr_err(err, errlen, KVR_EVALUE, "more than %d buffers", KVR_WIRE_MAX_BUFFERS);
+    }
+    if (p->rank < 0) {
+        return kvr_err(err, errlen, KVR_EVALUE, "engine_rank must be >= 0");
+    }
+    if (p->cfg.deadline_floor_bps == 0 || p->cfg.heartbeat_interval_ms == 0 ||
+        p->cfg.heartbeat_timeout_ms == 0) {
+        return kvr_err(err, errlen, KVR_EVALUE,
+                       "deadline_floor_bps, heartbeat_interval_ms and heartbeat_timeout_ms must "
+                       "be > 0");
+    }
+    kvr_engine_t *e = calloc(1, sizeof(*e));
+    if (e == NULL) {
+        return kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+    }
+    e->mode = p->mode;
+    e->rank = p->rank;
+    e->cfg = p->cfg;
+    e->page_size = p->page_size;
+    e->nkv = p->nkv;
+    e->naux = p->naux;
+    e->wake_fd = -1;
+    snprintf(e->host, sizeof(e->host), "%s", p->host ? p->host : "127.0.0.1");
+    snprintf(e->bootstrap_addr, sizeof(e->bootstrap_addr), "%s",
+             p->bootstrap_addr ? p->bootstrap_addr : "");
+    kvr_table_init(&e->rooms);
+    kvr_table_init(&e->tags);
+    kvr_table_init(&e->pending);
+    kvr_wbuf_init(&e->wbuf);
+    kvr_registry_init(&e->registry);
+    pthread_mutex_init(&e->lock, NULL);
+    while (e->epoch == 0) {
+        if (getrandom(&e->epoch, sizeof(e->epoch), 0) != sizeof(e->epoch)) {
+            e->epoch = kvr_now_ns() ^ ((uint64_t)getpid() << 32);
+        }
+    }
+    e->next_tag = 1;
+
+    rc = kvr_validate_buffers("kv", p->nkv, p->kv_ptrs, p->kv_lens, p->kv_item_lens,
+                              &e->min_pages, &e->page_bytes, err, errlen);
+    if (rc == 0) {
+        rc = kvr_validate_buffers("aux", p->naux, p->aux_ptrs, p->aux_lens, p->aux_item_lens,
+                                  &e->aux_rows, &e->aux_bytes, err, errlen);
+    }
+    if (rc != 0) {
+        goto err_free;
+    }
+    if (kvr_copy_u64(&e->kv_ptrs, p->kv_ptrs, p->nkv) || kvr_copy_u64(&e->kv_lens, p->kv_lens, p->nkv) ||
+        kvr_copy_u64(&e->kv_item, p->kv_item_lens, p->nkv) ||
+        kvr_copy_u64(&e->aux_ptrs, p->aux_ptrs, p->naux) ||
+        kvr_copy_u64(&e->aux_lens, p->aux_lens, p->naux) ||
+        kvr_copy_u64(&e->aux_item, p->aux_item_lens, p->naux) ||
+        (e->layout_kv = kvr_le_array(p->kv_item_lens, p->nkv)) == NULL ||
+        (e->layout_aux = kvr_le_array(p->aux_item_lens, p->naux)) == NULL) {
+        rc = kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+        goto err_free;
+    }
+
+    e->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+    if (e->wake_fd < 0) {
+        rc = kvr_err(err, errlen, KVR_ESYSTEM, "eventfd: %s", strerror(errno));
+        goto err_free;
+    }
+    kvr_tp_callbacks_t tcb = {e, kvr_on_data, kvr_on_recv_done, kvr_on_send_done, kvr_on_ep_error};
+    if (kvr_tp_create(&tcb, &e->tp, err, errlen) != 0) {
+        rc = KVR_ESYSTEM;
+        goto err_free;
+    }
+    if (e->mode == KVR_MODE_PREFILL && e->cfg.register_memory) {
+        for (uint32_t i = 0; i < e->nkv + e->naux; i++) {
+            uint64_t ptr = i < e->nkv ? e->kv_ptrs[i] : e->aux_ptrs[i - e->nkv];
+            uint64_t len = i < e->nkv ? e->kv_lens[i] : e->aux_lens[i - e->nkv];
+            if (len && kvr_tp_mem_map(e->tp, (void *)(uintptr_t)ptr, len, err, errlen) != 0) {
+                rc = KVR_ESYSTEM;
+                goto err_tp;
+            }
+        }
+    }
+    kvr_ctl_callbacks_t ccb = {e, kvr_on_router_msg_entry, kvr_on_conn_msg_entry};
+    int64_t max_msg = 16 + 64 + (int64_t)KVR_WIRE_MAX_PAGES * 4;
+    if (kvr_ctl_create(e->host, e->cfg.ctrl_port, max_msg, &ccb, &e->ctl, err, errlen) != 0) {
+        rc = KVR_ESYSTEM;
+        goto err_tp;
+    }
+    if (e->mode == KVR_MODE_PREFILL) {
+        char ep[192];
+        if (e->bootstrap_addr[0] == '\0') {
+            rc = kvr_err(err, errlen, KVR_EVALUE, "bootstrap_addr is required for a prefill manager");
+            goto err_ctl;
+        }
+        snprintf(ep, sizeof(ep), "tcp://%s", e->bootstrap_addr);
+        if (kvr_ctl_connect(e->ctl, ep, NULL, 0, NULL, &e->bs_conn, err, errlen) != 0) {
+            rc = KVR_EVALUE;
+            goto err_ctl;
+        }
+    }
+    if (pthread_create(&e->thread, NULL, kvr_engine_main, e) != 0) {
+        rc = kvr_err(err, errlen, KVR_ESYSTEM, "pthread_create failed");
+        goto err_ctl;
+    }
+    e->thread_started = 1;
+    *e_p = e;
+    return 0;
+
+err_ctl:
+    kvr_ctl_destroy(e->ctl);
+    e->ctl = NULL;
+err_tp:
+    kvr_tp_destroy(e->tp);
+    e->tp = NULL;
+err_free:
+    e->closed = 1;
+    kvr_engine_free(e);
+    return rc;
+}
+
+void kvr_engine_close(kvr_engine_t *e)
+{
+    pthread_mutex_lock(&e->lock);
+    if (e->closed) {
+        pthread_mutex_unlock(&e->lock);
+        return;
+    }
+    e->closed = 1;
+    e->stopping = 1;
+    pthread_mutex_unlock(&e->lock);
+    kvr_wake(e);
+    if (e->thread_started) {
+        pthread_join(e->thread, NULL);
+        e->thread_started = 0;
+    }
+    pthread_mutex_lock(&e->lock);
+    if (e->ctl != NULL && e->tp != NULL) {
+        kvr_reap_locked(e);
+    }
+    if (e->bs_conn) {
+        kvr_ctl_conn_close(e->ctl, e->bs_conn);
+        e->bs_conn = NULL;
+    }
+    /* Operations that never completed cannot complete any more: their rooms
+     * are drained by fiat now that the worker is going away. */
+    for (size_t i = 0; i < e->tags.capacity; i++) {
+        kvr_room_t *r = e->tags.slots[i].value;
+        if (r) {
+            r->inflight = 0;
+            kvr_room_fail(r, KVR_ABORTED);
+            kvr_room_settle(r);
+        }
+    }
+    kvr_ctl_destroy(e->ctl);
+    e->ctl = NULL;
+    kvr_tp_destroy(e->tp);
+    e->tp = NULL;
+    /* Drop the table's references; handles keep theirs. */
+    for (size_t i = 0; i < e->rooms.capacity; i++) {
+        kvr_room_t *r = e->rooms.slots[i].value;
+        if (r) {
+            r->in_table = 0;
+        }
+    }
+    kvr_table_t rooms = e->rooms;
+    kvr_table_init(&e->rooms);
+    for (size_t i = 0; i < rooms.capacity; i++) {
+        if (rooms.slots[i].value) {
+            kvr_room_unref_locked(e, rooms.slots[i].value);
+        }
+    }
+    kvr_table_destroy(&rooms);
+    while (e->work_head) {
+        kvr_room_t *r = e->work_head;
+        e->work_head = r->work_next;
+        r->on_work = 0;
+        kvr_room_unref_locked(e, r);
+    }
+    pthread_mutex_unlock(&e->lock);
+}
+
+void kvr_engine_free(kvr_engine_t *e)
+{
+    if (e == NULL) {
+        return;
+    }
+    if (!e->closed) {
+        kvr_engine_close(e);
+    }
+    for (size_t i = 0; i < e->pending.capacity; i++) {
+        if (e->pending.slots[i].value) {
+            kvr_pending_free(e->pending.slots[i].value);
+        }
+    }
+    kvr_table_destroy(&e->pending);
+    /* Rooms still referenced by operations that never completed. */
+    for (size_t i = 0; i < e->tags.capacity; i++) {
+        kvr_room_t *r = e->tags.slots[i].value;
+        if (r) {
+            kvr_room_free(r);
+        }
+    }
+    kvr_table_destroy(&e->tags);
+    kvr_table_destroy(&e->rooms);
+    while (e->peers) {
+        kvr_peer_t *p = e->peers;
+        e->peers = p->next;
+        free(p);
+    }
+    if (e->wake_fd >= 0) {
+        close(e->wake_fd);
+    }
+    kvr_wbuf_free(&e->wbuf);
+    kvr_registry_destroy(&e->registry);
+    pthread_mutex_destroy(&e->lock);
+    free(e->kv_ptrs);
+    free(e->kv_lens);
+    free(e->kv_item);
+    free(e->aux_ptrs);
+    free(e->aux_lens);
+    free(e->aux_item);
+    free(e->layout_kv);
+    free(e->layout_aux);
+    free(e);
+}
+
+int kvr_engine_closed(kvr_engine_t *e)
+{
+    pthread_mutex_lock(&e->lock);
+    int c = e->closed;
+    pthread_mutex_unlock(&e->lock);
+    return c;
+}
+
+const char *kvr_engine_endpoint(kvr_engine_t *e)
+{
+    return e->ctl ? kvr_ctl_endpoint(e->ctl) : "";
+}
+
+uint64_t kvr_engine_epoch(kvr_engine_t *e)
+{
+    return e->epoch;
+}
+
+const char *kvr_engine_transport(kvr_engine_t *e)
+{
+    return e->tp ? kvr_tp_describe(e->tp) : "closed";
+}
+
+void kvr_engine_stats(kvr_engine_t *e, kvr_stats_t *s)
+{
+    pthread_mutex_lock(&e->lock);
+    *s = e->stats;
+    memset(s->rooms_by_state, 0, sizeof(s->rooms_by_state));
+    s->rooms_open = 0;
+    s->rooms_draining = 0;
+    for (size_t i = 0; i < e->rooms.capacity; i++) {
+        kvr_room_t *r = e->rooms.slots[i].value;
+        if (r) {
+            s->rooms_open++;
+            s->rooms_by_state[atomic_load(&r->visible)]++;
+        }
+    }
+    for (size_t i = 0; i < e->tags.capacity; i++) {
+        kvr_room_t *r = e->tags.slots[i].value;
+        if (r && r->failing && r->inflight > 0) {
+            s->rooms_draining++;
+        }
+    }
+    s->pending_requests = e->pending.count;
+    pthread_mutex_unlock(&e->lock);
+}
+
+/* ------------------------------------------------------------------ */
+/* Handles (the binding's view of a room)                              */
+/* ------------------------------------------------------------------ */
+
+static kvr_engine_t *kvr_handle_engine(kvr_handle_t *h)
+{
+    return h->owner;
+}
+
+/* Takes the lock and checks that the handle is usable. */
+static int kvr_handle_enter(kvr_handle_t *h, char *err, size_t errlen)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    pthread_mutex_lock(&e->lock);
+    if (e->closed) {
+        pthread_mutex_unlock(&e->lock);
+        return kvr_err(err, errlen, KVR_ERUNTIME, "the manager is closed");
+    }
+    if (!h->in_table) {
+        pthread_mutex_unlock(&e->lock);
+        return kvr_err(err, errlen, KVR_ERUNTIME, "room %" PRIu64 " was cleared", h->id);
+    }
+    return 0;
+}
+
+int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
+                    kvr_handle_t **h_p, char *err, size_t errlen)
+{
+    pthread_mutex_lock(&e->lock);
+    int rc = 0;
+    if (e->closed) {
+        rc = kvr_err(err, errlen, KVR_ERUNTIME, "the manager is closed");
+        goto out;
+    }
+    if (kvr_table_get(&e->rooms, room) != NULL) {
+        rc = kvr_err(err, errlen, KVR_EVALUE,
+                     "bootstrap_room %" PRIu64 " is already in use on this manager", room);
+        goto out;
+    }
+    if (e->rooms.count >= e->cfg.max_rooms) {
+        rc = kvr_err(err, errlen, KVR_ERUNTIME, "too many open rooms (max_rooms=%u)",
+                     e->cfg.max_rooms);
+        goto out;
+    }
+    kvr_room_t *r = kvr_room_new(room, e->next_tag++,
+                                 e->mode == KVR_MODE_PREFILL ? KVR_ROLE_PREFILL : KVR_ROLE_DECODE);
+    if (r == NULL) {
+        rc = kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+        goto out;
+    }
+    r->owner = e;
+    snprintf(r->bootstrap_addr, sizeof(r->bootstrap_addr), "%s",
+             bootstrap_addr ? bootstrap_addr : "");
+    if (kvr_table_put(&e->rooms, room, r) != 0 || kvr_table_put(&e->tags, r->tag, r) != 0) {
+        kvr_table_remove(&e->rooms, room);
+        kvr_room_free(r);
+        rc = kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+        goto out;
+    }
+    r->in_table = 1;
+    r->refs = 2; /* table + handle */
+    kvr_registry_drop(&e->registry, room);
+    if (e->mode == KVR_MODE_PREFILL) {
+        /* Wait for the decode's request, within the bootstrap timeout. */
+        r->started_ns = kvr_now_ns();
+        r->deadline_ns = r->started_ns + e->cfg.bootstrap_timeout_ms * KVR_MS;
+        kvr_pending_t *pd = kvr_table_remove(&e->pending, room);
+        if (pd != NULL) {
+            if (pd->peer != NULL && pd->peer->state == KVR_PEER_READY) {
+                kvr_bind_request_locked(e, r, pd->peer, pd->tag, pd->aux_index, pd->npages,
+                                        pd->pages);
+                pd->pages = NULL;
+            }
+            kvr_pending_free(pd);
+        }
+    }
+    *h_p = r;
+out:
+    pthread_mutex_unlock(&e->lock);
+    return rc;
+}
+
+static void kvr_handle_drop_locked(kvr_engine_t *e, kvr_room_t *r, const char *why)
+{
+    if (!r->in_table) {
+        return;
+    }
+    if (!kvr_room_terminal(r) && !r->failing) {
+        kvr_room_failf_locked(e, r, KVR_ABORTED, 1, "%s", why);
+    }
+    kvr_table_remove(&e->rooms, r->id);
+    r->in_table = 0;
+    kvr_registry_drop(&e->registry, r->id);
+    kvr_work_push_locked(e, r);
+    kvr_room_unref_locked(e, r);
+}
+
+void kvr_handle_release(kvr_handle_t *h)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    pthread_mutex_lock(&e->lock);
+    if (!e->closed) {
+        kvr_handle_drop_locked(e, h, "the room's handle was released while in flight");
+    }
+    h->released = 1;
+    kvr_room_unref_locked(e, h);
+    int wake = !e->closed;
+    pthread_mutex_unlock(&e->lock);
+    if (wake) {
+        kvr_wake(e);
+    }
+}
+
+int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, char *err, size_t errlen)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    int rc = kvr_handle_enter(h, err, errlen);
+    if (rc) {
+        return rc;
+    }
+    (void)prefill_dp_rank; /* one prefill DP group per bootstrap address */
+    if (h->init_called) {
+        rc = kvr_err(err, errlen, KVR_ERUNTIME, "init() was already called for room %" PRIu64,
+                     h->id);
+        goto out;
+    }
+    if (h->bootstrap_addr[0] == '\0' || strchr(h->bootstrap_addr, ':') == NULL) {
+        rc = kvr_err(err, errlen, KVR_EVALUE, "bootstrap_addr '%s' is not host:port",
+                     h->bootstrap_addr);
+        goto out;
+    }
+    h->init_called = 1;
+    if (h->failing) {
+        goto out;
+    }
+    kvr_peer_t *p = kvr_peer_find(e, KVR_PEER_IS_PREFILL, h->bootstrap_addr);
+    if (p == NULL) {
+        p = kvr_peer_new(e, KVR_PEER_IS_PREFILL, h->bootstrap_addr);
+        if (p == NULL) {
+            rc = kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+            goto out;
+        }
+        p->state = KVR_PEER_FAILED; /* the engine thread resolves it */
+    }
+    h->peer = p;
+    kvr_work_push_locked(e, h);
+out:
+    pthread_mutex_unlock(&e->lock);
+    if (rc == 0) {
+        kvr_wake(e);
+    }
+    return rc;
+}
+
+int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, int64_t aux_index,
+                             char *err, size_t errlen)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    int rc = kvr_handle_enter(h, err, errlen);
+    if (rc) {
+        return rc;
+    }
+    if (!h->init_called) {
+        rc = kvr_err(err, errlen, KVR_ERUNTIME, "call init() before send_metadata()");
+        goto out;
+    }
+    if (h->meta_set) {
+        rc = kvr_err(err, errlen, KVR_ERUNTIME,
+                     "send_metadata() was already called for room %" PRIu64, h->id);
+        goto out;
+    }
+    long bad = kvr_pages_check(pages, n, e->min_pages);
+    if (bad >= 0) {
+        rc = kvr_err(err, errlen, KVR_EVALUE,
+                     "kv_indices[%ld]=%d is outside the registered pages [0, %" PRId64 ")", bad,
+                     pages[bad], e->min_pages);
+        goto out;
+    }
+    if (n > KVR_WIRE_MAX_PAGES) {
+        rc = kvr_err(err, errlen, KVR_EVALUE, "kv_indices has %zu pages, more than %u", n,
+                     KVR_WIRE_MAX_PAGES);
+        goto out;
+    }
+    if (aux_index >= 0 && e->naux == 0) {
+        rc = kvr_err(err, errlen, KVR_EVALUE, "aux_index=%" PRId64 " but no aux buffers are registered",
+                     aux_index);
+        goto out;
+    }
+    if (aux_index >= 0 && aux_index >= e->aux_rows) {
+        rc = kvr_err(err, errlen, KVR_EVALUE,
+                     "aux_index=%" PRId64 " is outside the registered aux rows [0, %" PRId64 ")",
+                     aux_index, e->aux_rows);
+        goto out;
+    }
+    if (n == 0 && (aux_index < 0 || e->naux == 0)) {
+        rc = kvr_err(err, errlen, KVR_EVALUE, "kv_indices is empty and there is no aux row: nothing to transfer");
+        goto out;
+    }
+    if (h->failing || kvr_room_terminal(h)) {
+        goto out; /* the failure is reported by poll() */
+    }
+    if (n) {
+        h->pages = malloc(n * sizeof(int32_t));
+        if (h->pages == NULL) {
+            rc = kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+            goto out;
+        }
+        memcpy(h->pages, pages, n * sizeof(int32_t));
+    }
+    h->npages = (uint32_t)n;
+    h->aux_index = aux_index;
+    h->expected = (uint64_t)n * e->page_bytes + (aux_index >= 0 ? e->aux_bytes : 0);
+    h->meta_set = 1;
+    kvr_work_push_locked(e, h);
+out:
+    pthread_mutex_unlock(&e->lock);
+    if (rc == 0) {
+        kvr_wake(e);
+    }
+    return rc;
+}
+
+int kvr_handle_send_init(kvr_handle_t *h, int64_t num_pages, int64_t aux_index, char *err,
+                         size_t errlen)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    int rc = kvr_handle_enter(h, err, errlen);
+    if (rc) {
+        return rc;
+    }
+    if (h->inited) {
+        rc = kvr_err(err, errlen, KVR_ERUNTIME, "init() was already called for room %" PRIu64,
+                     h->id);
+        goto out;
+    }
+    if (num_pages < 0 || num_pages > (int64_t)KVR_WIRE_MAX_PAGES) {
+        rc = kvr_err(err, errlen, KVR_EVALUE, "num_kv_indices=%" PRId64 " must be in [0, %u]",
+                     num_pages, KVR_WIRE_MAX_PAGES);
+        goto out;
+    }
+    if (aux_index >= 0 && (e->naux == 0 || aux_index >= e->aux_rows)) {
+        rc = kvr_err(err, errlen, KVR_EVALUE,
+                     "aux_index=%" PRId64 " is outside the registered aux rows [0, %" PRId64 ")",
+                     aux_index, e->aux_rows);
+        goto out;
+    }
+    h->src_pages = malloc((size_t)(num_pages ? num_pages : 1) * sizeof(int32_t));
+    if (h->src_pages == NULL) {
+        rc = kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+        goto out;
+    }
+    h->inited = 1;
+    h->total_pages = (uint32_t)num_pages;
+    h->src_aux = aux_index;
+    if (h->bound && h->ndst != h->total_pages && !h->failing) {
+        kvr_room_failf_locked(e, h, KVR_LAYOUT_MISMATCH, 1,
+                              "decode asked for %u pages, prefill announced %u", h->ndst,
+                              h->total_pages);
+    }
+out:
+    pthread_mutex_unlock(&e->lock);
+    return rc;
+}
+
+int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, size_t errlen)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    int rc = kvr_handle_enter(h, err, errlen);
+    if (rc) {
+        return rc;
+    }
+    if (!h->inited) {
+        rc = kvr_err(err, errlen, KVR_ERUNTIME, "call init() before send()");
+        goto out;
+    }
+    if (n > (size_t)(h->total_pages - h->given)) {
+        rc = kvr_err(err, errlen, KVR_EVALUE,
+                     "send() of %zu kv_indices overruns num_kv_indices=%u (%u already sent)", n,
+                     h->total_pages, h->given);
+        goto out;
+    }
+    long bad = kvr_pages_check(pages, n, e->min_pages);
+    if (bad >= 0) {
+        rc = kvr_err(err, errlen, KVR_EVALUE,
+                     "kv_indices[%ld]=%d is outside the registered pages [0, %" PRId64 ")", bad,
+                     pages[bad], e->min_pages);
+        goto out;
+    }
+    if (h->failing || kvr_room_terminal(h)) {
+        goto out; /* poll() reports the failure */
+    }
+    if (n) {
+        memcpy(h->src_pages + h->given, pages, n * sizeof(int32_t));
+    }
+    h->given += (uint32_t)n;
+    kvr_work_push_locked(e, h);
+out:
+    pthread_mutex_unlock(&e->lock);
+    if (rc == 0) {
+        kvr_wake(e);
+    }
+    return rc;
+}
+
+int kvr_handle_poll(kvr_handle_t *h)
+{
+    return atomic_load_explicit(&h->visible, memory_order_acquire);
+}
+
+int kvr_handle_failure(kvr_handle_t *h, kvr_failure_t *out, int pop)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    if (pop) {
+        return kvr_registry_pop(&e->registry, h->id, out);
+    }
+    return kvr_registry_peek(&e->registry, h->id, out);
+}
+
+int kvr_handle_abort(kvr_handle_t *h, char *err, size_t errlen)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    pthread_mutex_lock(&e->lock);
+    if (!e->closed && h->in_table && !kvr_room_terminal(h) && !h->failing) {
+        kvr_room_failf_locked(e, h, KVR_ABORTED, 1, "aborted by %s rank %d", kvr_side(e),
+                              e->rank);
+        kvr_work_push_locked(e, h);
+    }
+    pthread_mutex_unlock(&e->lock);
+    (void)err;
+    (void)errlen;
+    kvr_wake(e);
+    return 0;
+}
+
+int kvr_handle_clear(kvr_handle_t *h, char *err, size_t errlen)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    (void)err;
+    (void)errlen;
+    pthread_mutex_lock(&e->lock);
+    if (!e->closed) {
+        kvr_handle_drop_locked(e, h, "cleared while in flight");
+    }
+    pthread_mutex_unlock(&e->lock);
+    kvr_wake(e);
+    return 0;
+}
+
+uint64_t kvr_handle_room(kvr_handle_t *h)
+{
+    return h->id;
+}
+
+int kvr_handle_role(kvr_handle_t *h)
+{
+    return h->role;
+}

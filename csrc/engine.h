@@ -1,0 +1,116 @@
+/*
+ * engine: one manager's core.  It owns the progress thread that drives the
+ * transport (UCX) and the control plane (ZMQ) and updates rooms; it is the
+ * only place those parts meet.
+ *
+ * Threads: the kvr_engine_* and kvr_handle_* functions below are called by
+ * the binding, from any thread, and take the engine lock briefly; none of
+ * them waits on the network.  kvr_handle_poll takes no lock at all.  The
+ * progress thread holds the lock while it handles events and releases it
+ * while it sleeps in poll.
+ *
+ * Errors: functions returning int return 0 on success, or a negative
+ * KVR_E* code with a message naming the argument in err (errlen bytes).
+ */
+#ifndef KVR_ENGINE_H
+#define KVR_ENGINE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#include "registry.h"
+#include "status.h"
+
+#define KVR_EVALUE (-1)   /* bad argument: ValueError */
+#define KVR_ERUNTIME (-2) /* bad state (closed manager, cleared room): RuntimeError */
+#define KVR_ENOMEM (-3)   /* MemoryError */
+#define KVR_ESYSTEM (-4)  /* the system or a library failed: RuntimeError */
+
+enum { KVR_MODE_PREFILL = 0, KVR_MODE_DECODE = 1 };
+
+typedef struct {
+    uint32_t bootstrap_timeout_ms;  /* resolving and connecting a peer */
+    uint32_t heartbeat_interval_ms; /* decode -> prefill pings */
+    uint32_t heartbeat_timeout_ms;  /* silence that means PEER_LOST */
+    uint32_t deadline_base_ms;      /* room deadline = base + bytes / floor */
+    uint64_t deadline_floor_bps;    /* bytes per second */
+    uint32_t max_rooms;             /* open rooms per manager */
+    uint32_t max_pending;           /* requests held for senders not yet created */
+    int ctrl_port;                  /* control port; 0 picks a free one */
+    int register_memory;            /* ucp_mem_map the buffers up front */
+} kvr_config_t;
+
+/* The defaults documented in the README. */
+void kvr_config_default(kvr_config_t *cfg);
+
+typedef struct {
+    int mode;                   /* KVR_MODE_* */
+    int rank;                   /* engine (TP) rank */
+    const char *host;           /* address to bind the control socket on */
+    const char *bootstrap_addr; /* "host:port"; prefill registers there */
+    uint32_t page_size;
+    uint32_t nkv;
+    const uint64_t *kv_ptrs, *kv_lens, *kv_item_lens;
+    uint32_t naux;
+    const uint64_t *aux_ptrs, *aux_lens, *aux_item_lens;
+    kvr_config_t cfg;
+} kvr_engine_params_t;
+
+typedef struct kvr_engine kvr_engine_t;
+typedef struct kvr_room kvr_handle_t; /* a room as the binding holds it */
+
+typedef struct {
+    uint64_t rooms_by_state[5];   /* indexed by KVR_POLL_* (open rooms) */
+    uint64_t rooms_open;
+    uint64_t rooms_draining;      /* failing, waiting for in-flight ops */
+    uint64_t bytes_moved;         /* payload bytes landed (decode) or sent (prefill) */
+    uint64_t ops_posted;          /* data operations (one per run per buffer) */
+    uint64_t ctrl_dropped;        /* malformed or unexpected control messages */
+    uint64_t data_rejected;       /* data messages refused by the receiver */
+    uint64_t heartbeats_missed;   /* peers declared lost for silence */
+    uint64_t pending_requests;    /* prefill: requests waiting for a sender */
+    uint64_t peers;
+    uint64_t rooms_succeeded;
+    uint64_t failures_by_code[KVR_STATUS_LAST];
+} kvr_stats_t;
+
+/* Creates the manager and starts its thread.  Blocks only for local set-up. */
+int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *err, size_t errlen);
+/* Stops the thread, fails open rooms (ABORTED, "manager closed"), closes
+ * sockets and endpoints.  Idempotent; blocks until the thread exits. */
+void kvr_engine_close(kvr_engine_t *e);
+/* Frees the engine; every handle must have been released. */
+void kvr_engine_free(kvr_engine_t *e);
+int kvr_engine_closed(kvr_engine_t *e);
+void kvr_engine_stats(kvr_engine_t *e, kvr_stats_t *s);
+/* The control endpoint ("tcp://host:port") and the instance epoch. */
+const char *kvr_engine_endpoint(kvr_engine_t *e);
+uint64_t kvr_engine_epoch(kvr_engine_t *e);
+const char *kvr_engine_transport(kvr_engine_t *e);
+
+/* Opens a room of this manager's mode.  The handle holds a reference that
+ * kvr_handle_release drops. */
+int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
+                    kvr_handle_t **h_p, char *err, size_t errlen);
+void kvr_handle_release(kvr_handle_t *h);
+
+/* Decode side. */
+int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, char *err, size_t errlen);
+int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, int64_t aux_index,
+                             char *err, size_t errlen);
+/* Prefill side. */
+int kvr_handle_send_init(kvr_handle_t *h, int64_t num_pages, int64_t aux_index, char *err,
+                         size_t errlen);
+int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, size_t errlen);
+
+/* Both sides.  poll never blocks and never fails. */
+int kvr_handle_poll(kvr_handle_t *h);
+/* Copies out (pop=0) or pops (pop=1) the room's failure record; returns 1
+ * if there was one. */
+int kvr_handle_failure(kvr_handle_t *h, kvr_failure_t *out, int pop);
+int kvr_handle_abort(kvr_handle_t *h, char *err, size_t errlen);
+int kvr_handle_clear(kvr_handle_t *h, char *err, size_t errlen);
+uint64_t kvr_handle_room(kvr_handle_t *h);
+int kvr_handle_role(kvr_handle_t *h);
+
+#endif

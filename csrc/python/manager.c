@@ -1,0 +1,345 @@
+#include "module.h"
+
+#include <string.h>
+
+/* Reads a sequence of ints into a new uint64 array. */
+static int kvr_py_u64_list(PyObject *seq, const char *name, uint64_t **out, uint32_t *n)
+{
+    PyObject *fast = PySequence_Fast(seq, name);
+    if (fast == NULL) {
+        return -1;
+    }
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(fast);
+    *out = PyMem_Calloc(len ? (size_t)len : 1, sizeof(uint64_t));
+    if (*out == NULL) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < len; i++) {
+        PyObject *it = PySequence_Fast_GET_ITEM(fast, i);
+        PyObject *idx = PyNumber_Index(it);
+        if (idx == NULL) {
+            PyErr_Format(PyExc_TypeError, "%s[%zd] must be an integer, not %.100s", name, i,
+                         Py_TYPE(it)->tp_name);
+            goto fail;
+        }
+        int overflow = 0;
+        long long sv = PyLong_AsLongLongAndOverflow(idx, &overflow);
+        int neg = overflow < 0 || (!overflow && sv < 0);
+        unsigned long long v = neg ? 0 : PyLong_AsUnsignedLongLong(idx);
+        Py_DECREF(idx);
+        if (neg || (v == (unsigned long long)-1 && PyErr_Occurred())) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "%s[%zd] must be a non-negative 64-bit integer", name,
+                         i);
+            goto fail;
+        }
+        (*out)[i] = v;
+    }
+    *n = (uint32_t)len;
+    Py_DECREF(fast);
+    return 0;
+fail:
+    Py_DECREF(fast);
+    PyMem_Free(*out);
+    *out = NULL;
+    return -1;
+}
+
+static int kvr_cfg_get(PyObject *cfg, const char *key, uint64_t *dst)
+{
+    if (cfg == NULL || cfg == Py_None) {
+        return 0;
+    }
+    PyObject *v = PyMapping_GetItemString(cfg, key);
+    if (v == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    double d = PyFloat_AsDouble(v);
+    Py_DECREF(v);
+    if (d == -1.0 && PyErr_Occurred()) {
+        PyErr_Format(PyExc_TypeError, "config[%s] must be a number", key);
+        return -1;
+    }
+    if (d < 0) {
+        PyErr_Format(PyExc_ValueError, "config[%s] must be >= 0", key);
+        return -1;
+    }
+    *dst = (uint64_t)d;
+    return 0;
+}
+
+static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
+{
+    kvr_py_manager_t *self = (kvr_py_manager_t *)op;
+    static char *kwlist[] = {"mode", "engine_rank", "kv_data_ptrs", "kv_data_lens",
+                             "kv_item_lens", "aux_data_ptrs", "aux_data_lens", "aux_item_lens",
+                             "page_size", "host", "bootstrap_addr", "config", NULL};
+    int mode, rank;
+    unsigned int page_size = 1;
+    PyObject *kp, *kl, *ki, *ap, *al, *ai, *cfg = Py_None;
+    const char *host = "127.0.0.1", *bs = "";
+    if (self->engine != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "Manager is already initialised");
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiOOOOOO|IssO", kwlist, &mode, &rank, &kp, &kl,
+                                     &ki, &ap, &al, &ai, &page_size, &host, &bs, &cfg)) {
+        return -1;
+    }
+    kvr_engine_params_t p;
+    memset(&p, 0, sizeof(p));
+    uint64_t *bufs[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
+    uint32_t ns[6] = {0, 0, 0, 0, 0, 0};
+    PyObject *lists[6] = {kp, kl, ki, ap, al, ai};
+    static const char *names[6] = {"kv_data_ptrs", "kv_data_lens", "kv_item_lens",
+                                   "aux_data_ptrs", "aux_data_lens", "aux_item_lens"};
+    int ret = -1;
+    for (int i = 0; i < 6; i++) {
+        if (kvr_py_u64_list(lists[i], names[i], &bufs[i], &ns[i]) < 0) {
+            goto out;
+        }
+    }
+    if (ns[0] != ns[1] || ns[0] != ns[2]) {
+        PyErr_Format(PyExc_ValueError,
+                     "kv_data_ptrs, kv_data_lens and kv_item_lens have different lengths "
+                     "(%u, %u, %u)",
+                     ns[0], ns[1], ns[2]);
+        goto out;
+    }
+    if (ns[3] != ns[4] || ns[3] != ns[5]) {
+        PyErr_Format(PyExc_ValueError,
+                     "aux_data_ptrs, aux_data_lens and aux_item_lens have different lengths "
+                     "(%u, %u, %u)",
+                     ns[3], ns[4], ns[5]);
+        goto out;
+    }
+    p.mode = mode;
+    p.rank = rank;
+    p.host = host;
+    p.bootstrap_addr = bs;
+    p.page_size = page_size;
+    p.nkv = ns[0];
+    p.kv_ptrs = bufs[0];
+    p.kv_lens = bufs[1];
+    p.kv_item_lens = bufs[2];
+    p.naux = ns[3];
+    p.aux_ptrs = bufs[3];
+    p.aux_lens = bufs[4];
+    p.aux_item_lens = bufs[5];
+    kvr_config_default(&p.cfg);
+    uint64_t v;
+#define KVR_CFG(field)                                                                        \
+    v = p.cfg.field;                                                                          \
+    if (kvr_cfg_get(cfg, #field, &v) < 0) {                                                   \
+        goto out;                                                                             \
+    }                                                                                         \
+    p.cfg.field = (__typeof__(p.cfg.field))v;
+    KVR_CFG(bootstrap_timeout_ms)
+    KVR_CFG(heartbeat_interval_ms)
+    KVR_CFG(heartbeat_timeout_ms)
+    KVR_CFG(deadline_base_ms)
+    KVR_CFG(deadline_floor_bps)
+    KVR_CFG(max_rooms)
+    KVR_CFG(max_pending)
+    KVR_CFG(ctrl_port)
+    KVR_CFG(register_memory)
+#undef KVR_CFG
+    char err[512] = "";
+    int rc;
+    kvr_engine_t *e = NULL;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvr_engine_create(&p, &e, err, sizeof(err));
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        kvr_py_raise(rc, err);
+        goto out;
+    }
+    self->engine = e;
+    self->mode = mode;
+    ret = 0;
+out:
+    for (int i = 0; i < 6; i++) {
+        PyMem_Free(bufs[i]);
+    }
+    return ret;
+}
+
+static void kvr_manager_dealloc(PyObject *op)
+{
+    kvr_py_manager_t *self = (kvr_py_manager_t *)op;
+    PyTypeObject *tp = Py_TYPE(op);
+    if (self->engine) {
+        kvr_engine_t *e = self->engine;
+        self->engine = NULL;
+        Py_BEGIN_ALLOW_THREADS
+        kvr_engine_close(e);
+        kvr_engine_free(e);
+        Py_END_ALLOW_THREADS
+    }
+    tp->tp_free(op);
+    Py_DECREF(tp);
+}
+
+static PyObject *kvr_manager_close(PyObject *op, PyObject *unused)
+{
+    (void)unused;
+    kvr_py_manager_t *self = (kvr_py_manager_t *)op;
+    if (self->engine) {
+        kvr_engine_t *e = self->engine;
+        Py_BEGIN_ALLOW_THREADS
+        kvr_engine_close(e);
+        Py_END_ALLOW_THREADS
+    }
+    Py_RETURN_NONE;
+}
+
+static int kvr_manager_check(kvr_py_manager_t *self)
+{
+    if (self->engine == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the manager is not initialised");
+        return -1;
+    }
+    return 0;
+}
+
+static int kvr_dict_set_u64(PyObject *d, const char *k, uint64_t v)
+{
+    PyObject *o = PyLong_FromUnsignedLongLong(v);
+    if (o == NULL) {
+        return -1;
+    }
+    int rc = PyDict_SetItemString(d, k, o);
+    Py_DECREF(o);
+    return rc;
+}
+
+static PyObject *kvr_manager_stats(PyObject *op, PyObject *unused)
+{
+    (void)unused;
+    kvr_py_manager_t *self = (kvr_py_manager_t *)op;
+    if (kvr_manager_check(self) < 0) {
+        return NULL;
+    }
+    kvr_stats_t s;
+    Py_BEGIN_ALLOW_THREADS
+    kvr_engine_stats(self->engine, &s);
+    Py_END_ALLOW_THREADS
+    static const char *states[5] = {"Failed", "Bootstrapping", "WaitingForInput", "Transferring",
+                                    "Success"};
+    PyObject *d = PyDict_New(), *byst = PyDict_New(), *fails = PyDict_New();
+    if (d == NULL || byst == NULL || fails == NULL) {
+        goto fail;
+    }
+    for (int i = 0; i < 5; i++) {
+        if (kvr_dict_set_u64(byst, states[i], s.rooms_by_state[i]) < 0) {
+            goto fail;
+        }
+    }
+    for (int i = 1; i < KVR_STATUS_LAST; i++) {
+        if (kvr_dict_set_u64(fails, kvr_status_name(i), s.failures_by_code[i]) < 0) {
+            goto fail;
+        }
+    }
+    if (PyDict_SetItemString(d, "rooms_by_state", byst) < 0 ||
+        PyDict_SetItemString(d, "failures_by_code", fails) < 0 ||
+        kvr_dict_set_u64(d, "rooms_open", s.rooms_open) < 0 ||
+        kvr_dict_set_u64(d, "rooms_draining", s.rooms_draining) < 0 ||
+        kvr_dict_set_u64(d, "rooms_succeeded", s.rooms_succeeded) < 0 ||
+        kvr_dict_set_u64(d, "bytes_moved", s.bytes_moved) < 0 ||
+        kvr_dict_set_u64(d, "rma_ops_posted", s.ops_posted) < 0 ||
+        kvr_dict_set_u64(d, "ctrl_dropped", s.ctrl_dropped) < 0 ||
+        kvr_dict_set_u64(d, "data_rejected", s.data_rejected) < 0 ||
+        kvr_dict_set_u64(d, "heartbeats_missed", s.heartbeats_missed) < 0 ||
+        kvr_dict_set_u64(d, "pending_requests", s.pending_requests) < 0 ||
+        kvr_dict_set_u64(d, "peers", s.peers) < 0) {
+        goto fail;
+    }
+    Py_DECREF(byst);
+    Py_DECREF(fails);
+    return d;
+fail:
+    Py_XDECREF(d);
+    Py_XDECREF(byst);
+    Py_XDECREF(fails);
+    return NULL;
+}
+
+static PyObject *kvr_manager_get_closed(PyObject *op, void *unused)
+{
+    (void)unused;
+    kvr_py_manager_t *self = (kvr_py_manager_t *)op;
+    return PyBool_FromLong(self->engine == NULL || kvr_engine_closed(self->engine));
+}
+
+static PyObject *kvr_manager_get_endpoint(PyObject *op, void *unused)
+{
+    (void)unused;
+    kvr_py_manager_t *self = (kvr_py_manager_t *)op;
+    if (kvr_manager_check(self) < 0) {
+        return NULL;
+    }
+    return PyUnicode_FromString(kvr_engine_endpoint(self->engine));
+}
+
+static PyObject *kvr_manager_get_epoch(PyObject *op, void *unused)
+{
+    (void)unused;
+    kvr_py_manager_t *self = (kvr_py_manager_t *)op;
+    if (kvr_manager_check(self) < 0) {
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(kvr_engine_epoch(self->engine));
+}
+
+static PyObject *kvr_manager_get_transport(PyObject *op, void *unused)
+{
+    (void)unused;
+    kvr_py_manager_t *self = (kvr_py_manager_t *)op;
+    if (kvr_manager_check(self) < 0) {
+        return NULL;
+    }
+    return PyUnicode_FromString(kvr_engine_transport(self->engine));
+}
+
+static PyMethodDef kvr_manager_methods[] = {
+    {"close", kvr_manager_close, METH_NOARGS, "Stop the engine; idempotent."},
+    {"stats", kvr_manager_stats, METH_NOARGS, "Counters and rooms by state."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef kvr_manager_getset[] = {
+    {"closed", kvr_manager_get_closed, NULL, "True once close() ran.", NULL},
+    {"endpoint", kvr_manager_get_endpoint, NULL, "Control endpoint.", NULL},
+    {"epoch", kvr_manager_get_epoch, NULL, "Instance epoch.", NULL},
+    {"transport", kvr_manager_get_transport, NULL, "Transport description.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyType_Slot kvr_manager_slots[] = {
+    {Py_tp_init, kvr_manager_init},
+    {Py_tp_dealloc, kvr_manager_dealloc},
+    {Py_tp_methods, kvr_manager_methods},
+    {Py_tp_getset, kvr_manager_getset},
+    {Py_tp_doc, "The C engine of one KVManager."},
+    {0, NULL},
+};
+
+static PyType_Spec kvr_manager_spec = {
+    "kvrecv._core.Manager",
+    sizeof(kvr_py_manager_t),
+    0,
+    Py_TPFLAGS_DEFAULT,
+    kvr_manager_slots,
+};
+
+int kvr_py_add_manager(PyObject *m, kvr_py_state_t *st)
+{
+    st->manager_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &kvr_manager_spec, NULL);
+    if (st->manager_type == NULL) {
+        return -1;
+    }
+    return PyModule_AddObjectRef(m, "Manager", (PyObject *)st->manager_type);
+}

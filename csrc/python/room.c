@@ -1,0 +1,532 @@
+#include "module.h"
+
+#include <string.h>
+
+#include <structmember.h>
+
+typedef struct {
+    PyObject_HEAD
+    kvr_handle_t *handle;
+    PyObject *manager; /* keeps the engine alive while the room exists */
+    PyObject *dict;    /* so Python subclasses can carry attributes */
+    uint64_t room;
+} kvr_py_room_t;
+
+static int kvr_room_pyinit(PyObject *op, PyObject *args, PyObject *kwds)
+{
+    kvr_py_room_t *self = (kvr_py_room_t *)op;
+    static char *kwlist[] = {"manager", "bootstrap_addr", "bootstrap_room", NULL};
+    PyObject *mgr, *room_obj;
+    const char *addr = "";
+    kvr_py_state_t *st = kvr_py_state_of_type(Py_TYPE(op));
+    if (st == NULL) {
+        return -1;
+    }
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "O!zO", kwlist, st->manager_type, &mgr, &addr,
+                                     &room_obj)) {
+        return -1;
+    }
+    if (self->handle != NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the room is already open");
+        return -1;
+    }
+    PyObject *idx = PyNumber_Index(room_obj);
+    if (idx == NULL) {
+        PyErr_Format(PyExc_TypeError, "bootstrap_room must be an integer, not %.100s",
+                     Py_TYPE(room_obj)->tp_name);
+        return -1;
+    }
+    unsigned long long room = PyLong_AsUnsignedLongLong(idx);
+    Py_DECREF(idx);
+    if (room == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_SetString(PyExc_ValueError, "bootstrap_room must be in [0, 2**64)");
+        return -1;
+    }
+    kvr_py_manager_t *m = (kvr_py_manager_t *)mgr;
+    if (m->engine == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the manager is not initialised");
+        return -1;
+    }
+    char err[512] = "";
+    kvr_handle_t *h = NULL;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvr_handle_open(m->engine, room, addr ? addr : "", &h, err, sizeof(err));
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        kvr_py_raise(rc, err);
+        return -1;
+    }
+    self->handle = h;
+    self->room = room;
+    Py_INCREF(mgr);
+    Py_XSETREF(self->manager, mgr);
+    return 0;
+}
+
+static int kvr_room_traverse(PyObject *op, visitproc visit, void *arg)
+{
+    kvr_py_room_t *self = (kvr_py_room_t *)op;
+    Py_VISIT(Py_TYPE(op));
+    Py_VISIT(self->manager);
+    Py_VISIT(self->dict);
+    return 0;
+}
+
+static int kvr_room_pyclear(PyObject *op)
+{
+    kvr_py_room_t *self = (kvr_py_room_t *)op;
+    Py_CLEAR(self->dict);
+    return 0;
+}
+
+static void kvr_room_dealloc(PyObject *op)
+{
+    kvr_py_room_t *self = (kvr_py_room_t *)op;
+    PyTypeObject *tp = Py_TYPE(op);
+    PyObject_GC_UnTrack(op);
+    if (self->handle) {
+        kvr_handle_t *h = self->handle;
+        self->handle = NULL;
+        Py_BEGIN_ALLOW_THREADS
+        kvr_handle_release(h);
+        Py_END_ALLOW_THREADS
+    }
+    Py_CLEAR(self->dict);
+    Py_CLEAR(self->manager); /* after the release: the engine must outlive it */
+    tp->tp_free(op);
+    Py_DECREF(tp);
+}
+
+static kvr_handle_t *kvr_room_handle(kvr_py_room_t *self)
+{
+    if (self->handle == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "the room is not open (init was not called)");
+    }
+    return self->handle;
+}
+
+/*
+ * Converts an index argument to a new int32 array.  Accepts numpy arrays
+ * (or any 1-D buffer of integers) and sequences of Python ints.  TypeError
+ * for non-integers, ValueError for values outside int32.
+ */
+static int kvr_py_indices(PyObject *obj, const char *name, int32_t **out, size_t *n)
+{
+    *out = NULL;
+    *n = 0;
+    if (PyObject_CheckBuffer(obj)) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(obj, &view, PyBUF_FORMAT | PyBUF_ANY_CONTIGUOUS) < 0) {
+            return -1;
+        }
+        const char *fmt = view.format ? view.format : "B";
+        while (*fmt == '@' || *fmt == '=' || *fmt == '<' || *fmt == '!') {
+            fmt++;
+        }
+        char f = fmt[0];
+        int is_signed = strchr("bhilq", f) != NULL;
+        int is_unsigned = strchr("BHILQ", f) != NULL;
+        if (fmt[0] == '\0' || fmt[1] != '\0' || (!is_signed && !is_unsigned)) {
+            PyErr_Format(PyExc_TypeError, "%s must hold integers, got buffer format '%s'", name,
+                         view.format ? view.format : "B");
+            PyBuffer_Release(&view);
+            return -1;
+        }
+        if (view.ndim > 1) {
+            PyErr_Format(PyExc_ValueError, "%s must be one-dimensional, got %d dimensions", name,
+                         view.ndim);
+            PyBuffer_Release(&view);
+            return -1;
+        }
+        size_t count = (size_t)(view.len / view.itemsize);
+        int32_t *a = PyMem_Malloc((count ? count : 1) * sizeof(int32_t));
+        if (a == NULL) {
+            PyBuffer_Release(&view);
+            PyErr_NoMemory();
+            return -1;
+        }
+        const char *p = view.buf;
+        for (size_t i = 0; i < count; i++, p += view.itemsize) {
+            long long v = 0;
+            unsigned long long u = 0;
+            switch (view.itemsize) {
+            case 1: v = is_signed ? *(const int8_t *)p : *(const uint8_t *)p; break;
+            case 2: v = is_signed ? *(const int16_t *)p : *(const uint16_t *)p; break;
+            case 4: v = is_signed ? *(const int32_t *)p : (long long)*(const uint32_t *)p; break;
+            case 8:
+                if (is_signed) {
+                    v = *(const int64_t *)p;
+                } else {
+                    u = *(const uint64_t *)p;
+                    v = u > INT32_MAX ? (long long)INT32_MAX + 1 : (long long)u;
+                }
+                break;
+            default:
+                PyMem_Free(a);
+                PyBuffer_Release(&view);
+                PyErr_Format(PyExc_TypeError, "%s has an unsupported item size", name);
+                return -1;
+            }
+            if (v < INT32_MIN || v > INT32_MAX) {
+                PyMem_Free(a);
+                PyBuffer_Release(&view);
+                PyErr_Format(PyExc_ValueError, "%s[%zu]=%lld does not fit a page index (int32)",
+                             name, i, v);
+                return -1;
+            }
+            a[i] = (int32_t)v;
+        }
+        PyBuffer_Release(&view);
+        *out = a;
+        *n = count;
+        return 0;
+    }
+    PyObject *fast = PySequence_Fast(obj, "");
+    if (fast == NULL) {
+        PyErr_Format(PyExc_TypeError, "%s must be a sequence or array of integers, not %.100s",
+                     name, Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(fast);
+    int32_t *a = PyMem_Malloc((count ? (size_t)count : 1) * sizeof(int32_t));
+    if (a == NULL) {
+        Py_DECREF(fast);
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (Py_ssize_t i = 0; i < count; i++) {
+        PyObject *it = PySequence_Fast_GET_ITEM(fast, i);
+        if (PyBool_Check(it) || !PyIndex_Check(it)) {
+            PyErr_Format(PyExc_TypeError, "%s[%zd] must be an integer, not %.100s", name, i,
+                         Py_TYPE(it)->tp_name);
+            goto fail;
+        }
+        int overflow = 0;
+        PyObject *idx = PyNumber_Index(it);
+        if (idx == NULL) {
+            goto fail;
+        }
+        long long v = PyLong_AsLongLongAndOverflow(idx, &overflow);
+        Py_DECREF(idx);
+        if (overflow || v < INT32_MIN || v > INT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "%s[%zd] does not fit a page index (int32)", name, i);
+            goto fail;
+        }
+        a[i] = (int32_t)v;
+    }
+    Py_DECREF(fast);
+    *out = a;
+    *n = (size_t)count;
+    return 0;
+fail:
+    Py_DECREF(fast);
+    PyMem_Free(a);
+    return -1;
+}
+
+/* aux_index: None -> -1, else a non-negative int. */
+static int kvr_py_aux(PyObject *obj, int64_t *out)
+{
+    if (obj == NULL || obj == Py_None) {
+        *out = -1;
+        return 0;
+    }
+    if (PyBool_Check(obj) || !PyIndex_Check(obj)) {
+        PyErr_Format(PyExc_TypeError, "aux_index must be an integer or None, not %.100s",
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    PyObject *idx = PyNumber_Index(obj);
+    if (idx == NULL) {
+        return -1;
+    }
+    int overflow = 0;
+    long long v = PyLong_AsLongLongAndOverflow(idx, &overflow);
+    Py_DECREF(idx);
+    if (overflow || v < 0) {
+        PyErr_SetString(PyExc_ValueError, "aux_index must be a non-negative integer or None");
+        return -1;
+    }
+    *out = v;
+    return 0;
+}
+
+#define KVR_CALL(expr)                                                                        \
+    do {                                                                                      \
+        char err_[512] = "";                                                                  \
+        int rc_;                                                                              \
+        char *err = err_;                                                                     \
+        size_t errlen = sizeof(err_);                                                         \
+        Py_BEGIN_ALLOW_THREADS                                                                \
+        rc_ = (expr);                                                                         \
+        Py_END_ALLOW_THREADS                                                                  \
+        if (rc_ != 0) {                                                                       \
+            return kvr_py_raise(rc_, err_);                                                   \
+        }                                                                                     \
+    } while (0)
+
+static PyObject *kvr_room_recv_init(PyObject *op, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"prefill_dp_rank", NULL};
+    int dp = 0;
+    kvr_handle_t *h = kvr_room_handle((kvr_py_room_t *)op);
+    if (h == NULL || !PyArg_ParseTupleAndKeywords(args, kwds, "|i", kwlist, &dp)) {
+        return NULL;
+    }
+    if (kvr_handle_role(h) != 1) {
+        PyErr_SetString(PyExc_RuntimeError, "recv_init() on a prefill room");
+        return NULL;
+    }
+    KVR_CALL(kvr_handle_recv_init(h, dp, err, errlen));
+    Py_RETURN_NONE;
+}
+
+static PyObject *kvr_room_send_metadata(PyObject *op, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"kv_indices", "aux_index", NULL};
+    PyObject *ind, *aux = Py_None;
+    int64_t auxv;
+    int32_t *pages;
+    size_t n;
+    kvr_handle_t *h = kvr_room_handle((kvr_py_room_t *)op);
+    if (h == NULL || !PyArg_ParseTupleAndKeywords(args, kwds, "O|O", kwlist, &ind, &aux)) {
+        return NULL;
+    }
+    if (kvr_py_aux(aux, &auxv) < 0 || kvr_py_indices(ind, "kv_indices", &pages, &n) < 0) {
+        return NULL;
+    }
+    char errbuf[512] = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvr_handle_send_metadata(h, pages, n, auxv, errbuf, sizeof(errbuf));
+    Py_END_ALLOW_THREADS
+    PyMem_Free(pages);
+    if (rc != 0) {
+        return kvr_py_raise(rc, errbuf);
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *kvr_room_send_init(PyObject *op, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"num_kv_indices", "aux_index", NULL};
+    PyObject *num, *aux = Py_None;
+    int64_t auxv;
+    kvr_handle_t *h = kvr_room_handle((kvr_py_room_t *)op);
+    if (h == NULL || !PyArg_ParseTupleAndKeywords(args, kwds, "O|O", kwlist, &num, &aux)) {
+        return NULL;
+    }
+    if (PyBool_Check(num) || !PyIndex_Check(num)) {
+        PyErr_Format(PyExc_TypeError, "num_kv_indices must be an integer, not %.100s",
+                     Py_TYPE(num)->tp_name);
+        return NULL;
+    }
+    PyObject *idx = PyNumber_Index(num);
+    if (idx == NULL) {
+        return NULL;
+    }
+    int overflow = 0;
+    long long nv = PyLong_AsLongLongAndOverflow(idx, &overflow);
+    Py_DECREF(idx);
+    if (overflow) {
+        PyErr_SetString(PyExc_ValueError, "num_kv_indices is out of range");
+        return NULL;
+    }
+    if (kvr_py_aux(aux, &auxv) < 0) {
+        return NULL;
+    }
+    KVR_CALL(kvr_handle_send_init(h, nv, auxv, err, errlen));
+    Py_RETURN_NONE;
+}
+
+static PyObject *kvr_room_send(PyObject *op, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"kv_indices", NULL};
+    PyObject *ind;
+    int32_t *pages;
+    size_t n;
+    kvr_handle_t *h = kvr_room_handle((kvr_py_room_t *)op);
+    if (h == NULL || !PyArg_ParseTupleAndKeywords(args, kwds, "O", kwlist, &ind)) {
+        return NULL;
+    }
+    if (kvr_py_indices(ind, "kv_indices", &pages, &n) < 0) {
+        return NULL;
+    }
+    char errbuf[512] = "";
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvr_handle_send(h, pages, n, errbuf, sizeof(errbuf));
+    Py_END_ALLOW_THREADS
+    PyMem_Free(pages);
+    if (rc != 0) {
+        return kvr_py_raise(rc, errbuf);
+    }
+    Py_RETURN_NONE;
+}
+
+/* poll(): an atomic read; never raises once the room is open. */
+static PyObject *kvr_room_poll(PyObject *op, PyObject *unused)
+{
+    (void)unused;
+    kvr_py_room_t *self = (kvr_py_room_t *)op;
+    int v = self->handle ? kvr_handle_poll(self->handle) : 0;
+    kvr_py_state_t *st = kvr_py_state_of_type(Py_TYPE(op));
+    if (st != NULL && st->poll_values[v] != NULL) {
+        return Py_NewRef(st->poll_values[v]);
+    }
+    PyErr_Clear();
+    return PyLong_FromLong(v);
+}
+
+/*
+ * failure_record(pop=False) -> None or
+ *   (code, reason, origin_rank or None, peer or None, from_remote)
+ */
+static PyObject *kvr_room_failure_record(PyObject *op, PyObject *args, PyObject *kwds)
+{
+    static char *kwlist[] = {"pop", NULL};
+    int pop = 0;
+    kvr_handle_t *h = kvr_room_handle((kvr_py_room_t *)op);
+    if (h == NULL || !PyArg_ParseTupleAndKeywords(args, kwds, "|p", kwlist, &pop)) {
+        return NULL;
+    }
+    kvr_failure_t f;
+    int found;
+    Py_BEGIN_ALLOW_THREADS
+    found = kvr_handle_failure(h, &f, pop);
+    Py_END_ALLOW_THREADS
+    if (!found) {
+        Py_RETURN_NONE;
+    }
+    PyObject *origin = f.origin_rank >= 0 ? PyLong_FromLong(f.origin_rank) : Py_NewRef(Py_None);
+    PyObject *peer = f.peer[0] ? PyUnicode_FromString(f.peer) : Py_NewRef(Py_None);
+    PyObject *out = NULL;
+    if (origin && peer) {
+        out = Py_BuildValue("(ssOOO)", kvr_status_name(f.code), f.reason, origin, peer,
+                            f.from_remote ? Py_True : Py_False);
+    }
+    Py_XDECREF(origin);
+    Py_XDECREF(peer);
+    return out;
+}
+
+/*
+ * failure_exception(generic_reason): pops the record and raises it as the
+ * KVTransferError subclass of its code; without a record raises
+ * KVTransferError(room, generic_reason, is_from_another_rank=True).
+ */
+static PyObject *kvr_room_failure_exception(PyObject *op, PyObject *args)
+{
+    kvr_py_room_t *self = (kvr_py_room_t *)op;
+    const char *generic = "KV transfer failed";
+    if (!PyArg_ParseTuple(args, "|s", &generic)) {
+        return NULL;
+    }
+    kvr_py_state_t *st = kvr_py_state_of_type(Py_TYPE(op));
+    if (st == NULL) {
+        return NULL;
+    }
+    kvr_failure_t f;
+    int found = 0;
+    if (self->handle) {
+        Py_BEGIN_ALLOW_THREADS
+        found = kvr_handle_failure(self->handle, &f, 1);
+        Py_END_ALLOW_THREADS
+    }
+    PyObject *exc;
+    if (found) {
+        exc = kvr_py_error_new(st, self->room, &f, 0);
+    } else {
+        exc = PyObject_CallFunction(st->error_base, "KsO", (unsigned long long)self->room,
+                                    generic, Py_True);
+    }
+    if (exc != NULL) {
+        PyErr_SetObject((PyObject *)Py_TYPE(exc), exc);
+        Py_DECREF(exc);
+    }
+    return NULL;
+}
+
+static PyObject *kvr_room_abort(PyObject *op, PyObject *unused)
+{
+    (void)unused;
+    kvr_handle_t *h = ((kvr_py_room_t *)op)->handle;
+    if (h != NULL) {
+        KVR_CALL(kvr_handle_abort(h, err, errlen));
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *kvr_room_clear(PyObject *op, PyObject *unused)
+{
+    (void)unused;
+    kvr_handle_t *h = ((kvr_py_room_t *)op)->handle;
+    if (h != NULL) {
+        KVR_CALL(kvr_handle_clear(h, err, errlen));
+    }
+    Py_RETURN_NONE;
+}
+
+static PyObject *kvr_room_get_room(PyObject *op, void *unused)
+{
+    (void)unused;
+    return PyLong_FromUnsignedLongLong(((kvr_py_room_t *)op)->room);
+}
+
+static PyMethodDef kvr_room_methods[] = {
+    {"recv_init", (PyCFunction)(void (*)(void))kvr_room_recv_init, METH_VARARGS | METH_KEYWORDS,
+     "Decode: start resolving the prefill peer."},
+    {"send_metadata", (PyCFunction)(void (*)(void))kvr_room_send_metadata,
+     METH_VARARGS | METH_KEYWORDS, "Decode: destination pages and aux row."},
+    {"send_init", (PyCFunction)(void (*)(void))kvr_room_send_init, METH_VARARGS | METH_KEYWORDS,
+     "Prefill: announce the number of pages and the aux row."},
+    {"send", (PyCFunction)(void (*)(void))kvr_room_send, METH_VARARGS | METH_KEYWORDS,
+     "Prefill: hand over a chunk of source pages."},
+    {"poll", kvr_room_poll, METH_NOARGS, "The room's KVPoll state; never blocks or raises."},
+    {"failure_record", (PyCFunction)(void (*)(void))kvr_room_failure_record,
+     METH_VARARGS | METH_KEYWORDS, "The failure record as a tuple, or None."},
+    {"_raise_failure", kvr_room_failure_exception, METH_VARARGS, "Raise the failure."},
+    {"abort", kvr_room_abort, METH_NOARGS, "Abort the transfer."},
+    {"clear", kvr_room_clear, METH_NOARGS, "Free the room; the id may be reused."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyGetSetDef kvr_room_getset[] = {
+    {"bootstrap_room", kvr_room_get_room, NULL, "The room id.", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
+static PyMemberDef kvr_room_members[] = {
+    {"__dictoffset__", T_PYSSIZET, offsetof(kvr_py_room_t, dict), READONLY, NULL},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyType_Slot kvr_room_slots[] = {
+    {Py_tp_init, kvr_room_pyinit},
+    {Py_tp_dealloc, kvr_room_dealloc},
+    {Py_tp_traverse, kvr_room_traverse},
+    {Py_tp_clear, kvr_room_pyclear},
+    {Py_tp_methods, kvr_room_methods},
+    {Py_tp_getset, kvr_room_getset},
+    {Py_tp_members, kvr_room_members},
+    {Py_tp_doc, "One room of a manager (base of KVSender and KVReceiver)."},
+    {0, NULL},
+};
+
+static PyType_Spec kvr_room_spec = {
+    "kvrecv._core.Room",
+    sizeof(kvr_py_room_t),
+    0,
+    Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE | Py_TPFLAGS_HAVE_GC,
+    kvr_room_slots,
+};
+
+int kvr_py_add_room(PyObject *m, kvr_py_state_t *st)
+{
+    st->room_type = (PyTypeObject *)PyType_FromModuleAndSpec(m, &kvr_room_spec, NULL);
+    if (st->room_type == NULL) {
+        return -1;
+    }
+    return PyModule_AddObjectRef(m, "Room", (PyObject *)st->room_type);
+}

@@ -1,0 +1,104 @@
+#include "registry.h"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+uint64_t kvr_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ULL + (uint64_t)ts.tv_nsec;
+}
+
+void kvr_registry_init(kvr_registry_t *reg)
+{
+    pthread_mutex_init(&reg->lock, NULL);
+    kvr_table_init(&reg->records);
+}
+
+void kvr_registry_destroy(kvr_registry_t *reg)
+{
+    for (size_t i = 0; i < reg->records.capacity; i++) {
+        free(reg->records.slots[i].value);
+    }
+    kvr_table_destroy(&reg->records);
+    pthread_mutex_destroy(&reg->lock);
+}
+
+int kvr_registry_record(kvr_registry_t *reg, uint64_t room, const kvr_failure_t *f)
+{
+    int ret = 0;
+    pthread_mutex_lock(&reg->lock);
+    if (kvr_table_get(&reg->records, room) == NULL) {
+        kvr_failure_t *copy = malloc(sizeof(*copy));
+        if (copy == NULL) {
+            ret = -1;
+        } else {
+            *copy = *f;
+            if (kvr_table_put(&reg->records, room, copy) != 0) {
+                free(copy);
+                ret = -1;
+            } else {
+                ret = 1;
+            }
+        }
+    }
+    pthread_mutex_unlock(&reg->lock);
+    return ret;
+}
+
+int kvr_registry_peek(kvr_registry_t *reg, uint64_t room, kvr_failure_t *out)
+{
+    pthread_mutex_lock(&reg->lock);
+    kvr_failure_t *f = kvr_table_get(&reg->records, room);
+    if (f != NULL) {
+        *out = *f;
+    }
+    pthread_mutex_unlock(&reg->lock);
+    return f != NULL;
+}
+
+int kvr_registry_pop(kvr_registry_t *reg, uint64_t room, kvr_failure_t *out)
+{
+    pthread_mutex_lock(&reg->lock);
+    kvr_failure_t *f = kvr_table_remove(&reg->records, room);
+    pthread_mutex_unlock(&reg->lock);
+    if (f == NULL) {
+        return 0;
+    }
+    *out = *f;
+    free(f);
+    return 1;
+}
+
+void kvr_registry_drop(kvr_registry_t *reg, uint64_t room)
+{
+    pthread_mutex_lock(&reg->lock);
+    free(kvr_table_remove(&reg->records, room));
+    pthread_mutex_unlock(&reg->lock);
+}
+
+size_t kvr_registry_count(kvr_registry_t *reg)
+{
+    pthread_mutex_lock(&reg->lock);
+    size_t n = reg->records.count;
+    pthread_mutex_unlock(&reg->lock);
+    return n;
+}
+
+void kvr_failure_fill(kvr_failure_t *f, int code, int origin_rank, const char *peer,
+                      const char *fmt, ...)
+{
+    va_list ap;
+    memset(f, 0, sizeof(*f));
+    f->code = code;
+    f->origin_rank = origin_rank;
+    f->time_ns = kvr_now_ns();
+    snprintf(f->peer, sizeof(f->peer), "%s", peer ? peer : "");
+    va_start(ap, fmt);
+    vsnprintf(f->reason, sizeof(f->reason), fmt, ap);
+    va_end(ap);
+}

@@ -1,0 +1,64 @@
+/*
+ * The failure registry: one record per room id, the first root cause wins.
+ *
+ * A record holds the code, the reason text written by the first function
+ * that saw the failure (with the room and the peer in it), the rank where it
+ * happened and when.  Echoes of a failure (the peer telling us about the
+ * abort we sent it, a second error for the same room) never overwrite the
+ * first record.  The registry has its own mutex, so any thread may call any
+ * function; none of them blocks on I/O.
+ */
+#ifndef KVR_REGISTRY_H
+#define KVR_REGISTRY_H
+
+#include <pthread.h>
+#include <stdint.h>
+
+#include "table.h"
+
+#define KVR_REASON_MAX 384
+#define KVR_PEER_MAX 160
+
+typedef struct {
+    int code;                     /* kvr_status_t */
+    int origin_rank;              /* rank that detected it; -1 if unknown */
+    int from_remote;              /* 1 if another process told us */
+    uint64_t time_ns;             /* CLOCK_MONOTONIC when recorded */
+    char peer[KVR_PEER_MAX];      /* "host:port" or "" */
+    char reason[KVR_REASON_MAX];  /* full text, never empty */
+} kvr_failure_t;
+
+typedef struct {
+    pthread_mutex_t lock;
+    kvr_table_t records; /* room id -> kvr_failure_t* */
+} kvr_registry_t;
+
+void kvr_registry_init(kvr_registry_t *reg);
+void kvr_registry_destroy(kvr_registry_t *reg);
+
+/*
+ * Records a failure for room unless one is already there.  Returns 1 if this
+ * call's record was stored (it is the root cause), 0 if an earlier record
+ * wins, -1 on ENOMEM (nothing stored).
+ */
+int kvr_registry_record(kvr_registry_t *reg, uint64_t room, const kvr_failure_t *f);
+
+/* Copies the record out; returns 1 if there was one, 0 otherwise. */
+int kvr_registry_peek(kvr_registry_t *reg, uint64_t room, kvr_failure_t *out);
+
+/* Like peek, and removes the record. */
+int kvr_registry_pop(kvr_registry_t *reg, uint64_t room, kvr_failure_t *out);
+
+/* Drops the record of room, if any. */
+void kvr_registry_drop(kvr_registry_t *reg, uint64_t room);
+
+/* Number of records held. */
+size_t kvr_registry_count(kvr_registry_t *reg);
+
+/* Fills f (code, rank, peer, printf-style reason).  Never fails. */
+void kvr_failure_fill(kvr_failure_t *f, int code, int origin_rank, const char *peer,
+                      const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+uint64_t kvr_now_ns(void);
+
+#endif

@@ -1,0 +1,94 @@
+#include "room.h"
+
+#include <stdlib.h>
+
+kvr_room_t *kvr_room_new(uint64_t id, uint64_t tag, int role)
+{
+    kvr_room_t *r = calloc(1, sizeof(*r));
+    if (r == NULL) {
+        return NULL;
+    }
+    r->id = id;
+    r->tag = tag;
+    r->role = role;
+    r->aux_index = -1;
+    r->src_aux = -1;
+    r->dst_aux = -1;
+    atomic_init(&r->visible, KVR_POLL_BOOTSTRAPPING);
+    return r;
+}
+
+void kvr_room_free(kvr_room_t *r)
+{
+    if (r == NULL) {
+        return;
+    }
+    free(r->pages);
+    free(r->src_pages);
+    free(r->dst_pages);
+    free(r->notice);
+    free(r);
+}
+
+int kvr_room_terminal(const kvr_room_t *r)
+{
+    int v = atomic_load(&r->visible);
+    return v == KVR_POLL_SUCCESS || v == KVR_POLL_FAILED;
+}
+
+int kvr_room_advance(kvr_room_t *r, int state)
+{
+    if (kvr_room_terminal(r) || r->failing || state == KVR_POLL_FAILED) {
+        return 0;
+    }
+    if (state <= atomic_load(&r->visible)) {
+        return 0;
+    }
+    atomic_store(&r->visible, state);
+    return 1;
+}
+
+int kvr_room_fail(kvr_room_t *r, int code)
+{
+    if (r->failing || atomic_load(&r->visible) == KVR_POLL_SUCCESS) {
+        return 0;
+    }
+    r->failing = 1;
+    r->fail_code = code;
+    return 1;
+}
+
+int kvr_room_settle(kvr_room_t *r)
+{
+    if (!r->failing || r->inflight > 0 || atomic_load(&r->visible) == KVR_POLL_FAILED) {
+        return 0;
+    }
+    atomic_store(&r->visible, KVR_POLL_FAILED);
+    return 1;
+}
+
+int kvr_room_complete(const kvr_room_t *r)
+{
+    return r->meta_set && !r->failing && r->inflight == 0 && r->received == r->expected;
+}
+
+uint32_t kvr_run_length(const int32_t *src, const int32_t *dst, uint32_t pos, uint32_t end)
+{
+    uint32_t n = 1;
+    /* 64-bit sums: a page near INT32_MAX must not overflow. */
+    while (pos + n < end && (int64_t)dst[pos + n] == (int64_t)dst[pos] + n &&
+           (src == NULL || (int64_t)src[pos + n] == (int64_t)src[pos] + n)) {
+        n++;
+    }
+    return n;
+}
+
+long kvr_pages_check(const int32_t *pages, size_t n, int64_t limit)
+{
+    for (size_t i = 0; i < n; i++) {
+        if (pages[i] < 0 || pages[i] >= limit) {
+            return (long)i;
+        }
+    }
+    return -1;
+}

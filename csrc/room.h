@@ -1,0 +1,143 @@
+/*
+ * room: the per-room state machine, pure logic, no I/O.
+ *
+ *   visible state (what poll() returns; sglang's KVPoll values)
+ *
+ *      Bootstrapping(1) --peer ready--> WaitingForInput(2)
+ *            |                               |
+ *            |                    data flows (decode: metadata sent;
+ *            |                                prefill: first send posted)
+ *            |                               v
+ *            |                         Transferring(3) --all bytes--> Success(4)
+ *            |                               |
+ *            +-------------+-----------------+
+ *                          | failure recorded, and no operation of the room
+ *                          v still in flight (the room has drained)
+ *                      Failed(0)
+ *
+ *   transition                         performed by
+ *   -> Bootstrapping                   kvr_room_new
+ *   Bootstrapping -> WaitingForInput   kvr_room_advance (engine: peer ready /
+ *                                      decode's request arrived)
+ *   -> Transferring                    kvr_room_advance
+ *   Transferring -> Success            kvr_room_advance, when kvr_room_complete
+ *   any -> failing                     kvr_room_fail (first cause wins)
+ *   failing -> Failed                  kvr_room_settle, when inflight == 0
+ *
+ * Invariants:
+ *   - Success and Failed are terminal: nothing leaves them (no resurrection).
+ *   - The visible state only grows, except to Failed.
+ *   - A failing room accepts no new data and posts no new operation; it
+ *     becomes visibly Failed only once its in-flight operations are done, so
+ *     after poll() says Failed no byte of the room lands in local memory.
+ *   - Decode: received <= expected; Success iff received == expected and
+ *     nothing is in flight.
+ *
+ * Fields are protected by the engine lock, except `visible`, which poll()
+ * reads without it.
+ */
+#ifndef KVR_ROOM_H
+#define KVR_ROOM_H
+
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+enum {
+    KVR_POLL_FAILED = 0,
+    KVR_POLL_BOOTSTRAPPING = 1,
+    KVR_POLL_WAITING = 2,
+    KVR_POLL_TRANSFERRING = 3,
+    KVR_POLL_SUCCESS = 4,
+};
+
+enum { KVR_ROLE_PREFILL = 0, KVR_ROLE_DECODE = 1 };
+
+struct kvr_peer;
+
+typedef struct kvr_room {
+    uint64_t id;            /* the bootstrap room */
+    uint64_t tag;           /* unique per incarnation on this manager */
+    int role;
+    atomic_int visible;     /* KVR_POLL_* */
+    int refs;               /* table + handle + operations in flight */
+    int in_table;
+    int released;           /* the Python handle is gone */
+    int failing;            /* a failure was recorded for this room */
+    int fail_code;
+    int notified;           /* the peer was told of our failure / completion */
+    int inflight;           /* transport operations outstanding */
+    uint64_t deadline_ns;   /* 0: none */
+    uint64_t started_ns;
+    struct kvr_peer *peer;
+    void *owner;            /* the engine */
+    void *notice;           /* failure to tell the peer, sent by the engine thread */
+    char bootstrap_addr[128];
+
+    /* decode */
+    int init_called;
+    int meta_set;
+    int req_sent;
+    int32_t *pages;         /* destination pages (positions -> page) */
+    uint32_t npages;
+    int64_t aux_index;
+    uint64_t expected;      /* bytes */
+    uint64_t received;
+
+    /* prefill */
+    int inited;
+    uint32_t total_pages;   /* announced by init() */
+    int32_t *src_pages;     /* source pages given so far */
+    uint32_t given;         /* pages handed over by send() */
+    uint32_t posted;        /* pages whose operations were posted */
+    int aux_posted;
+    int64_t src_aux;
+    int bound;              /* decode's request arrived */
+    int32_t *dst_pages;
+    uint32_t ndst;
+    int64_t dst_aux;
+    uint64_t dst_tag;
+    int done_received;
+    uint64_t ops_posted;
+
+    /* the engine's work list */
+    struct kvr_room *work_next;
+    int on_work;
+} kvr_room_t;
+
+/* Allocates a room in Bootstrapping; NULL on ENOMEM. */
+kvr_room_t *kvr_room_new(uint64_t id, uint64_t tag, int role);
+void kvr_room_free(kvr_room_t *r);
+
+/* Moves the visible state forward to `state` (never backwards, never out of
+ * a terminal state).  Returns 1 if it changed. */
+int kvr_room_advance(kvr_room_t *r, int state);
+
+/* Marks the room failing with code (first cause wins); returns 1 if this was
+ * the first failure. */
+int kvr_room_fail(kvr_room_t *r, int code);
+
+/* Publishes Failed if the room is failing and has drained; returns 1 if it
+ * did. */
+int kvr_room_settle(kvr_room_t *r);
+
+/* Decode: 1 when every expected byte has landed and nothing is in flight. */
+int kvr_room_complete(const kvr_room_t *r);
+
+/* 1 if the visible state is Success or Failed. */
+int kvr_room_terminal(const kvr_room_t *r);
+
+/*
+ * Length of the run starting at position pos: the largest n such that
+ * src[pos+k] == src[pos]+k and dst[pos+k] == dst[pos]+k for k < n, capped at
+ * end - pos.  src may be NULL (then only dst must be contiguous).
+ */
+uint32_t kvr_run_length(const int32_t *src, const int32_t *dst, uint32_t pos, uint32_t end);
+
+/*
+ * Checks page indices against [0, limit).  Returns -1 if all are valid, or
+ * the position of the first bad one.
+ */
+long kvr_pages_check(const int32_t *pages, size_t n, int64_t limit);
+
+#endif

@@ -1,0 +1,356 @@
+#include "transport.h"
+
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include <ucp/api/ucp.h>
+
+#define KVR_AM_ID_DATA 7
+
+typedef struct {
+    void *addr;
+    size_t len;
+    ucp_mem_h memh;
+} kvr_tp_region_t;
+
+struct kvr_transport {
+    ucp_context_h context;
+    ucp_worker_h worker;
+    ucp_address_t *address;
+    size_t address_len;
+    int efd;
+    kvr_tp_callbacks_t cb;
+    kvr_tp_region_t *regions;
+    size_t nregions;
+    char describe[256];
+};
+
+struct kvr_tp_ep {
+    kvr_transport_t *tp;
+    ucp_ep_h ep;
+    void *ep_ctx;
+    int failed;
+};
+
+/* ---- completion callbacks ---- */
+
+static void kvr_tp_send_cb(void *request, ucs_status_t status, void *user_data)
+{
+    kvr_tp_op_t *op = user_data;
+    kvr_transport_t *tp = op->tp;
+    tp->cb.on_send_done(tp->cb.arg, op, status != UCS_OK,
+                        status == UCS_OK ? NULL : ucs_status_string(status));
+    ucp_request_free(request);
+}
+
+static void kvr_tp_recv_cb(void *request, ucs_status_t status, size_t length, void *user_data)
+{
+    kvr_tp_op_t *op = user_data;
+    kvr_transport_t *tp = op->tp;
+    tp->cb.on_recv_done(tp->cb.arg, op, length, status != UCS_OK,
+                        status == UCS_OK ? NULL : ucs_status_string(status));
+    ucp_request_free(request);
+}
+
+static ucs_status_t kvr_tp_am_cb(void *arg, const void *header, size_t header_length,
+                                 void *data, size_t length, const ucp_am_recv_param_t *param)
+{
+    kvr_transport_t *tp = arg;
+    kvr_tp_accept_t acc = {NULL, NULL, NULL};
+    tp->cb.on_data(tp->cb.arg, header, header_length, length, &acc);
+    if (acc.dst == NULL) {
+        /* Rejected: for rendezvous the sender's request completes with this
+         * status, so it learns the receiver refused the data. */
+        return (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? UCS_ERR_REJECTED : UCS_OK;
+    }
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+        memcpy(acc.dst, data, length);
+        tp->cb.on_recv_done(tp->cb.arg, acc.op, length, 0, NULL);
+        return UCS_OK;
+    }
+    acc.op->tp = tp;
+    size_t recv_len = 0;
+    ucp_request_param_t rp;
+    memset(&rp, 0, sizeof(rp));
+    rp.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                      UCP_OP_ATTR_FIELD_RECV_INFO;
+    rp.cb.recv_am = kvr_tp_recv_cb;
+    rp.user_data = acc.op;
+    rp.recv_info.length = &recv_len;
+    ucs_status_ptr_t req = ucp_am_recv_data_nbx(tp->worker, data, acc.dst, length, &rp);
+    if (req == NULL) {
+        tp->cb.on_recv_done(tp->cb.arg, acc.op, length, 0, NULL);
+    } else if (UCS_PTR_IS_ERR(req)) {
+        tp->cb.on_recv_done(tp->cb.arg, acc.op, 0, 1,
+                            ucs_status_string(UCS_PTR_STATUS(req)));
+    }
+    /* Otherwise kvr_tp_recv_cb completes it.  UCP owns data either way. */
+    return UCS_OK;
+}
+
+static void kvr_tp_ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
+{
+    kvr_tp_ep_t *e = arg;
+    (void)ep;
+    if (e->failed) {
+        return;
+    }
+    e->failed = 1;
+    e->tp->cb.on_ep_error(e->tp->cb.arg, e->ep_ctx, ucs_status_string(status));
+}
+
+/* ---- lifecycle ---- */
+
+int kvr_tp_create(const kvr_tp_callbacks_t *cb, kvr_transport_t **tp_p, char *err, size_t errlen)
+{
+    ucs_status_t st;
+    ucp_config_t *config = NULL;
+    kvr_transport_t *tp = calloc(1, sizeof(*tp));
+    if (tp == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    tp->cb = *cb;
+    tp->efd = -1;
+
+    st = ucp_config_read(NULL, NULL, &config);
+    if (st != UCS_OK) {
+        snprintf(err, errlen, "ucp_config_read: %s", ucs_status_string(st));
+        goto err_free;
+    }
+    ucp_params_t params;
+    memset(&params, 0, sizeof(params));
+    params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
+    params.features = UCP_FEATURE_AM | UCP_FEATURE_WAKEUP;
+    params.mt_workers_shared = 0;
+    st = ucp_init(&params, config, &tp->context);
+    ucp_config_release(config);
+    if (st != UCS_OK) {
+        snprintf(err, errlen, "ucp_init: %s", ucs_status_string(st));
+        goto err_free;
+    }
+
+    ucp_worker_params_t wp;
+    memset(&wp, 0, sizeof(wp));
+    wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_EVENTS;
+    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+    wp.events = UCP_WAKEUP_RMA | UCP_WAKEUP_TAG_SEND | UCP_WAKEUP_TAG_RECV | UCP_WAKEUP_TX |
+                UCP_WAKEUP_RX;
+    st = ucp_worker_create(tp->context, &wp, &tp->worker);
+    if (st != UCS_OK) {
+        snprintf(err, errlen, "ucp_worker_create: %s", ucs_status_string(st));
+        goto err_cleanup_context;
+    }
+
+    ucp_worker_attr_t wa;
+    memset(&wa, 0, sizeof(wa));
+    wa.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
+    st = ucp_worker_query(tp->worker, &wa);
+    if (st != UCS_OK) {
+        snprintf(err, errlen, "ucp_worker_query: %s", ucs_status_string(st));
+        goto err_destroy_worker;
+    }
+    tp->address = wa.address;
+    tp->address_len = wa.address_length;
+
+    st = ucp_worker_get_efd(tp->worker, &tp->efd);
+    if (st != UCS_OK) {
+        snprintf(err, errlen, "ucp_worker_get_efd: %s", ucs_status_string(st));
+        goto err_release_address;
+    }
+
+    ucp_am_handler_param_t hp;
+    memset(&hp, 0, sizeof(hp));
+    hp.field_mask = UCP_AM_HANDLER_PARAM_FIELD_ID | UCP_AM_HANDLER_PARAM_FIELD_CB |
+                    UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
+    hp.id = KVR_AM_ID_DATA;
+    hp.cb = kvr_tp_am_cb;
+    hp.arg = tp;
+    hp.flags = UCP_AM_FLAG_WHOLE_MSG;
+    st = ucp_worker_set_am_recv_handler(tp->worker, &hp);
+    if (st != UCS_OK) {
+        snprintf(err, errlen, "ucp_worker_set_am_recv_handler: %s", ucs_status_string(st));
+        goto err_release_address;
+    }
+
+    const char *tls = getenv("UCX_TLS");
+    snprintf(tp->describe, sizeof(tp->describe), "ucx %s, UCX_TLS=%s", ucp_get_version_string(),
+             tls ? tls : "all");
+    *tp_p = tp;
+    return 0;
+
+err_release_address:
+    ucp_worker_release_address(tp->worker, tp->address);
+err_destroy_worker:
+    ucp_worker_destroy(tp->worker);
+err_cleanup_context:
+    ucp_cleanup(tp->context);
+err_free:
+    free(tp);
+    return -1;
+}
+
+void kvr_tp_destroy(kvr_transport_t *tp)
+{
+    if (tp == NULL) {
+        return;
+    }
+    for (size_t i = 0; i < tp->nregions; i++) {
+        ucp_mem_unmap(tp->context, tp->regions[i].memh);
+    }
+    free(tp->regions);
+    ucp_worker_release_address(tp->worker, tp->address);
+    ucp_worker_destroy(tp->worker);
+    ucp_cleanup(tp->context);
+    free(tp);
+}
+
+void kvr_tp_address(kvr_transport_t *tp, const void **addr_p, size_t *len_p)
+{
+    *addr_p = tp->address;
+    *len_p = tp->address_len;
+}
+
+int kvr_tp_fd(kvr_transport_t *tp)
+{
+    return tp->efd;
+}
+
+unsigned kvr_tp_progress(kvr_transport_t *tp)
+{
+    unsigned total = 0, n;
+    while ((n = ucp_worker_progress(tp->worker)) != 0) {
+        total += n;
+    }
+    return total;
+}
+
+int kvr_tp_arm(kvr_transport_t *tp)
+{
+    return ucp_worker_arm(tp->worker) == UCS_ERR_BUSY ? 1 : 0;
+}
+
+const char *kvr_tp_describe(kvr_transport_t *tp)
+{
+    return tp->describe;
+}
+
+/* ---- endpoints ---- */
+
+int kvr_tp_ep_create(kvr_transport_t *tp, const void *addr, size_t len, void *ep_ctx,
+                     kvr_tp_ep_t **ep_p, char *err, size_t errlen)
+{
+    (void)len; /* a UCX worker address carries its own length */
+    kvr_tp_ep_t *e = calloc(1, sizeof(*e));
+    if (e == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    e->tp = tp;
+    e->ep_ctx = ep_ctx;
+    ucp_ep_params_t ep;
+    memset(&ep, 0, sizeof(ep));
+    ep.field_mask = UCP_EP_PARAM_FIELD_REMOTE_ADDRESS | UCP_EP_PARAM_FIELD_ERR_HANDLING_MODE |
+                    UCP_EP_PARAM_FIELD_ERR_HANDLER;
+    ep.address = addr;
+    ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
+    ep.err_handler.cb = kvr_tp_ep_err_cb;
+    ep.err_handler.arg = e;
+    ucs_status_t st = ucp_ep_create(tp->worker, &ep, &e->ep);
+    if (st != UCS_OK) {
+        snprintf(err, errlen, "ucp_ep_create: %s", ucs_status_string(st));
+        free(e);
+        return -1;
+    }
+    *ep_p = e;
+    return 0;
+}
+
+void kvr_tp_ep_close(kvr_transport_t *tp, kvr_tp_ep_t *e, int force)
+{
+    ucp_request_param_t p;
+    memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
+    p.flags = (force || e->failed) ? UCP_EP_CLOSE_FLAG_FORCE : 0;
+    ucs_status_ptr_t req = ucp_ep_close_nbx(e->ep, &p);
+    if (UCS_PTR_IS_PTR(req)) {
+        /* Bounded drain: a close that does not finish in ~2 s is abandoned
+         * (the worker's destruction releases it). */
+        for (int i = 0; i < 200000 && ucp_request_check_status(req) == UCS_INPROGRESS; i++) {
+            ucp_worker_progress(tp->worker);
+        }
+        if (ucp_request_check_status(req) == UCS_INPROGRESS) {
+            ucp_request_cancel(tp->worker, req);
+        }
+        ucp_request_free(req);
+    }
+    free(e);
+}
+
+/* ---- data ---- */
+
+static ucp_mem_h kvr_tp_find_memh(kvr_transport_t *tp, const void *buf, size_t len)
+{
+    const char *b = buf;
+    for (size_t i = 0; i < tp->nregions; i++) {
+        const char *r = tp->regions[i].addr;
+        if (b >= r && b + len <= r + tp->regions[i].len) {
+            return tp->regions[i].memh;
+        }
+    }
+    return NULL;
+}
+
+int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *e, const void *hdr, size_t hdr_len,
+                const void *buf, size_t len, kvr_tp_op_t *op, const char **status_text)
+{
+    op->tp = tp;
+    ucp_request_param_t p;
+    memset(&p, 0, sizeof(p));
+    p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
+                     UCP_OP_ATTR_FIELD_FLAGS;
+    p.cb.send = kvr_tp_send_cb;
+    p.user_data = op;
+    p.flags = UCP_AM_SEND_FLAG_REPLY;
+    ucp_mem_h memh = kvr_tp_find_memh(tp, buf, len);
+    if (memh != NULL) {
+        p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+        p.memh = memh;
+    }
+    ucs_status_ptr_t req = ucp_am_send_nbx(e->ep, KVR_AM_ID_DATA, hdr, hdr_len, buf, len, &p);
+    if (req == NULL) {
+        return 0;
+    }
+    if (UCS_PTR_IS_ERR(req)) {
+        *status_text = ucs_status_string(UCS_PTR_STATUS(req));
+        return -1;
+    }
+    return 1;
+}
+
+int kvr_tp_mem_map(kvr_transport_t *tp, void *addr, size_t len, char *err, size_t errlen)
+{
+    kvr_tp_region_t *nr = realloc(tp->regions, (tp->nregions + 1) * sizeof(*nr));
+    if (nr == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    tp->regions = nr;
+    ucp_mem_map_params_t mp;
+    memset(&mp, 0, sizeof(mp));
+    mp.field_mask = UCP_MEM_MAP_PARAM_FIELD_ADDRESS | UCP_MEM_MAP_PARAM_FIELD_LENGTH;
+    mp.address = addr;
+    mp.length = len;
+    ucp_mem_h memh;
+    ucs_status_t st = ucp_mem_map(tp->context, &mp, &memh);
+    if (st != UCS_OK) {
+        snprintf(err, errlen, "ucp_mem_map(%p, %zu): %s", addr, len, ucs_status_string(st));
+        return -1;
+    }
+    tp->regions[tp->nregions].addr = addr;
+    tp->regions[tp->nregions].len = len;
+    tp->regions[tp->nregions].memh = memh;
+    tp->nregions++;
+    return 0;
+}

@@ -1,0 +1,94 @@
+/*
+ * transport: everything that touches UCX.
+ *
+ * One UCP context and one worker per manager, driven by the engine thread
+ * only (the worker runs in single-thread mode).  Data moves as UCX active
+ * messages: the sender posts (header, pages); the receiver's handler asks the
+ * engine where the bytes may go and either copies eager data or starts a
+ * rendezvous receive straight into the destination pages.  So the receiver
+ * decides every byte it writes, in its own thread: completion and abort are
+ * local facts on the decode side.
+ *
+ * All functions here are called on the engine thread, except create/destroy
+ * (called before the thread starts / after it stopped).  None blocks, except
+ * kvr_tp_destroy, which drains endpoint closes for a bounded time.
+ */
+#ifndef KVR_TRANSPORT_H
+#define KVR_TRANSPORT_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+typedef struct kvr_transport kvr_transport_t;
+typedef struct kvr_tp_ep kvr_tp_ep_t;
+
+/*
+ * An operation in flight.  The engine embeds this as the first member of its
+ * own operation record; the transport fills tp and hands the pointer back in
+ * the completion callbacks.
+ */
+typedef struct {
+    kvr_transport_t *tp;
+} kvr_tp_op_t;
+
+/* How the receiver's handler answers an incoming data message. */
+typedef struct {
+    void *dst;        /* where the payload goes; NULL rejects the message */
+    kvr_tp_op_t *op;  /* passed back to on_recv_done */
+    const char *reject_why; /* set with dst == NULL, for the counters/log */
+} kvr_tp_accept_t;
+
+typedef struct {
+    void *arg;
+    /* A data message arrived: fill *acc.  Called on the engine thread. */
+    void (*on_data)(void *arg, const void *hdr, size_t hdr_len, size_t len,
+                    kvr_tp_accept_t *acc);
+    /* The payload of an accepted message landed (status 0) or failed. */
+    void (*on_recv_done)(void *arg, kvr_tp_op_t *op, size_t len, int failed,
+                         const char *status_text);
+    /* A send completed (failed=0: local buffer reusable and, for rendezvous,
+     * read by the peer) or failed with status_text. */
+    void (*on_send_done)(void *arg, kvr_tp_op_t *op, int failed, const char *status_text);
+    /* An endpoint failed (peer gone).  After this, every operation on the
+     * endpoint completes with an error. */
+    void (*on_ep_error)(void *arg, void *ep_ctx, const char *status_text);
+} kvr_tp_callbacks_t;
+
+/*
+ * Creates the UCP context and worker.  On error returns -1 and writes the
+ * cause into err (errlen bytes).
+ */
+int kvr_tp_create(const kvr_tp_callbacks_t *cb, kvr_transport_t **tp_p, char *err, size_t errlen);
+void kvr_tp_destroy(kvr_transport_t *tp);
+
+/* The worker address to give peers; owned by tp. */
+void kvr_tp_address(kvr_transport_t *tp, const void **addr_p, size_t *len_p);
+/* The event fd to poll for readiness. */
+int kvr_tp_fd(kvr_transport_t *tp);
+/* Progresses until idle; returns the number of events handled. */
+unsigned kvr_tp_progress(kvr_transport_t *tp);
+/* Arms the event fd: 0 armed (safe to sleep), 1 busy (progress again). */
+int kvr_tp_arm(kvr_transport_t *tp);
+
+/* Connects to a peer worker address.  ep_ctx is passed to on_ep_error. */
+int kvr_tp_ep_create(kvr_transport_t *tp, const void *addr, size_t len, void *ep_ctx,
+                     kvr_tp_ep_t **ep_p, char *err, size_t errlen);
+/* Closes (force: cancels outstanding operations with an error).  The
+ * endpoint must not be used afterwards. */
+void kvr_tp_ep_close(kvr_transport_t *tp, kvr_tp_ep_t *ep, int force);
+
+/*
+ * Sends one data message (hdr, then len bytes at buf).  Returns 0 if it
+ * completed at once (no callback), 1 if on_send_done will be called with
+ * op, -1 on an immediate error (text in *status_text, static).
+ */
+int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *ep, const void *hdr, size_t hdr_len,
+                const void *buf, size_t len, kvr_tp_op_t *op, const char **status_text);
+
+/* Registers a memory region for faster sends from it; returns 0 or -1. */
+int kvr_tp_mem_map(kvr_transport_t *tp, void *addr, size_t len, char *err, size_t errlen);
+
+/* Transports in use, comma separated (for stats and logs). */
+const char *kvr_tp_describe(kvr_transport_t *tp);
+
+#endif

@@ -1,0 +1,390 @@
+#include "wire.h"
+
+#include <stdlib.h>
+#include <string.h>
+
+/* ---- writer ---- */
+
+void kvr_wbuf_init(kvr_wbuf_t *b)
+{
+    b->data = NULL;
+    b->len = 0;
+    b->cap = 0;
+    b->oom = 0;
+}
+
+void kvr_wbuf_free(kvr_wbuf_t *b)
+{
+    free(b->data);
+    kvr_wbuf_init(b);
+}
+
+static void kvr_wbuf_put(kvr_wbuf_t *b, const void *p, size_t n)
+{
+    if (b->oom) {
+        return;
+    }
+    if (b->len + n > b->cap) {
+        size_t ncap = b->cap ? b->cap : 256;
+        while (ncap < b->len + n) {
+            ncap *= 2;
+        }
+        unsigned char *nd = realloc(b->data, ncap);
+        if (nd == NULL) {
+            b->oom = 1;
+            return;
+        }
+        b->data = nd;
+        b->cap = ncap;
+    }
+    if (n) {
+        memcpy(b->data + b->len, p, n);
+    }
+    b->len += n;
+}
+
+static void kvr_put_u8(kvr_wbuf_t *b, uint8_t v) { kvr_wbuf_put(b, &v, 1); }
+
+static void kvr_put_u16(kvr_wbuf_t *b, uint16_t v)
+{
+    unsigned char x[2] = {(unsigned char)v, (unsigned char)(v >> 8)};
+    kvr_wbuf_put(b, x, 2);
+}
+
+static void kvr_put_u32(kvr_wbuf_t *b, uint32_t v)
+{
+    unsigned char x[4];
+    for (int i = 0; i < 4; i++) {
+        x[i] = (unsigned char)(v >> (8 * i));
+    }
+    kvr_wbuf_put(b, x, 4);
+}
+
+static void kvr_put_u64(kvr_wbuf_t *b, uint64_t v)
+{
+    unsigned char x[8];
+    for (int i = 0; i < 8; i++) {
+        x[i] = (unsigned char)(v >> (8 * i));
+    }
+    kvr_wbuf_put(b, x, 8);
+}
+
+static void kvr_put_str(kvr_wbuf_t *b, const char *s, size_t n)
+{
+    if (n > KVR_WIRE_MAX_STR) {
+        n = KVR_WIRE_MAX_STR;
+    }
+    kvr_put_u16(b, (uint16_t)n);
+    kvr_wbuf_put(b, s, n);
+}
+
+static void kvr_put_layout(kvr_wbuf_t *b, const kvr_wire_layout_t *l)
+{
+    kvr_put_u32(b, l->page_size);
+    kvr_put_u32(b, l->nkv);
+    kvr_wbuf_put(b, l->kv_item_lens, (size_t)l->nkv * 8);
+    kvr_put_u32(b, l->naux);
+    kvr_wbuf_put(b, l->aux_item_lens, (size_t)l->naux * 8);
+}
+
+int kvr_wire_encode(kvr_wbuf_t *b, const kvr_msg_t *m)
+{
+    b->len = 0;
+    b->oom = 0;
+    kvr_put_u32(b, KVR_WIRE_MAGIC);
+    kvr_put_u16(b, KVR_WIRE_VERSION);
+    kvr_put_u16(b, m->type);
+    kvr_put_u64(b, m->epoch);
+    switch (m->type) {
+    case KVR_MSG_BS_REGISTER:
+        kvr_put_u32(b, m->rank);
+        kvr_put_str(b, m->str, m->str_len);
+        break;
+    case KVR_MSG_BS_REGISTER_OK:
+    case KVR_MSG_BS_QUERY:
+    case KVR_MSG_PING:
+    case KVR_MSG_PONG:
+    case KVR_MSG_BYE:
+        kvr_put_u32(b, m->rank);
+        break;
+    case KVR_MSG_BS_QUERY_REPLY:
+        kvr_put_u32(b, m->rank);
+        kvr_put_u8(b, m->found);
+        kvr_put_u64(b, m->peer_epoch);
+        kvr_put_str(b, m->str, m->str_len);
+        break;
+    case KVR_MSG_HELLO:
+        kvr_put_u32(b, m->rank);
+        kvr_put_layout(b, &m->layout);
+        kvr_put_u32(b, m->addr_len);
+        kvr_wbuf_put(b, m->addr, m->addr_len);
+        break;
+    case KVR_MSG_HELLO_OK:
+        kvr_put_u32(b, m->rank);
+        kvr_put_layout(b, &m->layout);
+        break;
+    case KVR_MSG_HELLO_REJECT:
+        kvr_put_u32(b, m->rank);
+        kvr_put_u16(b, m->code);
+        kvr_put_str(b, m->str, m->str_len);
+        break;
+    case KVR_MSG_ROOM_REQ:
+        kvr_put_u64(b, m->room);
+        kvr_put_u64(b, m->tag);
+        kvr_put_u64(b, (uint64_t)m->aux_index);
+        kvr_put_u32(b, m->npages);
+        kvr_wbuf_put(b, m->pages, (size_t)m->npages * 4);
+        break;
+    case KVR_MSG_ROOM_DONE:
+        kvr_put_u64(b, m->room);
+        kvr_put_u64(b, m->tag);
+        break;
+    case KVR_MSG_ROOM_FAIL:
+        kvr_put_u64(b, m->room);
+        kvr_put_u64(b, m->tag);
+        kvr_put_u16(b, m->code);
+        kvr_put_u32(b, (uint32_t)m->origin_rank);
+        kvr_put_str(b, m->str, m->str_len);
+        kvr_put_str(b, m->peer, m->peer_len);
+        break;
+    default:
+        return -1;
+    }
+    return b->oom ? -1 : 0;
+}
+
+/* ---- reader ---- */
+
+typedef struct {
+    const unsigned char *p;
+    size_t left;
+    const char *why; /* first failure */
+} kvr_rd_t;
+
+static int kvr_rd_take(kvr_rd_t *r, size_t n, const unsigned char **out, const char *what)
+{
+    if (r->why) {
+        return -1;
+    }
+    if (n > r->left) {
+        r->why = what;
+        return -1;
+    }
+    *out = r->p;
+    r->p += n;
+    r->left -= n;
+    return 0;
+}
+
+static uint64_t kvr_le(const unsigned char *p, int n)
+{
+    uint64_t v = 0;
+    for (int i = n - 1; i >= 0; i--) {
+        v = (v << 8) | p[i];
+    }
+    return v;
+}
+
+static uint64_t kvr_rd_int(kvr_rd_t *r, int n, const char *what)
+{
+    const unsigned char *p;
+    if (kvr_rd_take(r, (size_t)n, &p, what) != 0) {
+        return 0;
+    }
+    return kvr_le(p, n);
+}
+
+static void kvr_rd_str(kvr_rd_t *r, const char **s, uint16_t *n, const char *what)
+{
+    const unsigned char *p = NULL;
+    uint16_t len = (uint16_t)kvr_rd_int(r, 2, what);
+    if (!r->why && len > KVR_WIRE_MAX_STR) {
+        r->why = what;
+        return;
+    }
+    if (kvr_rd_take(r, len, &p, what) == 0) {
+        *s = (const char *)p;
+        *n = len;
+    }
+}
+
+static void kvr_rd_layout(kvr_rd_t *r, kvr_wire_layout_t *l)
+{
+    l->page_size = (uint32_t)kvr_rd_int(r, 4, "truncated layout");
+    l->nkv = (uint32_t)kvr_rd_int(r, 4, "truncated layout");
+    if (!r->why && l->nkv > KVR_WIRE_MAX_BUFFERS) {
+        r->why = "too many KV buffers in layout";
+        return;
+    }
+    kvr_rd_take(r, (size_t)l->nkv * 8, &l->kv_item_lens, "truncated KV item lengths");
+    l->naux = (uint32_t)kvr_rd_int(r, 4, "truncated layout");
+    if (!r->why && l->naux > KVR_WIRE_MAX_BUFFERS) {
+        r->why = "too many aux buffers in layout";
+        return;
+    }
+    kvr_rd_take(r, (size_t)l->naux * 8, &l->aux_item_lens, "truncated aux item lengths");
+}
+
+int kvr_wire_decode(const void *buf, size_t len, kvr_msg_t *m, const char **why)
+{
+    kvr_rd_t r = {buf, len, NULL};
+    memset(m, 0, sizeof(*m));
+    if (len < KVR_WIRE_HEADER_LEN) {
+        *why = "shorter than a header";
+        return -1;
+    }
+    if (kvr_rd_int(&r, 4, "") != KVR_WIRE_MAGIC) {
+        *why = "bad magic";
+        return -1;
+    }
+    if (kvr_rd_int(&r, 2, "") != KVR_WIRE_VERSION) {
+        *why = "unsupported protocol version";
+        return -1;
+    }
+    m->type = (uint16_t)kvr_rd_int(&r, 2, "");
+    m->epoch = kvr_rd_int(&r, 8, "");
+    switch (m->type) {
+    case KVR_MSG_BS_REGISTER:
+        m->rank = (uint32_t)kvr_rd_int(&r, 4, "truncated rank");
+        kvr_rd_str(&r, &m->str, &m->str_len, "bad endpoint");
+        break;
+    case KVR_MSG_BS_REGISTER_OK:
+    case KVR_MSG_BS_QUERY:
+    case KVR_MSG_PING:
+    case KVR_MSG_PONG:
+    case KVR_MSG_BYE:
+        m->rank = (uint32_t)kvr_rd_int(&r, 4, "truncated rank");
+        break;
+    case KVR_MSG_BS_QUERY_REPLY:
+        m->rank = (uint32_t)kvr_rd_int(&r, 4, "truncated rank");
+        m->found = (uint8_t)kvr_rd_int(&r, 1, "truncated query reply");
+        m->peer_epoch = kvr_rd_int(&r, 8, "truncated query reply");
+        kvr_rd_str(&r, &m->str, &m->str_len, "bad endpoint");
+        break;
+    case KVR_MSG_HELLO: {
+        const unsigned char *p = NULL;
+        m->rank = (uint32_t)kvr_rd_int(&r, 4, "truncated rank");
+        kvr_rd_layout(&r, &m->layout);
+        m->addr_len = (uint32_t)kvr_rd_int(&r, 4, "truncated worker address");
+        if (!r.why && (m->addr_len == 0 || m->addr_len > KVR_WIRE_MAX_ADDR)) {
+            r.why = "bad worker address length";
+        }
+        if (kvr_rd_take(&r, m->addr_len, &p, "truncated worker address") == 0) {
+            m->addr = p;
+        }
+        break;
+    }
+    case KVR_MSG_HELLO_OK:
+        m->rank = (uint32_t)kvr_rd_int(&r, 4, "truncated rank");
+        kvr_rd_layout(&r, &m->layout);
+        break;
+    case KVR_MSG_HELLO_REJECT:
+        m->rank = (uint32_t)kvr_rd_int(&r, 4, "truncated rank");
+        m->code = (uint16_t)kvr_rd_int(&r, 2, "truncated code");
+        kvr_rd_str(&r, &m->str, &m->str_len, "bad reason");
+        break;
+    case KVR_MSG_ROOM_REQ:
+        m->room = kvr_rd_int(&r, 8, "truncated room");
+        m->tag = kvr_rd_int(&r, 8, "truncated tag");
+        m->aux_index = (int64_t)kvr_rd_int(&r, 8, "truncated aux index");
+        m->npages = (uint32_t)kvr_rd_int(&r, 4, "truncated page count");
+        if (!r.why && m->npages > KVR_WIRE_MAX_PAGES) {
+            r.why = "too many pages";
+        }
+        kvr_rd_take(&r, (size_t)m->npages * 4, &m->pages, "truncated page list");
+        break;
+    case KVR_MSG_ROOM_DONE:
+        m->room = kvr_rd_int(&r, 8, "truncated room");
+        m->tag = kvr_rd_int(&r, 8, "truncated tag");
+        break;
+    case KVR_MSG_ROOM_FAIL:
+        m->room = kvr_rd_int(&r, 8, "truncated room");
+        m->tag = kvr_rd_int(&r, 8, "truncated tag");
+        m->code = (uint16_t)kvr_rd_int(&r, 2, "truncated code");
+        m->origin_rank = (int32_t)kvr_rd_int(&r, 4, "truncated origin rank");
+        kvr_rd_str(&r, &m->str, &m->str_len, "bad reason");
+        kvr_rd_str(&r, &m->peer, &m->peer_len, "bad peer");
+        break;
+    default:
+        *why = "unknown message type";
+        return -1;
+    }
+    if (!r.why && r.left != 0) {
+        r.why = "trailing bytes";
+    }
+    if (r.why) {
+        *why = r.why;
+        return -1;
+    }
+    return 0;
+}
+
+uint64_t kvr_wire_u64_at(const unsigned char *arr, uint32_t i)
+{
+    return kvr_le(arr + (size_t)i * 8, 8);
+}
+
+int32_t kvr_wire_i32_at(const unsigned char *arr, uint32_t i)
+{
+    return (int32_t)(uint32_t)kvr_le(arr + (size_t)i * 4, 4);
+}
+
+/* ---- data message header ---- */
+
+void kvr_am_header_encode(unsigned char out[KVR_AM_HEADER_LEN], const kvr_am_header_t *h)
+{
+    kvr_wbuf_t b;
+    unsigned char tmp[KVR_AM_HEADER_LEN];
+    b.data = tmp;
+    b.len = 0;
+    b.cap = sizeof(tmp);
+    b.oom = 0;
+    kvr_put_u32(&b, KVR_WIRE_MAGIC);
+    kvr_put_u16(&b, h->kind);
+    kvr_put_u16(&b, h->buf);
+    kvr_put_u32(&b, h->pos);
+    kvr_put_u32(&b, h->npages);
+    kvr_put_u64(&b, h->tag);
+    kvr_put_u64(&b, h->epoch);
+    memcpy(out, tmp, KVR_AM_HEADER_LEN);
+}
+
+int kvr_am_header_decode(const void *buf, size_t len, kvr_am_header_t *h, const char **why)
+{
+    const unsigned char *p = buf;
+    if (len != KVR_AM_HEADER_LEN) {
+        *why = "data header has the wrong length";
+        return -1;
+    }
+    if (kvr_le(p, 4) != KVR_WIRE_MAGIC) {
+        *why = "data header has a bad magic";
+        return -1;
+    }
+    h->kind = (uint16_t)kvr_le(p + 4, 2);
+    h->buf = (uint16_t)kvr_le(p + 6, 2);
+    h->pos = (uint32_t)kvr_le(p + 8, 4);
+    h->npages = (uint32_t)kvr_le(p + 12, 4);
+    h->tag = kvr_le(p + 16, 8);
+    h->epoch = kvr_le(p + 24, 8);
+    if (h->kind != KVR_AM_KIND_KV && h->kind != KVR_AM_KIND_AUX) {
+        *why = "data header has an unknown kind";
+        return -1;
+    }
+    if (h->npages == 0) {
+        *why = "data header names no pages";
+        return -1;
+    }
+    return 0;
+}
+
+const char *kvr_msg_type_name(int type)
+{
+    static const char *const names[] = {
+        "?", "BS_REGISTER", "BS_REGISTER_OK", "BS_QUERY", "BS_QUERY_REPLY", "HELLO",
+        "HELLO_OK", "HELLO_REJECT", "ROOM_REQ", "ROOM_DONE", "ROOM_FAIL", "PING",
+        "PONG", "BYE"};
+    if (type <= 0 || type >= KVR_MSG_LAST) {
+        return "?";
+    }
+    return names[type];
+}

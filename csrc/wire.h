@@ -1,0 +1,124 @@
+/*
+ * The kvrecv wire format: control messages (carried by ZMQ) and the header of
+ * every data message (carried by UCX active messages).
+ *
+ * Every control message starts with a 16-byte header: magic "KVRW", version,
+ * type and the sender's instance epoch (a random 64-bit id chosen when the
+ * sender started), so a restarted peer is recognised on its first message.
+ * Integers are little-endian.  Decoders are pure functions over a byte
+ * buffer: they check every length against the buffer before reading it, never
+ * allocate, and point into the buffer for variable-length fields.  They are
+ * what the fuzz targets call.
+ */
+#ifndef KVR_WIRE_H
+#define KVR_WIRE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define KVR_WIRE_MAGIC 0x5752564bu /* "KVRW" */
+#define KVR_WIRE_VERSION 1
+#define KVR_WIRE_HEADER_LEN 16
+#define KVR_WIRE_MAX_BUFFERS 4096
+#define KVR_WIRE_MAX_PAGES (1u << 24)
+#define KVR_WIRE_MAX_STR 1024
+#define KVR_WIRE_MAX_ADDR 65536
+
+typedef enum {
+    KVR_MSG_BS_REGISTER = 1,  /* prefill -> bootstrap: rank, endpoint */
+    KVR_MSG_BS_REGISTER_OK,   /* bootstrap -> prefill: rank */
+    KVR_MSG_BS_QUERY,         /* decode -> bootstrap: rank */
+    KVR_MSG_BS_QUERY_REPLY,   /* bootstrap -> decode: rank, found, peer_epoch, endpoint */
+    KVR_MSG_HELLO,            /* decode -> prefill: rank, layout, worker address */
+    KVR_MSG_HELLO_OK,         /* prefill -> decode: rank, layout */
+    KVR_MSG_HELLO_REJECT,     /* prefill -> decode: rank, code, reason */
+    KVR_MSG_ROOM_REQ,         /* decode -> prefill: room, tag, aux_index, pages */
+    KVR_MSG_ROOM_DONE,        /* decode -> prefill: room, tag */
+    KVR_MSG_ROOM_FAIL,        /* either way: room, tag, code, origin_rank, reason, peer */
+    KVR_MSG_PING,             /* decode -> prefill: rank */
+    KVR_MSG_PONG,             /* prefill -> decode: rank */
+    KVR_MSG_BYE,              /* either way: rank; the sender is closing */
+    KVR_MSG_LAST
+} kvr_msg_type_t;
+
+/* A KV layout as it travels: item lengths are little-endian u64 arrays. */
+typedef struct {
+    uint32_t page_size;
+    uint32_t nkv;
+    const unsigned char *kv_item_lens; /* nkv x u64 */
+    uint32_t naux;
+    const unsigned char *aux_item_lens; /* naux x u64 */
+} kvr_wire_layout_t;
+
+/* A decoded control message; pointers point into the decoded buffer. */
+typedef struct {
+    uint16_t type;
+    uint64_t epoch;
+    uint32_t rank;
+    uint64_t room;
+    uint64_t tag;
+    int64_t aux_index;
+    uint32_t npages;
+    const unsigned char *pages; /* npages x little-endian int32 */
+    uint8_t found;
+    uint64_t peer_epoch;
+    uint16_t code;
+    int32_t origin_rank;
+    const char *str;   /* endpoint or reason, not NUL terminated */
+    uint16_t str_len;
+    const char *peer;  /* peer text of ROOM_FAIL */
+    uint16_t peer_len;
+    const void *addr;  /* UCX worker address of HELLO */
+    uint32_t addr_len;
+    kvr_wire_layout_t layout;
+} kvr_msg_t;
+
+/* A growable output buffer for the encoders. */
+typedef struct {
+    unsigned char *data;
+    size_t len;
+    size_t cap;
+    int oom; /* set when an append failed; the buffer is then unusable */
+} kvr_wbuf_t;
+
+void kvr_wbuf_init(kvr_wbuf_t *b);
+void kvr_wbuf_free(kvr_wbuf_t *b);
+
+/*
+ * Encodes msg (fields used by msg->type) after a header carrying msg->epoch.
+ * Returns 0, or -1 if memory ran out.  b is reset first.
+ */
+int kvr_wire_encode(kvr_wbuf_t *b, const kvr_msg_t *msg);
+
+/*
+ * Decodes one control message.  Returns 0 on success; on failure returns -1
+ * and sets *why to a static string naming the first check that failed.
+ */
+int kvr_wire_decode(const void *buf, size_t len, kvr_msg_t *out, const char **why);
+
+/* Reads entry i of a little-endian u64 array (layout item lengths). */
+uint64_t kvr_wire_u64_at(const unsigned char *arr, uint32_t i);
+/* Reads entry i of a little-endian int32 array (page indices). */
+int32_t kvr_wire_i32_at(const unsigned char *arr, uint32_t i);
+
+/* Header of a data message (UCX active message), fixed size. */
+#define KVR_AM_KIND_KV 1
+#define KVR_AM_KIND_AUX 2
+#define KVR_AM_HEADER_LEN 32
+
+typedef struct {
+    uint16_t kind;     /* KVR_AM_KIND_* */
+    uint16_t buf;      /* buffer index of that kind */
+    uint32_t pos;      /* first position in the room's page list */
+    uint32_t npages;   /* pages in this run (1 for aux) */
+    uint64_t tag;      /* the receiving room's tag */
+    uint64_t epoch;    /* the sender's instance epoch */
+} kvr_am_header_t;
+
+void kvr_am_header_encode(unsigned char out[KVR_AM_HEADER_LEN], const kvr_am_header_t *h);
+/* Returns 0, or -1 with *why set. */
+int kvr_am_header_decode(const void *buf, size_t len, kvr_am_header_t *h, const char **why);
+
+const char *kvr_msg_type_name(int type);
+
+#endif

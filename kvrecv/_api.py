@@ -1,0 +1,327 @@
+"""The Python surface: enums, argument checks and docs over kvrecv._core."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+from typing import Any, Optional, Sequence
+
+from . import _core
+
+
+class KVPoll(enum.IntEnum):
+    """Room states, with sglang's values: schedulers MIN-reduce them across
+    ranks, so Failed (0) dominates."""
+
+    Failed = 0
+    Bootstrapping = 1
+    WaitingForInput = 2
+    Transferring = 3
+    Success = 4
+
+
+_core._set_poll_values([KVPoll(i) for i in range(5)])
+
+
+@dataclasses.dataclass
+class KVConfig:
+    """Timeouts and bounds of a manager.  Every field may be overridden by an
+    environment variable KVRECV_<FIELD> (upper case)."""
+
+    bootstrap_timeout_ms: int = 30000
+    heartbeat_interval_ms: int = 100
+    heartbeat_timeout_ms: int = 600
+    deadline_base_ms: int = 60000
+    deadline_floor_bps: int = 100_000_000
+    max_rooms: int = 65536
+    max_pending: int = 65536
+    ctrl_port: int = 0
+    register_memory: bool = True
+
+    def resolved(self) -> dict:
+        out = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            env = os.environ.get("KVRECV_" + f.name.upper())
+            if env is not None:
+                try:
+                    value = type(f.default)(int(env)) if f.type != "bool" else env not in ("0", "false", "")
+                except ValueError:
+                    raise ValueError(f"KVRECV_{f.name.upper()}={env!r} is not an integer") from None
+            if isinstance(value, bool):
+                value = int(value)
+            if not isinstance(value, int) or value < 0:
+                raise ValueError(f"KVConfig.{f.name} must be a non-negative integer, got {value!r}")
+            out[f.name] = value
+        return out
+
+
+def _int_list(name: str, value: Any) -> list:
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence) and not hasattr(value, "__len__"):
+        raise TypeError(f"{name} must be a sequence of integers")
+    out = []
+    for i, v in enumerate(value):
+        if isinstance(v, bool) or not hasattr(v, "__index__"):
+            raise TypeError(f"{name}[{i}] must be an integer, not {type(v).__name__}")
+        out.append(int(v))
+    return out
+
+
+class KVArgs:
+    """The registered memory of one rank: KV buffers (page-indexed) and aux
+    buffers (row-indexed).  Pointers are ints, as sglang passes them."""
+
+    def __init__(
+        self,
+        engine_rank: int,
+        kv_data_ptrs: Sequence[int],
+        kv_data_lens: Sequence[int],
+        kv_item_lens: Sequence[int],
+        aux_data_ptrs: Sequence[int] = (),
+        aux_data_lens: Sequence[int] = (),
+        aux_item_lens: Sequence[int] = (),
+        page_size: int = 1,
+        tp_size: int = 1,
+    ):
+        self.engine_rank = int(engine_rank)
+        self.kv_data_ptrs = _int_list("kv_data_ptrs", kv_data_ptrs)
+        self.kv_data_lens = _int_list("kv_data_lens", kv_data_lens)
+        self.kv_item_lens = _int_list("kv_item_lens", kv_item_lens)
+        self.aux_data_ptrs = _int_list("aux_data_ptrs", aux_data_ptrs)
+        self.aux_data_lens = _int_list("aux_data_lens", aux_data_lens)
+        self.aux_item_lens = _int_list("aux_item_lens", aux_item_lens)
+        self.page_size = int(page_size)
+        self.tp_size = int(tp_size)
+        self._keepalive: list = []
+        if not (len(self.kv_data_ptrs) == len(self.kv_data_lens) == len(self.kv_item_lens)):
+            raise ValueError(
+                "kv_data_ptrs, kv_data_lens and kv_item_lens have different lengths "
+                f"({len(self.kv_data_ptrs)}, {len(self.kv_data_lens)}, {len(self.kv_item_lens)})"
+            )
+        if not (len(self.aux_data_ptrs) == len(self.aux_data_lens) == len(self.aux_item_lens)):
+            raise ValueError(
+                "aux_data_ptrs, aux_data_lens and aux_item_lens have different lengths "
+                f"({len(self.aux_data_ptrs)}, {len(self.aux_data_lens)}, {len(self.aux_item_lens)})"
+            )
+        for kind in ("kv", "aux"):
+            lens = getattr(self, f"{kind}_data_lens")
+            items = getattr(self, f"{kind}_item_lens")
+            for i, (n, item) in enumerate(zip(lens, items)):
+                if item <= 0:
+                    raise ValueError(f"{kind}_item_lens[{i}]={item} must be > 0")
+                if n % item:
+                    raise ValueError(
+                        f"{kind}_item_lens[{i}]={item} does not divide {kind}_data_lens[{i}]={n}"
+                    )
+
+    @classmethod
+    def from_buffers(
+        cls,
+        engine_rank: int,
+        kv_buffers: Sequence[Any],
+        kv_item_lens: Sequence[int],
+        aux_buffers: Sequence[Any] = (),
+        aux_item_lens: Sequence[int] = (),
+        page_size: int = 1,
+        tp_size: int = 1,
+    ) -> "KVArgs":
+        """Builds KVArgs from writable buffers (numpy arrays, bytearrays,
+        anything with the buffer protocol).  The KVArgs, and every manager
+        made from it, keeps the buffers alive."""
+        keep = []
+
+        def describe(name, bufs):
+            ptrs, lens = [], []
+            for i, b in enumerate(bufs):
+                try:
+                    mv = memoryview(b)
+                except TypeError:
+                    raise TypeError(f"{name}[{i}] does not support the buffer protocol") from None
+                if mv.readonly:
+                    raise ValueError(f"{name}[{i}] is read-only")
+                if not mv.c_contiguous:
+                    raise ValueError(f"{name}[{i}] is not contiguous")
+                import ctypes
+
+                if mv.nbytes == 0:
+                    raise ValueError(f"{name}[{i}] is empty")
+                raw = mv.cast("B")
+                addr = ctypes.addressof(ctypes.c_char.from_buffer(raw))
+                keep.append(b)
+                keep.append(raw)
+                ptrs.append(addr)
+                lens.append(mv.nbytes)
+            return ptrs, lens
+
+        kp, kl = describe("kv_buffers", kv_buffers)
+        ap, al = describe("aux_buffers", aux_buffers)
+        args = cls(engine_rank, kp, kl, kv_item_lens, ap, al, aux_item_lens, page_size, tp_size)
+        args._keepalive = keep
+        return args
+
+
+class BootstrapServer:
+    """The rendezvous where prefill ranks register and decode ranks look
+    them up.  port=0 picks a free port; .port says which."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 8998):
+        self.host = host
+        self._core = _core.BootstrapServer(host, port)
+        self.port = self._core.port
+
+    @property
+    def address(self) -> str:
+        return f"{self.host}:{self.port}"
+
+    def stats(self) -> dict:
+        return self._core.stats()
+
+    def close(self) -> None:
+        self._core.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class KVManager:
+    """One rank's transfer engine, in mode "prefill" or "decode".  A prefill
+    manager registers its rank with the bootstrap server at bootstrap_addr."""
+
+    def __init__(
+        self,
+        args: KVArgs,
+        mode: str,
+        *,
+        bootstrap_addr: Optional[str] = None,
+        host: str = "127.0.0.1",
+        config: Optional[KVConfig] = None,
+    ):
+        if not isinstance(args, KVArgs):
+            raise TypeError(f"args must be a KVArgs, not {type(args).__name__}")
+        if mode not in ("prefill", "decode"):
+            raise ValueError(f"mode must be 'prefill' or 'decode', not {mode!r}")
+        if mode == "prefill" and not bootstrap_addr:
+            raise ValueError("bootstrap_addr is required for a prefill manager")
+        if bootstrap_addr is not None:
+            _check_addr(bootstrap_addr)
+        if config is not None and not isinstance(config, KVConfig):
+            raise TypeError(f"config must be a KVConfig, not {type(config).__name__}")
+        self.kv_args = args
+        self.mode = mode
+        self.bootstrap_addr = bootstrap_addr
+        self.config = config or KVConfig()
+        self._core = _core.Manager(
+            _core.MODE_PREFILL if mode == "prefill" else _core.MODE_DECODE,
+            args.engine_rank,
+            args.kv_data_ptrs,
+            args.kv_data_lens,
+            args.kv_item_lens,
+            args.aux_data_ptrs,
+            args.aux_data_lens,
+            args.aux_item_lens,
+            args.page_size,
+            host,
+            bootstrap_addr or "",
+            self.config.resolved(),
+        )
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed
+
+    @property
+    def endpoint(self) -> str:
+        return self._core.endpoint
+
+    @property
+    def transport(self) -> str:
+        return self._core.transport
+
+    def stats(self) -> dict:
+        """Rooms by state, bytes moved, RMA operations posted, control
+        messages dropped, failures by code, ..."""
+        return self._core.stats()
+
+    def close(self) -> None:
+        """Stops the engine; open rooms fail with ABORTED.  Idempotent."""
+        self._core.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _check_addr(addr: str) -> None:
+    if not isinstance(addr, str):
+        raise TypeError(f"bootstrap_addr must be a str 'host:port', not {type(addr).__name__}")
+    host, sep, port = addr.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise ValueError(f"bootstrap_addr {addr!r} is not 'host:port'")
+
+
+class _Room(_core.Room):
+    def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: int, mode: str):
+        if not isinstance(mgr, KVManager):
+            raise TypeError(f"mgr must be a KVManager, not {type(mgr).__name__}")
+        if mgr.mode != mode:
+            raise ValueError(
+                f"a {type(self).__name__} needs a {mode} manager, this one is {mgr.mode}"
+            )
+        if mode == "decode":
+            _check_addr(bootstrap_addr)
+        if isinstance(bootstrap_room, bool) or not hasattr(bootstrap_room, "__index__"):
+            raise TypeError(f"bootstrap_room must be an integer, not {type(bootstrap_room).__name__}")
+        if not 0 <= int(bootstrap_room) < 2**64:
+            raise ValueError(f"bootstrap_room={bootstrap_room} must be in [0, 2**64)")
+        super().__init__(mgr._core, bootstrap_addr or "", int(bootstrap_room))
+        self.mgr = mgr
+        self.bootstrap_addr = bootstrap_addr
+        self.conclude_state: Optional[KVPoll] = None
+
+    def poll(self) -> KVPoll:
+        """The room's state; a memory read that never blocks and never raises."""
+        return _core.Room.poll(self)
+
+
+class KVReceiver(_Room):
+    """Decode side of one room."""
+
+    def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: int):
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, "decode")
+
+    def init(self, prefill_dp_rank: int = 0) -> None:
+        """Starts resolving the prefill peer without blocking."""
+        self.recv_init(prefill_dp_rank)
+
+    def failure_exception(self):
+        """Raises the room's KVTransferError (always raises)."""
+        self._raise_failure("KVReceiver Exception")
+
+
+class KVSender(_Room):
+    """Prefill side of one room."""
+
+    def __init__(
+        self,
+        mgr: KVManager,
+        bootstrap_addr: str,
+        bootstrap_room: int,
+        dest_tp_ranks: Sequence[int] = (0,),
+        pp_rank: int = 0,
+    ):
+        super().__init__(mgr, bootstrap_addr, bootstrap_room, "prefill")
+        self.dest_tp_ranks = list(dest_tp_ranks)
+        self.pp_rank = pp_rank
+
+    def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
+        self.send_init(num_kv_indices, aux_index)
+
+    def failure_exception(self):
+        """Raises the room's KVTransferError (always raises)."""
+        self._raise_failure("KVSender Exception")
