@@ -23,6 +23,7 @@ struct kvr_transport {
     kvr_tp_callbacks_t cb;
     kvr_tp_region_t *regions;
     size_t nregions;
+    unsigned eps_without_peer_errors;
     char describe[256];
 };
 
@@ -258,6 +259,17 @@ int kvr_tp_ep_create(kvr_transport_t *tp, const void *addr, size_t len, void *ep
     ep.err_handler.cb = kvr_tp_ep_err_cb;
     ep.err_handler.arg = e;
     ucs_status_t st = ucp_ep_create(tp->worker, &ep, &e->ep);
+    if (st == UCS_ERR_UNREACHABLE) {
+        /* UCX 1.13 offers peer-failure handling only on transports that
+         * support it (tcp, not the shared-memory ones).  Without it the
+         * engine's heartbeats still detect a dead peer. */
+        ep.field_mask &= ~(uint64_t)UCP_EP_PARAM_FIELD_ERR_HANDLER;
+        ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
+        st = ucp_ep_create(tp->worker, &ep, &e->ep);
+        if (st == UCS_OK) {
+            tp->eps_without_peer_errors++;
+        }
+    }
     if (st != UCS_OK) {
         snprintf(err, errlen, "ucp_ep_create: %s", ucs_status_string(st));
         free(e);

@@ -1,0 +1,205 @@
+"""The loopback demo: a bootstrap server, a prefill instance (one child
+process, N ranks) and a decode instance (this process, N ranks) move a
+synthetic KV cache for many rooms and verify every byte."""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import sys
+import time
+
+import numpy as np
+
+from ._api import BootstrapServer, KVArgs, KVConfig, KVManager, KVPoll, KVReceiver, KVSender
+
+AUX_ITEM = 64
+
+
+def _layout(args):
+    items = [args.item_len * (1 + (i % 2)) for i in range(args.buffers)]
+    return items
+
+
+def _buffers(rank: int, seed: int, args):
+    rng = np.random.default_rng(seed * 1000 + rank)
+    items = _layout(args)
+    kv = [rng.integers(0, 256, size=args.pages_per_buffer * it, dtype=np.uint8) for it in items]
+    aux = [rng.integers(0, 256, size=args.slots * AUX_ITEM, dtype=np.uint8)]
+    return kv, items, aux
+
+
+def _room_plan(room: int, args):
+    """Source pages, destination pages and aux rows of a room; both sides
+    derive the same plan from the room id."""
+    rng = np.random.default_rng(room)
+    slot = room % args.slots
+    per_slot = args.pages_per_buffer // args.slots
+    dst = slot * per_slot + rng.choice(per_slot, size=args.pages, replace=False)
+    src = rng.choice(args.pages_per_buffer, size=args.pages, replace=False)
+    if args.contiguous:
+        dst = np.sort(dst)
+        src = np.arange(args.pages) + rng.integers(0, args.pages_per_buffer - args.pages)
+    return src.astype(np.int32), dst.astype(np.int32), slot
+
+
+def _prefill_main(bootstrap, args, rooms, conn):
+    mgrs = []
+    data = []
+    for rank in range(args.ranks):
+        kv, items, aux = _buffers(rank, 1, args)
+        data.append((kv, aux))
+        mgrs.append(KVManager(KVArgs.from_buffers(rank, kv, items, aux, [AUX_ITEM]), "prefill",
+                              bootstrap_addr=bootstrap))
+    conn.send("ready")
+    senders = {}
+    pending = list(rooms)
+    done = 0
+    deadline = time.time() + args.timeout
+    while (pending or senders) and time.time() < deadline:
+        while pending and len(senders) < args.slots * args.ranks:
+            room = pending.pop(0)
+            src, dst, slot = _room_plan(room, args)
+            group = []
+            for rank in range(args.ranks):
+                s = KVSender(mgrs[rank], bootstrap, room)
+                s.init(len(src), aux_index=slot)
+                half = len(src) // 2
+                s.send(src[:half])
+                s.send(src[half:])
+                group.append(s)
+            senders[room] = group
+        for room, group in list(senders.items()):
+            states = [s.poll() for s in group]
+            if min(states) in (KVPoll.Success, KVPoll.Failed) and all(
+                    st in (KVPoll.Success, KVPoll.Failed) for st in states):
+                for s in group:
+                    s.clear()
+                del senders[room]
+                done += 1
+        time.sleep(0.0002)
+    conn.send(("done", done))
+    conn.recv()  # wait until the decode side has finished
+    for m in mgrs:
+        m.close()
+
+
+def run(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="kvrecv demo", description=__doc__)
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--rooms", type=int, default=200)
+    p.add_argument("--pages", type=int, default=32, help="pages per room")
+    p.add_argument("--buffers", type=int, default=16, help="KV buffers (layers x K/V)")
+    p.add_argument("--item-len", type=int, default=4096, help="bytes per page of a buffer")
+    p.add_argument("--slots", type=int, default=16, help="rooms in flight per rank")
+    p.add_argument("--contiguous", action="store_true", help="contiguous page runs")
+    p.add_argument("--timeout", type=float, default=120.0)
+    args = p.parse_args(argv)
+    args.pages_per_buffer = max(args.slots * args.pages * 2, 64)
+    if args.ranks < 1 or args.rooms < 1 or args.pages < 1 or args.buffers < 1:
+        p.error("--ranks, --rooms, --pages and --buffers must be >= 1")
+
+    server = BootstrapServer(port=0)
+    bootstrap = server.address
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    rooms = [1000 + i for i in range(args.rooms)]
+    proc = ctx.Process(target=_prefill_main, args=(bootstrap, args, rooms, child), daemon=True)
+    proc.start()
+    if not parent.poll(60) or parent.recv() != "ready":
+        print("prefill process did not start", file=sys.stderr)
+        return 1
+
+    decode = []
+    expect = []
+    for rank in range(args.ranks):
+        kv, items, aux = _buffers(rank, 2, args)
+        for b in kv:
+            b.fill(0xA5)
+        decode.append((kv, aux, KVManager(KVArgs.from_buffers(rank, kv, items, aux, [AUX_ITEM]),
+                                          "decode", config=KVConfig())))
+        expect.append(_buffers(rank, 1, args))
+    print(f"kvrecv demo: {args.ranks} prefill + {args.ranks} decode ranks, {args.rooms} rooms x "
+          f"{args.pages} pages x {args.buffers} buffers, transport: {decode[0][2].transport}")
+
+    outcomes: dict = {}
+    bytes_ok = 0
+    pending = list(rooms)
+    active: dict = {}
+    t0 = time.perf_counter()
+    deadline = time.time() + args.timeout
+    last_print = 0.0
+    while (pending or active) and time.time() < deadline:
+        busy_slots = {r % args.slots for r in active}
+        for room in list(pending):
+            if len(active) >= args.slots:
+                break
+            if room % args.slots in busy_slots:
+                continue
+            pending.remove(room)
+            busy_slots.add(room % args.slots)
+            group = []
+            for rank in range(args.ranks):
+                r = KVReceiver(decode[rank][2], bootstrap, room)
+                r.init()
+                group.append([r, False])
+            active[room] = group
+        for room, group in list(active.items()):
+            src, dst, slot = _room_plan(room, args)
+            for entry in group:
+                if not entry[1] and entry[0].poll() == KVPoll.WaitingForInput:
+                    entry[0].send_metadata(dst, aux_index=slot)
+                    entry[1] = True
+            states = [e[0].poll() for e in group]
+            if not all(s in (KVPoll.Success, KVPoll.Failed) for s in states):
+                continue
+            state = min(states)
+            if state == KVPoll.Success:
+                ok = True
+                for rank in range(args.ranks):
+                    kv, aux, _ = decode[rank]
+                    ekv, items, eaux = expect[rank]
+                    for b, it in enumerate(items):
+                        got = kv[b].reshape(-1, it)[dst]
+                        want = ekv[b].reshape(-1, it)[src]
+                        ok &= bool(np.array_equal(got, want))
+                    ok &= bool(np.array_equal(aux[0].reshape(-1, AUX_ITEM)[slot],
+                                              eaux[0].reshape(-1, AUX_ITEM)[slot]))
+                    bytes_ok += len(src) * sum(items) + AUX_ITEM
+                key = "ok" if ok else "CORRUPT"
+            else:
+                codes = []
+                for e in group:
+                    try:
+                        e[0].failure_exception()
+                    except Exception as exc:  # noqa: BLE001 - report any failure
+                        codes.append(getattr(exc, "code", type(exc).__name__))
+                key = "failed:" + ",".join(sorted(set(codes)))
+            outcomes[key] = outcomes.get(key, 0) + 1
+            for e in group:
+                e[0].clear()
+            del active[room]
+        now = time.perf_counter()
+        if now - last_print > 0.5:
+            last_print = now
+            done = sum(outcomes.values())
+            bar = "#" * int(30 * done / args.rooms)
+            print(f"\r[{bar:<30}] {done}/{args.rooms} rooms", end="", flush=True)
+        time.sleep(0.0002)
+    elapsed = time.perf_counter() - t0
+    done = sum(outcomes.values())
+    print(f"\r[{'#' * int(30 * done / args.rooms):<30}] {done}/{args.rooms} rooms")
+    parent.send("finish")
+    proc.join(30)
+    if proc.is_alive():
+        proc.kill()
+    for _, _, m in decode:
+        m.close()
+    server.close()
+    gbps = bytes_ok / elapsed / 1e9 if elapsed > 0 else 0.0
+    print(f"moved {bytes_ok / 2**20:.1f} MiB in {elapsed:.2f} s: {gbps:.2f} GB/s")
+    print("room outcomes: " + ", ".join(f"{k}={v}" for k, v in sorted(outcomes.items())))
+    unfinished = args.rooms - done
+    if unfinished:
+        print(f"{unfinished} rooms did not finish within {args.timeout} s")
+    return 0 if outcomes.get("ok", 0) == args.rooms else 1
