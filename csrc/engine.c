@@ -1236,6 +1236,16 @@ static void kvr_timers_locked(kvr_engine_t *e)
             kvr_peer_fail_locked(e, p, KVR_PEER_LOST, what);
         }
     }
+    /* Requests whose sender never came, or whose decode is gone. */
+    for (size_t i = 0; i < e->pending.capacity; i++) {
+        kvr_pending_t *pd = e->pending.slots[i].value;
+        if (pd && (pd->peer == NULL || pd->peer->state != KVR_PEER_READY ||
+                   now - pd->arrived_ns > e->cfg.bootstrap_timeout_ms * KVR_MS)) {
+            kvr_table_remove(&e->pending, e->pending.slots[i].key);
+            kvr_pending_free(pd);
+            i--; /* backward-shift deletion may have moved an entry here */
+        }
+    }
     for (size_t i = 0; i < e->rooms.capacity; i++) {
         kvr_room_t *r = e->rooms.slots[i].value;
         if (r == NULL || r->failing || kvr_room_terminal(r)) {
