@@ -10,6 +10,7 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/random.h>
+#include <time.h>
 #include <unistd.h>
 
 #include "control.h"
@@ -47,10 +48,11 @@ typedef struct kvr_peer {
     struct kvr_peer *next;
 } kvr_peer_t;
 
-typedef struct {
+typedef struct kvr_op {
     kvr_tp_op_t base; /* first: the transport hands this pointer back */
     kvr_room_t *room;
     uint64_t len;
+    struct kvr_op *prev, *next; /* the room's operations in flight */
     /* UCX 1.13 reads an AM header until the send completes: it lives here. */
     unsigned char hdr[KVR_AM_HEADER_LEN];
 } kvr_op_t;
@@ -64,6 +66,13 @@ typedef struct {
     int32_t *pages;
     uint64_t arrived_ns;
 } kvr_pending_t;
+
+/* A root cause waiting to be published to the siblings. */
+typedef struct kvr_sib_out {
+    uint64_t room;
+    kvr_failure_t f;
+    struct kvr_sib_out *next;
+} kvr_sib_out_t;
 
 struct kvr_engine {
     int mode;
@@ -105,6 +114,15 @@ struct kvr_engine {
     int registered;
     uint64_t next_register_ns;
 
+    /* sibling ranks of this instance */
+    char **sib_eps;
+    int nsib;
+    int sib_dirty;
+    kvr_ctl_conn_t **sib_conns;
+    int nsib_conns;
+    kvr_sib_out_t *sib_out; /* failures to publish */
+    int sib_pending;
+
     /* closed outside callbacks by kvr_reap_locked */
     kvr_ctl_conn_t *dead_conns[KVR_MAX_DEAD];
     int ndead_conns;
@@ -130,6 +148,7 @@ void kvr_config_default(kvr_config_t *cfg)
     cfg->max_rooms = 65536;
     cfg->max_pending = 65536;
     cfg->ctrl_port = 0;
+    cfg->sibling_wait_ms = 50;
     cfg->register_memory = 1;
 }
 
@@ -200,8 +219,18 @@ static int kvr_room_fail_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_failur
     if (!kvr_room_fail(r, f->code)) {
         return 0;
     }
-    if (r->in_table) {
-        kvr_registry_record(&e->registry, r->id, f);
+    r->failing_since_ns = kvr_now_ns();
+    if (r->in_table && kvr_registry_record(&e->registry, r->id, f) == 1 && !f->from_sibling &&
+        e->nsib > 0) {
+        /* Our root cause: the siblings learn it from the engine thread. */
+        kvr_sib_out_t *o = malloc(sizeof(*o));
+        if (o != NULL) {
+            o->room = r->id;
+            o->f = *f;
+            o->next = e->sib_out;
+            e->sib_out = o;
+            e->sib_pending = 1;
+        }
     }
     e->stats.failures_by_code[f->code < KVR_STATUS_LAST ? f->code : 0]++;
     if (getenv("KVRECV_DEBUG")) {
@@ -389,6 +418,75 @@ static void kvr_peer_disconnect(kvr_engine_t *e, kvr_peer_t *p)
     }
 }
 
+/* Engine thread: (re)connects to the siblings and publishes root causes. */
+static void kvr_siblings_locked(kvr_engine_t *e)
+{
+    if (e->sib_dirty) {
+        e->sib_dirty = 0;
+        for (int i = 0; i < e->nsib_conns; i++) {
+            kvr_ctl_conn_close(e->ctl, e->sib_conns[i]);
+        }
+        free(e->sib_conns);
+        e->nsib_conns = 0;
+        e->sib_conns = calloc(e->nsib ? (size_t)e->nsib : 1, sizeof(*e->sib_conns));
+        unsigned char ident[12];
+        memcpy(ident, &e->epoch, 8);
+        memcpy(ident + 8, &e->rank, 4);
+        for (int i = 0; e->sib_conns && i < e->nsib; i++) {
+            char err[256];
+            if (kvr_ctl_connect(e->ctl, e->sib_eps[i], ident, sizeof(ident), NULL,
+                                &e->sib_conns[e->nsib_conns], err, sizeof(err)) == 0) {
+                e->nsib_conns++;
+            } else if (getenv("KVRECV_DEBUG")) {
+                fprintf(stderr, "kvrecv: sibling %s: %s\n", e->sib_eps[i], err);
+            }
+        }
+    }
+    while (e->sib_out) {
+        kvr_sib_out_t *o = e->sib_out;
+        e->sib_out = o->next;
+        kvr_msg_t m;
+        memset(&m, 0, sizeof(m));
+        m.type = KVR_MSG_SIB_FAIL;
+        m.epoch = e->epoch;
+        m.room = o->room;
+        m.code = (uint16_t)o->f.code;
+        m.origin_rank = o->f.origin_rank >= 0 ? o->f.origin_rank : e->rank;
+        m.str = o->f.reason;
+        m.str_len = (uint16_t)strlen(o->f.reason);
+        m.peer = o->f.peer;
+        m.peer_len = (uint16_t)strlen(o->f.peer);
+        if (kvr_wire_encode(&e->wbuf, &m) == 0) {
+            for (int i = 0; i < e->nsib_conns; i++) {
+                kvr_ctl_send_conn(e->sib_conns[i], e->wbuf.data, e->wbuf.len);
+            }
+        }
+        free(o);
+    }
+    e->sib_pending = 0;
+}
+
+/* A sibling's root cause for a room: it becomes this rank's record too, and
+ * the room here fails with it (telling our own peer to stop). */
+static void kvr_handle_sib_fail_locked(kvr_engine_t *e, const kvr_msg_t *m)
+{
+    kvr_failure_t f;
+    memset(&f, 0, sizeof(f));
+    f.code = m->code > KVR_OK && m->code < KVR_STATUS_LAST ? m->code : KVR_REMOTE;
+    f.origin_rank = m->origin_rank;
+    f.from_sibling = 1;
+    f.time_ns = kvr_now_ns();
+    snprintf(f.reason, sizeof(f.reason), "%.*s", (int)m->str_len, m->str);
+    snprintf(f.peer, sizeof(f.peer), "%.*s", (int)m->peer_len, m->peer);
+    kvr_room_t *r = kvr_table_get(&e->rooms, m->room);
+    if (r != NULL && !kvr_room_terminal(r) && !r->failing) {
+        kvr_room_fail_locked(e, r, &f, 1);
+    } else if (r == NULL) {
+        /* Kept for a room this rank has not opened yet (see kvr_handle_open). */
+        kvr_registry_record(&e->registry, m->room, &f);
+    }
+}
+
 static void kvr_reap_locked(kvr_engine_t *e)
 {
     while (e->ndead_conns > 0) {
@@ -469,11 +567,30 @@ static kvr_op_t *kvr_op_new(kvr_room_t *r, uint64_t len)
     if (op == NULL) {
         return NULL;
     }
+    op->base.req = NULL;
     op->room = r;
     op->len = len;
+    op->prev = NULL;
+    op->next = r->ops;
+    if (r->ops) {
+        ((kvr_op_t *)r->ops)->prev = op;
+    }
+    r->ops = op;
     kvr_room_ref(r);
     r->inflight++;
     return op;
+}
+
+static void kvr_op_unlink(kvr_room_t *r, kvr_op_t *op)
+{
+    if (op->prev) {
+        op->prev->next = op->next;
+    } else {
+        r->ops = op->next;
+    }
+    if (op->next) {
+        op->next->prev = op->prev;
+    }
 }
 
 static void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r)
@@ -490,14 +607,21 @@ static void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r)
 static void kvr_op_end_locked(kvr_engine_t *e, kvr_op_t *op, int failed, const char *status_text)
 {
     kvr_room_t *r = op->room;
-    r->inflight--;
-    if (failed) {
+    kvr_op_unlink(r, op);
+    if (!r->drained_by_force) {
+        r->inflight--;
+    }
+    if (failed == KVR_TP_PEER_GONE && !r->failing) {
+        /* The same cause as the endpoint error or the heartbeat: the peer. */
+        kvr_room_failf_locked(e, r, KVR_PEER_LOST, 1, "%s lost: %s",
+                              r->peer ? r->peer->name : "peer", status_text);
+    } else if (failed) {
         if (e->mode == KVR_MODE_PREFILL && status_text &&
             strstr(status_text, "rejected") != NULL) {
             e->stats.data_rejected++;
         }
-        kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "%s %s data operation failed: %s",
-                              kvr_side(e), r->peer ? r->peer->name : "?", status_text);
+        kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "data operation with %s failed: %s",
+                              r->peer ? r->peer->name : "peer", status_text);
     } else {
         e->stats.bytes_moved += op->len;
         if (e->mode == KVR_MODE_DECODE) {
@@ -635,6 +759,14 @@ static void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
                               r->ndst);
         return;
     }
+    if (r->dst_aux >= 0 && r->src_aux < 0) {
+        /* Checked before any page moves. */
+        kvr_room_failf_locked(e, r, KVR_LAYOUT_MISMATCH, 1,
+                              "decode asked for aux row %" PRId64
+                              " but the prefill sender has no aux_index",
+                              r->dst_aux);
+        return;
+    }
     if (r->given > r->posted) {
         kvr_room_advance(r, KVR_POLL_TRANSFERRING);
     }
@@ -665,7 +797,7 @@ static void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
             e->stats.ops_posted++;
             r->ops_posted++;
             if (rc <= 0) {
-                kvr_op_end_locked(e, op, rc < 0, st);
+                kvr_op_end_locked(e, op, rc == 0 ? KVR_TP_OK : rc == -2 ? KVR_TP_PEER_GONE : KVR_TP_ERROR, st);
             }
         }
         if (r->failing) {
@@ -675,13 +807,6 @@ static void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
     }
     if (r->posted == r->total_pages && !r->aux_posted) {
         r->aux_posted = 1;
-        if (r->dst_aux >= 0 && r->src_aux < 0) {
-            kvr_room_failf_locked(e, r, KVR_LAYOUT_MISMATCH, 1,
-                                  "decode asked for aux row %" PRId64
-                                  " but the prefill sender has no aux_index",
-                                  r->dst_aux);
-            return;
-        }
         if (r->dst_aux >= 0) {
             kvr_room_advance(r, KVR_POLL_TRANSFERRING);
             for (uint32_t a = 0; a < e->naux && !r->failing; a++) {
@@ -703,7 +828,9 @@ static void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
                 e->stats.ops_posted++;
                 r->ops_posted++;
                 if (rc <= 0) {
-                    kvr_op_end_locked(e, op, rc < 0, st);
+                    kvr_op_end_locked(e, op,
+                                      rc == 0 ? KVR_TP_OK : rc == -2 ? KVR_TP_PEER_GONE : KVR_TP_ERROR,
+                                      st);
                 }
             }
         }
@@ -980,6 +1107,9 @@ static void kvr_handle_remote_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const 
     f.code = m->code < KVR_STATUS_LAST && m->code != KVR_OK ? m->code : KVR_REMOTE;
     f.origin_rank = m->origin_rank;
     f.from_remote = 1;
+    /* Rank r talks to rank r: a cause that originated at another rank came
+     * through that rank's siblings, and ours will hear it from theirs. */
+    f.from_sibling = m->origin_rank >= 0 && m->origin_rank != e->rank;
     f.time_ns = kvr_now_ns();
     snprintf(f.reason, sizeof(f.reason), "%.*s", (int)m->str_len, m->str);
     snprintf(f.peer, sizeof(f.peer), "%s", p->name);
@@ -997,6 +1127,14 @@ static void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, co
         if (getenv("KVRECV_DEBUG")) {
             fprintf(stderr, "kvrecv: dropped control message (%zu bytes): %s\n", len, why);
         }
+        return;
+    }
+    if (m.type == KVR_MSG_SIB_FAIL) {
+        if (e->nsib == 0) {
+            e->stats.ctrl_dropped++;
+            return;
+        }
+        kvr_handle_sib_fail_locked(e, &m);
         return;
     }
     if (e->mode != KVR_MODE_PREFILL) {
@@ -1236,6 +1374,35 @@ static void kvr_timers_locked(kvr_engine_t *e)
             kvr_peer_fail_locked(e, p, KVR_PEER_LOST, what);
         }
     }
+    /*
+     * Failing rooms whose peer was declared dead (heartbeat silence, endpoint
+     * error) but whose operations never completed: UCX endpoints without
+     * peer-failure support (shared memory in UCX 1.13) do not fail them.
+     * Ask UCX to cancel them at once, and after two heartbeat intervals
+     * declare the room drained.  A dead peer sends nothing more; a live one
+     * (an abort) is always waited for.
+     */
+    for (size_t i = 0; i < e->tags.capacity; i++) {
+        kvr_room_t *r = e->tags.slots[i].value;
+        if (r == NULL || !r->failing || r->inflight == 0 ||
+            (r->peer != NULL && r->peer->state == KVR_PEER_READY)) {
+            continue;
+        }
+        if (!r->cancel_sent) {
+            r->cancel_sent = 1;
+            r->failing_since_ns = now;
+            kvr_room_ref(r);
+            for (kvr_op_t *op = r->ops; op != NULL;) {
+                kvr_op_t *next = op->next; /* cancelling may complete and free op */
+                kvr_tp_op_cancel(e->tp, &op->base);
+                op = next;
+            }
+            kvr_room_unref_locked(e, r);
+        } else if (now - r->failing_since_ns > 2 * e->cfg.heartbeat_interval_ms * KVR_MS) {
+            e->stats.rooms_force_drained++;
+            kvr_room_force_drain(r);
+        }
+    }
     /* Requests whose sender never came, or whose decode is gone. */
     for (size_t i = 0; i < e->pending.capacity; i++) {
         kvr_pending_t *pd = e->pending.slots[i].value;
@@ -1262,6 +1429,13 @@ static void kvr_timers_locked(kvr_engine_t *e)
                                       "no completion within its deadline of %" PRIu64
                                       " ms: %" PRIu64 " of %" PRIu64 " bytes received",
                                       (r->deadline_ns - r->started_ns) / KVR_MS, got, expected);
+            } else if (!r->bound) {
+                kvr_room_failf_locked(e, r, KVR_BOOTSTRAP, 0,
+                                      "no decode asked for the room within the bootstrap "
+                                      "timeout (%u ms); this rank is %sregistered with the "
+                                      "bootstrap server %s",
+                                      e->cfg.bootstrap_timeout_ms, e->registered ? "" : "NOT ",
+                                      e->bootstrap_addr);
             } else {
                 kvr_room_failf_locked(e, r, KVR_TIMEOUT, 1,
                                       "no completion within its deadline of %" PRIu64
@@ -1299,6 +1473,7 @@ static void kvr_shutdown_locked(kvr_engine_t *e)
         }
     }
     kvr_drain_work_locked(e); /* sends the notices */
+    kvr_siblings_locked(e);
     for (kvr_peer_t *p = e->peers; p; p = p->next) {
         kvr_peer_disconnect(e, p);
     }
@@ -1333,8 +1508,11 @@ static void *kvr_engine_main(void *arg)
         kvr_tp_progress(e->tp);
         kvr_timers_locked(e);
         kvr_drain_work_locked(e);
+        if (e->sib_dirty || e->sib_pending) {
+            kvr_siblings_locked(e);
+        }
         kvr_reap_locked(e);
-        if (kvr_tp_progress(e->tp) > 0 || e->work_head) {
+        if (kvr_tp_progress(e->tp) > 0 || e->work_head || e->sib_pending) {
             /* Still busy: poll the sockets without sleeping. */
             pthread_mutex_unlock(&e->lock);
             kvr_ctl_poll(e->ctl, fds, 2, ready, 0);
@@ -1601,6 +1779,10 @@ void kvr_engine_close(kvr_engine_t *e)
             kvr_room_settle(r);
         }
     }
+    for (int i = 0; i < e->nsib_conns; i++) {
+        kvr_ctl_conn_close(e->ctl, e->sib_conns[i]);
+    }
+    e->nsib_conns = 0;
     kvr_ctl_destroy(e->ctl);
     e->ctl = NULL;
     kvr_tp_destroy(e->tp);
@@ -1659,6 +1841,16 @@ void kvr_engine_free(kvr_engine_t *e)
     }
     if (e->wake_fd >= 0) {
         close(e->wake_fd);
+    }
+    for (int i = 0; i < e->nsib; i++) {
+        free(e->sib_eps[i]);
+    }
+    free(e->sib_eps);
+    free(e->sib_conns);
+    while (e->sib_out) {
+        kvr_sib_out_t *o = e->sib_out;
+        e->sib_out = o->next;
+        free(o);
     }
     kvr_wbuf_free(&e->wbuf);
     kvr_registry_destroy(&e->registry);
@@ -1782,7 +1974,12 @@ int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
     }
     r->in_table = 1;
     r->refs = 2; /* table + handle */
-    kvr_registry_drop(&e->registry, room);
+    kvr_failure_t prior;
+    if (kvr_registry_pop(&e->registry, room, &prior) && prior.from_sibling &&
+        kvr_now_ns() - prior.time_ns < e->cfg.bootstrap_timeout_ms * KVR_MS) {
+        /* A sibling failed this room before this rank opened it. */
+        kvr_room_fail_locked(e, r, &prior, 0);
+    }
     if (e->mode == KVR_MODE_PREFILL) {
         /* Wait for the decode's request, within the bootstrap timeout. */
         r->started_ns = kvr_now_ns();
@@ -1980,8 +2177,13 @@ int kvr_handle_send_init(kvr_handle_t *h, int64_t num_pages, int64_t aux_index, 
                               "decode asked for %u pages, prefill announced %u", h->ndst,
                               h->total_pages);
     }
+    /* A room of no pages is complete at init: its aux row may go now. */
+    kvr_work_push_locked(e, h);
 out:
     pthread_mutex_unlock(&e->lock);
+    if (rc == 0) {
+        kvr_wake(e);
+    }
     return rc;
 }
 
@@ -2030,13 +2232,75 @@ int kvr_handle_poll(kvr_handle_t *h)
     return atomic_load_explicit(&h->visible, memory_order_acquire);
 }
 
-int kvr_handle_failure(kvr_handle_t *h, kvr_failure_t *out, int pop)
+int kvr_handle_failure(kvr_handle_t *h, kvr_failure_t *out, int pop, uint32_t wait_ms)
 {
     kvr_engine_t *e = kvr_handle_engine(h);
-    if (pop) {
-        return kvr_registry_pop(&e->registry, h->id, out);
+    uint64_t deadline = kvr_now_ns() + wait_ms * KVR_MS;
+    for (;;) {
+        int found = pop ? kvr_registry_pop(&e->registry, h->id, out)
+                        : kvr_registry_peek(&e->registry, h->id, out);
+        if (found || kvr_now_ns() >= deadline) {
+            return found;
+        }
+        struct timespec ts = {0, 500000};
+        nanosleep(&ts, NULL);
     }
-    return kvr_registry_peek(&e->registry, h->id, out);
+}
+
+uint32_t kvr_handle_sibling_wait_ms(kvr_handle_t *h)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    pthread_mutex_lock(&e->lock);
+    uint32_t w = e->nsib > 0 ? e->cfg.sibling_wait_ms : 0;
+    pthread_mutex_unlock(&e->lock);
+    return w;
+}
+
+int kvr_engine_set_siblings(kvr_engine_t *e, const char *const *endpoints, int n, char *err,
+                            size_t errlen)
+{
+    char **eps = calloc(n > 0 ? (size_t)n : 1, sizeof(char *));
+    if (eps == NULL) {
+        return kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+    }
+    for (int i = 0; i < n; i++) {
+        if (strncmp(endpoints[i], "tcp://", 6) != 0 || strchr(endpoints[i] + 6, ':') == NULL) {
+            for (int j = 0; j < i; j++) {
+                free(eps[j]);
+            }
+            free(eps);
+            return kvr_err(err, errlen, KVR_EVALUE, "sibling endpoint '%s' is not tcp://host:port",
+                           endpoints[i]);
+        }
+        eps[i] = strdup(endpoints[i]);
+    }
+    pthread_mutex_lock(&e->lock);
+    if (e->closed) {
+        pthread_mutex_unlock(&e->lock);
+        for (int i = 0; i < n; i++) {
+            free(eps[i]);
+        }
+        free(eps);
+        return kvr_err(err, errlen, KVR_ERUNTIME, "the manager is closed");
+    }
+    for (int i = 0; i < e->nsib; i++) {
+        free(e->sib_eps[i]);
+    }
+    free(e->sib_eps);
+    e->sib_eps = eps;
+    e->nsib = n;
+    e->sib_dirty = 1;
+    pthread_mutex_unlock(&e->lock);
+    kvr_wake(e);
+    return 0;
+}
+
+int kvr_engine_siblings(kvr_engine_t *e)
+{
+    pthread_mutex_lock(&e->lock);
+    int n = e->nsib;
+    pthread_mutex_unlock(&e->lock);
+    return n;
 }
 
 int kvr_handle_abort(kvr_handle_t *h, char *err, size_t errlen)

@@ -37,6 +37,7 @@ typedef struct {
     uint32_t max_rooms;             /* open rooms per manager */
     uint32_t max_pending;           /* requests held for senders not yet created */
     int ctrl_port;                  /* control port; 0 picks a free one */
+    uint32_t sibling_wait_ms;       /* failure_exception's wait for a sibling's record */
     int register_memory;            /* ucp_mem_map the buffers up front */
 } kvr_config_t;
 
@@ -71,6 +72,7 @@ typedef struct {
     uint64_t pending_requests;    /* prefill: requests waiting for a sender */
     uint64_t peers;
     uint64_t rooms_succeeded;
+    uint64_t rooms_force_drained; /* declared drained with a dead peer's ops stuck */
     uint64_t failures_by_code[KVR_STATUS_LAST];
 } kvr_stats_t;
 
@@ -87,6 +89,17 @@ void kvr_engine_stats(kvr_engine_t *e, kvr_stats_t *s);
 const char *kvr_engine_endpoint(kvr_engine_t *e);
 uint64_t kvr_engine_epoch(kvr_engine_t *e);
 const char *kvr_engine_transport(kvr_engine_t *e);
+
+/*
+ * Sets the control endpoints of the other ranks of this instance (its
+ * siblings).  From then on every root cause recorded here is published to
+ * them, and theirs to us, so every rank of a room reports the same cause.
+ * Replaces an earlier list.  Returns 0 or a KVR_E* code.
+ */
+int kvr_engine_set_siblings(kvr_engine_t *e, const char *const *endpoints, int n, char *err,
+                            size_t errlen);
+/* Number of siblings set. */
+int kvr_engine_siblings(kvr_engine_t *e);
 
 /* Opens a room of this manager's mode.  The handle holds a reference that
  * kvr_handle_release drops. */
@@ -106,8 +119,11 @@ int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, 
 /* Both sides.  poll never blocks and never fails. */
 int kvr_handle_poll(kvr_handle_t *h);
 /* Copies out (pop=0) or pops (pop=1) the room's failure record; returns 1
- * if there was one. */
-int kvr_handle_failure(kvr_handle_t *h, kvr_failure_t *out, int pop);
+ * if there was one.  With wait_ms > 0 and no record yet, waits that long for
+ * one to arrive from a sibling (blocks; call without the GIL). */
+int kvr_handle_failure(kvr_handle_t *h, kvr_failure_t *out, int pop, uint32_t wait_ms);
+/* The manager's configured sibling wait (0 if it has no siblings). */
+uint32_t kvr_handle_sibling_wait_ms(kvr_handle_t *h);
 int kvr_handle_abort(kvr_handle_t *h, char *err, size_t errlen);
 int kvr_handle_clear(kvr_handle_t *h, char *err, size_t errlen);
 uint64_t kvr_handle_room(kvr_handle_t *h);

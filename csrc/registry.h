@@ -22,7 +22,8 @@
 typedef struct {
     int code;                     /* kvr_status_t */
     int origin_rank;              /* rank that detected it; -1 if unknown */
-    int from_remote;              /* 1 if another process told us */
+    int from_remote;              /* 1 if the peer (the other side) told us */
+    int from_sibling;             /* 1 if another rank of this instance told us */
     uint64_t time_ns;             /* CLOCK_MONOTONIC when recorded */
     char peer[KVR_PEER_MAX];      /* "host:port" or "" */
     char reason[KVR_REASON_MAX];  /* full text, never empty */

@@ -58,6 +58,16 @@ int kvr_room_fail(kvr_room_t *r, int code)
     return 1;
 }
 
+int kvr_room_force_drain(kvr_room_t *r)
+{
+    if (!r->failing || r->inflight == 0) {
+        return 0;
+    }
+    r->drained_by_force = 1;
+    r->inflight = 0;
+    return kvr_room_settle(r);
+}
+
 int kvr_room_settle(kvr_room_t *r)
 {
     if (!r->failing || r->inflight > 0 || atomic_load(&r->visible) == KVR_POLL_FAILED) {

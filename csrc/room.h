@@ -67,6 +67,10 @@ typedef struct kvr_room {
     int fail_code;
     int notified;           /* the peer was told of our failure / completion */
     int inflight;           /* transport operations outstanding */
+    void *ops;              /* the engine's list of them */
+    uint64_t failing_since_ns;
+    int cancel_sent;        /* the stuck operations were asked to cancel */
+    int drained_by_force;   /* declared drained although operations linger */
     uint64_t deadline_ns;   /* 0: none */
     uint64_t started_ns;
     struct kvr_peer *peer;
@@ -120,6 +124,10 @@ int kvr_room_fail(kvr_room_t *r, int code);
 /* Publishes Failed if the room is failing and has drained; returns 1 if it
  * did. */
 int kvr_room_settle(kvr_room_t *r);
+
+/* Declares a failing room drained although operations are still
+ * outstanding (their peer is dead); publishes Failed.  Returns 1 if it did. */
+int kvr_room_force_drain(kvr_room_t *r);
 
 /* Decode: 1 when every expected byte has landed and nothing is in flight. */
 int kvr_room_complete(const kvr_room_t *r);

@@ -36,11 +36,31 @@ struct kvr_tp_ep {
 
 /* ---- completion callbacks ---- */
 
+/* The statuses that mean the peer (or the way to it) is gone, as opposed to
+ * a fault of the one operation. */
+static int kvr_tp_outcome(ucs_status_t status)
+{
+    switch (status) {
+    case UCS_OK:
+        return KVR_TP_OK;
+    case UCS_ERR_ENDPOINT_TIMEOUT:
+    case UCS_ERR_CONNECTION_RESET:
+    case UCS_ERR_NOT_CONNECTED:
+    case UCS_ERR_UNREACHABLE:
+    case UCS_ERR_CANCELED:
+    case UCS_ERR_TIMED_OUT:
+        return KVR_TP_PEER_GONE;
+    default:
+        return KVR_TP_ERROR;
+    }
+}
+
 static void kvr_tp_send_cb(void *request, ucs_status_t status, void *user_data)
 {
     kvr_tp_op_t *op = user_data;
     kvr_transport_t *tp = op->tp;
-    tp->cb.on_send_done(tp->cb.arg, op, status != UCS_OK,
+    op->req = NULL;
+    tp->cb.on_send_done(tp->cb.arg, op, kvr_tp_outcome(status),
                         status == UCS_OK ? NULL : ucs_status_string(status));
     ucp_request_free(request);
 }
@@ -49,7 +69,8 @@ static void kvr_tp_recv_cb(void *request, ucs_status_t status, size_t length, vo
 {
     kvr_tp_op_t *op = user_data;
     kvr_transport_t *tp = op->tp;
-    tp->cb.on_recv_done(tp->cb.arg, op, length, status != UCS_OK,
+    op->req = NULL;
+    tp->cb.on_recv_done(tp->cb.arg, op, length, kvr_tp_outcome(status),
                         status == UCS_OK ? NULL : ucs_status_string(status));
     ucp_request_free(request);
 }
@@ -67,10 +88,11 @@ static ucs_status_t kvr_tp_am_cb(void *arg, const void *header, size_t header_le
     }
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
         memcpy(acc.dst, data, length);
-        tp->cb.on_recv_done(tp->cb.arg, acc.op, length, 0, NULL);
+        tp->cb.on_recv_done(tp->cb.arg, acc.op, length, KVR_TP_OK, NULL);
         return UCS_OK;
     }
     acc.op->tp = tp;
+    acc.op->req = NULL;
     size_t recv_len = 0;
     ucp_request_param_t rp;
     memset(&rp, 0, sizeof(rp));
@@ -81,10 +103,12 @@ static ucs_status_t kvr_tp_am_cb(void *arg, const void *header, size_t header_le
     rp.recv_info.length = &recv_len;
     ucs_status_ptr_t req = ucp_am_recv_data_nbx(tp->worker, data, acc.dst, length, &rp);
     if (req == NULL) {
-        tp->cb.on_recv_done(tp->cb.arg, acc.op, length, 0, NULL);
+        tp->cb.on_recv_done(tp->cb.arg, acc.op, length, KVR_TP_OK, NULL);
     } else if (UCS_PTR_IS_ERR(req)) {
-        tp->cb.on_recv_done(tp->cb.arg, acc.op, 0, 1,
+        tp->cb.on_recv_done(tp->cb.arg, acc.op, 0, kvr_tp_outcome(UCS_PTR_STATUS(req)),
                             ucs_status_string(UCS_PTR_STATUS(req)));
+    } else {
+        acc.op->req = req; /* completed later, by kvr_tp_recv_cb */
     }
     /* Otherwise kvr_tp_recv_cb completes it.  UCP owns data either way. */
     return UCS_OK;
@@ -242,7 +266,17 @@ const char *kvr_tp_describe(kvr_transport_t *tp)
 int kvr_tp_ep_create(kvr_transport_t *tp, const void *addr, size_t len, void *ep_ctx,
                      kvr_tp_ep_t **ep_p, char *err, size_t errlen)
 {
-    (void)len; /* a UCX worker address carries its own length */
+    /* UCX asserts (aborting the process) on an address whose header it does
+     * not know: check that it has a header of our UCX's address version and
+     * room for the worker id before handing it over.  (The control channel
+     * is where peers are vetted; this stops garbage, not a forger.) */
+    const unsigned char *a = addr;
+    const unsigned char *own = (const unsigned char *)tp->address;
+    if (len < 9 || tp->address_len < 1 || (a[0] & 0x0f) != (own[0] & 0x0f)) {
+        snprintf(err, errlen, "malformed UCX worker address (%zu bytes, version %u, ours %u)", len,
+                 len ? a[0] & 0x0f : 0, own[0] & 0x0f);
+        return -1;
+    }
     kvr_tp_ep_t *e = calloc(1, sizeof(*e));
     if (e == NULL) {
         snprintf(err, errlen, "out of memory");
@@ -336,9 +370,17 @@ int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *e, const void *hdr, size_t hdr
     }
     if (UCS_PTR_IS_ERR(req)) {
         *status_text = ucs_status_string(UCS_PTR_STATUS(req));
-        return -1;
+        return kvr_tp_outcome(UCS_PTR_STATUS(req)) == KVR_TP_PEER_GONE ? -2 : -1;
     }
+    op->req = req;
     return 1;
+}
+
+void kvr_tp_op_cancel(kvr_transport_t *tp, kvr_tp_op_t *op)
+{
+    if (op->req != NULL) {
+        ucp_request_cancel(tp->worker, op->req);
+    }
 }
 
 int kvr_tp_mem_map(kvr_transport_t *tp, void *addr, size_t len, char *err, size_t errlen)

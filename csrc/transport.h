@@ -29,7 +29,15 @@ typedef struct kvr_tp_ep kvr_tp_ep_t;
  */
 typedef struct {
     kvr_transport_t *tp;
+    void *req; /* the UCX request while in flight, for cancelling */
 } kvr_tp_op_t;
+
+/* How an operation ended (the `failed` argument of the callbacks). */
+enum {
+    KVR_TP_OK = 0,
+    KVR_TP_ERROR = 1,     /* the operation failed */
+    KVR_TP_PEER_GONE = 2, /* it failed because the peer or connection is gone */
+};
 
 /* How the receiver's handler answers an incoming data message. */
 typedef struct {
@@ -80,10 +88,15 @@ void kvr_tp_ep_close(kvr_transport_t *tp, kvr_tp_ep_t *ep, int force);
 /*
  * Sends one data message (hdr, then len bytes at buf).  Returns 0 if it
  * completed at once (no callback), 1 if on_send_done will be called with
- * op, -1 on an immediate error (text in *status_text, static).
+ * op, -1 on an immediate error, -2 if the error means the peer is gone (text
+ * in *status_text, static).
  */
 int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *ep, const void *hdr, size_t hdr_len,
                 const void *buf, size_t len, kvr_tp_op_t *op, const char **status_text);
+
+/* Asks UCX to cancel an operation in flight; its callback then reports
+ * KVR_TP_PEER_GONE or KVR_TP_ERROR (or success, if it had finished). */
+void kvr_tp_op_cancel(kvr_transport_t *tp, kvr_tp_op_t *op);
 
 /* Registers a memory region for faster sends from it; returns 0 or -1. */
 int kvr_tp_mem_map(kvr_transport_t *tp, void *addr, size_t len, char *err, size_t errlen);

@@ -140,6 +140,7 @@ int kvr_wire_encode(kvr_wbuf_t *b, const kvr_msg_t *m)
         kvr_put_u64(b, m->tag);
         break;
     case KVR_MSG_ROOM_FAIL:
+    case KVR_MSG_SIB_FAIL:
         kvr_put_u64(b, m->room);
         kvr_put_u64(b, m->tag);
         kvr_put_u16(b, m->code);
@@ -298,6 +299,7 @@ int kvr_wire_decode(const void *buf, size_t len, kvr_msg_t *m, const char **why)
         m->tag = kvr_rd_int(&r, 8, "truncated tag");
         break;
     case KVR_MSG_ROOM_FAIL:
+    case KVR_MSG_SIB_FAIL:
         m->room = kvr_rd_int(&r, 8, "truncated room");
         m->tag = kvr_rd_int(&r, 8, "truncated tag");
         m->code = (uint16_t)kvr_rd_int(&r, 2, "truncated code");
@@ -382,7 +384,7 @@ const char *kvr_msg_type_name(int type)
     static const char *const names[] = {
         "?", "BS_REGISTER", "BS_REGISTER_OK", "BS_QUERY", "BS_QUERY_REPLY", "HELLO",
         "HELLO_OK", "HELLO_REJECT", "ROOM_REQ", "ROOM_DONE", "ROOM_FAIL", "PING",
-        "PONG", "BYE"};
+        "PONG", "BYE", "SIB_FAIL"};
     if (type <= 0 || type >= KVR_MSG_LAST) {
         return "?";
     }

@@ -38,6 +38,7 @@ typedef enum {
     KVR_MSG_PING,             /* decode -> prefill: rank */
     KVR_MSG_PONG,             /* prefill -> decode: rank */
     KVR_MSG_BYE,              /* either way: rank; the sender is closing */
+    KVR_MSG_SIB_FAIL,         /* rank -> sibling ranks of one instance: as ROOM_FAIL */
     KVR_MSG_LAST
 } kvr_msg_type_t;
 

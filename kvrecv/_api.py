@@ -37,6 +37,7 @@ class KVConfig:
     max_rooms: int = 65536
     max_pending: int = 65536
     ctrl_port: int = 0
+    sibling_wait_ms: int = 50
     register_memory: bool = True
 
     def resolved(self) -> dict:
@@ -245,6 +246,18 @@ class KVManager:
         """Rooms by state, bytes moved, RMA operations posted, control
         messages dropped, failures by code, ..."""
         return self._core.stats()
+
+    def set_siblings(self, endpoints: Sequence[str]) -> None:
+        """Joins this rank with the other ranks of its instance: pass every
+        rank's ``endpoint`` (this one's is ignored).  Each root cause recorded
+        on one rank is then published to the others, so that every rank's
+        failure_exception() raises the originating rank's code and reason
+        (with is_from_another_rank=True and origin_rank set on the others).
+        Call it once, after all ranks of the instance are created."""
+        if isinstance(endpoints, str):
+            raise TypeError("endpoints must be a sequence of str, not a str")
+        own = self.endpoint
+        self._core.set_siblings([ep for ep in endpoints if ep != own])
 
     def close(self) -> None:
         """Stops the engine; open rooms fail with ABORTED.  Idempotent."""

@@ -145,6 +145,7 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     KVR_CFG(max_rooms)
     KVR_CFG(max_pending)
     KVR_CFG(ctrl_port)
+    KVR_CFG(sibling_wait_ms)
     KVR_CFG(register_memory)
 #undef KVR_CFG
     char err[512] = "";
@@ -248,6 +249,7 @@ static PyObject *kvr_manager_stats(PyObject *op, PyObject *unused)
         kvr_dict_set_u64(d, "rooms_open", s.rooms_open) < 0 ||
         kvr_dict_set_u64(d, "rooms_draining", s.rooms_draining) < 0 ||
         kvr_dict_set_u64(d, "rooms_succeeded", s.rooms_succeeded) < 0 ||
+        kvr_dict_set_u64(d, "rooms_force_drained", s.rooms_force_drained) < 0 ||
         kvr_dict_set_u64(d, "bytes_moved", s.bytes_moved) < 0 ||
         kvr_dict_set_u64(d, "rma_ops_posted", s.ops_posted) < 0 ||
         kvr_dict_set_u64(d, "ctrl_dropped", s.ctrl_dropped) < 0 ||
@@ -304,7 +306,49 @@ static PyObject *kvr_manager_get_transport(PyObject *op, void *unused)
     return PyUnicode_FromString(kvr_engine_transport(self->engine));
 }
 
+static PyObject *kvr_manager_set_siblings(PyObject *op, PyObject *arg)
+{
+    kvr_py_manager_t *self = (kvr_py_manager_t *)op;
+    if (kvr_manager_check(self) < 0) {
+        return NULL;
+    }
+    PyObject *fast = PySequence_Fast(arg, "endpoints must be a sequence of str");
+    if (fast == NULL) {
+        return NULL;
+    }
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(fast);
+    const char **eps = PyMem_Calloc(n ? (size_t)n : 1, sizeof(char *));
+    if (eps == NULL) {
+        Py_DECREF(fast);
+        return PyErr_NoMemory();
+    }
+    for (Py_ssize_t i = 0; i < n; i++) {
+        PyObject *it = PySequence_Fast_GET_ITEM(fast, i);
+        eps[i] = PyUnicode_Check(it) ? PyUnicode_AsUTF8(it) : NULL;
+        if (eps[i] == NULL) {
+            PyErr_Format(PyExc_TypeError, "endpoints[%zd] must be a str", i);
+            PyMem_Free(eps);
+            Py_DECREF(fast);
+            return NULL;
+        }
+    }
+    char err[512] = "";
+    int rc;
+    kvr_engine_t *e = self->engine;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvr_engine_set_siblings(e, eps, (int)n, err, sizeof(err));
+    Py_END_ALLOW_THREADS
+    PyMem_Free(eps);
+    Py_DECREF(fast);
+    if (rc != 0) {
+        return kvr_py_raise(rc, err);
+    }
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef kvr_manager_methods[] = {
+    {"set_siblings", kvr_manager_set_siblings, METH_O,
+     "Control endpoints of the other ranks of this instance."},
     {"close", kvr_manager_close, METH_NOARGS, "Stop the engine; idempotent."},
     {"stats", kvr_manager_stats, METH_NOARGS, "Counters and rooms by state."},
     {NULL, NULL, 0, NULL},

@@ -115,9 +115,17 @@ static int kvr_py_indices(PyObject *obj, const char *name, int32_t **out, size_t
 {
     *out = NULL;
     *n = 0;
+    if (PyUnicode_Check(obj) || PyBytes_Check(obj) || PyByteArray_Check(obj)) {
+        PyErr_Format(PyExc_TypeError,
+                     "%s must be a sequence or array of integers, not %.100s", name,
+                     Py_TYPE(obj)->tp_name);
+        return -1;
+    }
     if (PyObject_CheckBuffer(obj)) {
         Py_buffer view;
-        if (PyObject_GetBuffer(obj, &view, PyBUF_FORMAT | PyBUF_ANY_CONTIGUOUS) < 0) {
+        if (PyObject_GetBuffer(obj, &view, PyBUF_FORMAT | PyBUF_STRIDES) < 0) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_TypeError, "%s: cannot read the array's buffer", name);
             return -1;
         }
         const char *fmt = view.format ? view.format : "B";
@@ -133,13 +141,14 @@ static int kvr_py_indices(PyObject *obj, const char *name, int32_t **out, size_t
             PyBuffer_Release(&view);
             return -1;
         }
-        if (view.ndim > 1) {
+        if (view.ndim != 1) {
             PyErr_Format(PyExc_ValueError, "%s must be one-dimensional, got %d dimensions", name,
                          view.ndim);
             PyBuffer_Release(&view);
             return -1;
         }
-        size_t count = (size_t)(view.len / view.itemsize);
+        size_t count = (size_t)view.shape[0];
+        Py_ssize_t stride = view.strides ? view.strides[0] : view.itemsize;
         int32_t *a = PyMem_Malloc((count ? count : 1) * sizeof(int32_t));
         if (a == NULL) {
             PyBuffer_Release(&view);
@@ -147,7 +156,7 @@ static int kvr_py_indices(PyObject *obj, const char *name, int32_t **out, size_t
             return -1;
         }
         const char *p = view.buf;
-        for (size_t i = 0; i < count; i++, p += view.itemsize) {
+        for (size_t i = 0; i < count; i++, p += stride) {
             long long v = 0;
             unsigned long long u = 0;
             switch (view.itemsize) {
@@ -381,7 +390,7 @@ static PyObject *kvr_room_poll(PyObject *op, PyObject *unused)
 
 /*
  * failure_record(pop=False) -> None or
- *   (code, reason, origin_rank or None, peer or None, from_remote)
+ *   (code, reason, origin_rank or None, peer or None, from_remote, from_sibling)
  */
 static PyObject *kvr_room_failure_record(PyObject *op, PyObject *args, PyObject *kwds)
 {
@@ -394,7 +403,7 @@ static PyObject *kvr_room_failure_record(PyObject *op, PyObject *args, PyObject 
     kvr_failure_t f;
     int found;
     Py_BEGIN_ALLOW_THREADS
-    found = kvr_handle_failure(h, &f, pop);
+    found = kvr_handle_failure(h, &f, pop, 0);
     Py_END_ALLOW_THREADS
     if (!found) {
         Py_RETURN_NONE;
@@ -403,8 +412,9 @@ static PyObject *kvr_room_failure_record(PyObject *op, PyObject *args, PyObject 
     PyObject *peer = f.peer[0] ? PyUnicode_FromString(f.peer) : Py_NewRef(Py_None);
     PyObject *out = NULL;
     if (origin && peer) {
-        out = Py_BuildValue("(ssOOO)", kvr_status_name(f.code), f.reason, origin, peer,
-                            f.from_remote ? Py_True : Py_False);
+        out = Py_BuildValue("(ssOOOO)", kvr_status_name(f.code), f.reason, origin, peer,
+                            f.from_remote ? Py_True : Py_False,
+                            f.from_sibling ? Py_True : Py_False);
     }
     Py_XDECREF(origin);
     Py_XDECREF(peer);
@@ -430,13 +440,16 @@ static PyObject *kvr_room_failure_exception(PyObject *op, PyObject *args)
     kvr_failure_t f;
     int found = 0;
     if (self->handle) {
+        kvr_handle_t *h = self->handle;
         Py_BEGIN_ALLOW_THREADS
-        found = kvr_handle_failure(self->handle, &f, 1);
+        /* Without a record of its own, a rank waits (bounded) for the
+         * sibling that saw the failure to publish its cause. */
+        found = kvr_handle_failure(h, &f, 1, kvr_handle_sibling_wait_ms(h));
         Py_END_ALLOW_THREADS
     }
     PyObject *exc;
     if (found) {
-        exc = kvr_py_error_new(st, self->room, &f, 0);
+        exc = kvr_py_error_new(st, self->room, &f, f.from_sibling);
     } else {
         exc = PyObject_CallFunction(st->error_base, "KsO", (unsigned long long)self->room,
                                     generic, Py_True);

@@ -1,0 +1,151 @@
+"""Child-process peer for tests/test_failures.py.
+
+Runs one kvrecv manager (prefill or decode) in its own process so that the
+tests can kill it for real (SIGKILL) and watch the survivor.  It takes a JSON
+spec as argv[1], prints one JSON line {"ready": ...} once its manager exists,
+then obeys JSON commands, one per line on stdin, answering each with exactly
+one JSON line on stdout ({"error": ...} if the command raised).
+
+The buffer layout and contents are defined here and imported by the tests,
+so both processes agree on what every byte should be.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import numpy as np
+
+NBUF = 4
+PAGES = 32
+AUX_ROWS = 8
+AUX_ITEM = 16
+CANARY = 0xA5
+
+
+def item_lens(nbuf: int = NBUF, scale: int = 64) -> list:
+    return [scale * (i + 1) for i in range(nbuf)]
+
+
+def page_bytes(nbuf: int = NBUF, scale: int = 64) -> int:
+    return sum(item_lens(nbuf, scale))
+
+
+def source_buffers(seed: int, nbuf: int = NBUF, scale: int = 64):
+    """Prefill buffers: random bytes, reproducible from seed."""
+    rng = np.random.default_rng(seed)
+    kv = [rng.integers(0, 256, size=PAGES * it, dtype=np.uint8) for it in item_lens(nbuf, scale)]
+    aux = [rng.integers(0, 256, size=AUX_ROWS * AUX_ITEM, dtype=np.uint8)]
+    return kv, aux
+
+
+def canary_buffers(nbuf: int = NBUF, scale: int = 64):
+    """Decode buffers: every byte is CANARY until a transfer lands."""
+    kv = [np.full(PAGES * it, CANARY, dtype=np.uint8) for it in item_lens(nbuf, scale)]
+    aux = [np.full(AUX_ROWS * AUX_ITEM, CANARY, dtype=np.uint8)]
+    return kv, aux
+
+
+def _failure(room_obj, kvrecv):
+    try:
+        room_obj.failure_exception()
+    except kvrecv.KVTransferError as e:  # noqa: PERF203
+        return {
+            "cls": type(e).__name__,
+            "code": e.code,
+            "reason": e.failure_reason,
+            "room": e.bootstrap_room,
+            "peer": e.peer,
+        }
+    return {"cls": None}
+
+
+def main() -> int:
+    spec = json.loads(sys.argv[1])
+    # The protocol gets its own copy of stdout; anything a library prints to
+    # fd 1 goes to stderr instead of corrupting it.
+    proto = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    import kvrecv
+    from kvrecv import KVArgs, KVConfig, KVManager, KVPoll, KVReceiver, KVSender
+
+    role = spec["role"]
+    bootstrap = spec["bootstrap"]
+    rank = int(spec.get("rank", 0))
+    scale = int(spec.get("scale", 64))
+    if role == "prefill":
+        kv, aux = source_buffers(int(spec.get("seed", 1)), scale=scale)
+    else:
+        kv, aux = canary_buffers(scale=scale)
+    args = KVArgs.from_buffers(rank, kv, item_lens(scale=scale), aux, [AUX_ITEM])
+    cfg = KVConfig(**spec.get("config", {}))
+    mgr = KVManager(args, role, bootstrap_addr=bootstrap if role == "prefill" else None,
+                    config=cfg)
+    rooms = {}
+
+    def reply(obj):
+        proto.write(json.dumps(obj) + "\n")
+        proto.flush()
+
+    reply({"ready": True, "pid": os.getpid(), "endpoint": mgr.endpoint,
+           "transport": mgr.transport})
+
+    for line in sys.stdin:
+        line = line.strip()
+        if not line:
+            continue
+        cmd = json.loads(line)
+        op = cmd["op"]
+        try:
+            if op == "open_sender":
+                s = KVSender(mgr, bootstrap, cmd["room"])
+                s.init(cmd["n"], aux_index=cmd.get("aux"))
+                rooms[cmd["room"]] = s
+                reply({"state": int(s.poll())})
+            elif op == "send":
+                rooms[cmd["room"]].send(np.asarray(cmd["pages"], dtype=np.int32))
+                reply({"state": int(rooms[cmd["room"]].poll())})
+            elif op == "open_receiver":
+                r = KVReceiver(mgr, bootstrap, cmd["room"])
+                r.init()
+                rooms[cmd["room"]] = r
+                deadline = time.monotonic() + float(cmd.get("wait_s", 20))
+                while r.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                if r.poll() == KVPoll.WaitingForInput:
+                    r.send_metadata(np.asarray(cmd["pages"], dtype=np.int32),
+                                    aux_index=cmd.get("aux"))
+                reply({"state": int(r.poll())})
+            elif op == "wait":
+                obj = rooms[cmd["room"]]
+                want = set(cmd["states"])
+                t0 = time.monotonic()
+                deadline = t0 + float(cmd.get("timeout", 10))
+                while int(obj.poll()) not in want and time.monotonic() < deadline:
+                    time.sleep(0.001)
+                reply({"state": int(obj.poll()), "elapsed": time.monotonic() - t0})
+            elif op == "poll":
+                reply({"state": int(rooms[cmd["room"]].poll())})
+            elif op == "failure":
+                reply(_failure(rooms[cmd["room"]], kvrecv))
+            elif op == "stats":
+                reply(mgr.stats())
+            elif op == "exit":
+                for obj in rooms.values():
+                    obj.clear()
+                mgr.close()
+                reply({"bye": True})
+                return 0
+            else:
+                reply({"error": f"unknown op {op!r}"})
+        except Exception as e:  # reported to the parent, which fails the test
+            reply({"error": f"{type(e).__name__}: {e}"})
+    mgr.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

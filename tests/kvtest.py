@@ -1,0 +1,503 @@
+"""Helpers shared by the kvrecv tests.
+
+* Layout / Side: one rank's registered memory (numpy uint8 buffers), either
+  filled from a seeded generator (a prefill rank's source data, which any
+  process can rebuild from the seed) or with a canary byte (a decode rank's
+  destination, so that bytes nobody should have written are recognisable).
+* Expected: a model of what the decode buffers must hold after a set of
+  transfers; compared byte for byte with the real buffers.
+* wait_for / wait_all: poll loops with deadlines.
+* Dealer: a raw ZMQ DEALER socket through ctypes (libzmq.so.5), to speak to
+  the control endpoints without the library.
+* ChildPrefill: a prefill rank living in a child process ("spawn"), driven
+  through a pipe.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import multiprocessing
+import os
+import struct
+import time
+import traceback
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+
+CANARY = 0xA5
+
+# UCX_TLS values of the two transports the suite covers.
+TRANSPORTS = {"tcp": "tcp", "shm": "posix,sysv,cma,self"}
+
+# Timeouts that keep a loaded 2-core machine from turning slowness into
+# failures (the library's defaults declare a peer lost after 600 ms).
+ROBUST_CONFIG = dict(heartbeat_timeout_ms=15000, bootstrap_timeout_ms=20000)
+
+POLL_SLEEP = 0.0005
+
+
+# --------------------------------------------------------------------------
+# Memory layouts
+# --------------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    kv_item_lens: Tuple[int, ...]
+    num_pages: int
+    aux_item_lens: Tuple[int, ...] = ()
+    aux_rows: int = 0
+
+    @property
+    def page_bytes(self) -> int:
+        return sum(self.kv_item_lens)
+
+    @property
+    def aux_bytes(self) -> int:
+        return sum(self.aux_item_lens)
+
+    def transfer_bytes(self, npages: int, with_aux: bool) -> int:
+        return npages * self.page_bytes + (self.aux_bytes if with_aux else 0)
+
+
+# 8 KV buffers with different item lengths (64..4096 bytes), 2 aux buffers.
+STD = Layout((64, 96, 128, 256, 512, 1024, 2048, 4096), 256, (24, 40), 64)
+# Same item lengths, enough pages for hundreds of rooms with disjoint pages.
+WIDE = Layout((64, 96, 128, 256, 512, 1024, 2048, 4096), 1024, (24, 40), 512)
+# A small layout for argument checks.
+SMALL = Layout((64, 128), 32, (16,), 8)
+
+
+class Side:
+    """The buffers of one rank.  seed=None fills them with CANARY."""
+
+    def __init__(self, layout: Layout, rank: int = 0, seed: Optional[int] = None):
+        self.layout = layout
+        self.rank = rank
+        self.seed = seed
+        rng = np.random.default_rng(seed) if seed is not None else None
+
+        def buf(n):
+            if rng is None:
+                return np.full(n, CANARY, dtype=np.uint8)
+            return rng.integers(0, 256, size=n, dtype=np.uint8)
+
+        self.kv = [buf(item * layout.num_pages) for item in layout.kv_item_lens]
+        self.aux = [buf(item * layout.aux_rows) for item in layout.aux_item_lens]
+
+    def args(self, page_size: int = 1):
+        from kvrecv import KVArgs
+
+        return KVArgs.from_buffers(
+            self.rank,
+            self.kv,
+            list(self.layout.kv_item_lens),
+            self.aux,
+            list(self.layout.aux_item_lens),
+            page_size=page_size,
+        )
+
+    def pages(self, b: int) -> np.ndarray:
+        """KV buffer b as a (num_pages, item_len) view."""
+        return self.kv[b].reshape(self.layout.num_pages, self.layout.kv_item_lens[b])
+
+    def rows(self, a: int) -> np.ndarray:
+        return self.aux[a].reshape(self.layout.aux_rows, self.layout.aux_item_lens[a])
+
+    def snapshot(self) -> "Expected":
+        return Expected(self)
+
+
+class Expected:
+    """What a decode Side must hold: starts as a copy of it, and every
+    transfer the test expects is applied to the copy."""
+
+    def __init__(self, side: Side):
+        self.layout = side.layout
+        self.kv = [b.copy() for b in side.kv]
+        self.aux = [b.copy() for b in side.aux]
+
+    def apply(self, src: Side, src_pages, dst_pages, src_aux=None, dst_aux=None) -> None:
+        src_pages = np.asarray(src_pages, dtype=np.int64)
+        dst_pages = np.asarray(dst_pages, dtype=np.int64)
+        assert len(src_pages) == len(dst_pages)
+        for b, item in enumerate(self.layout.kv_item_lens):
+            view = self.kv[b].reshape(self.layout.num_pages, item)
+            view[dst_pages] = src.pages(b)[src_pages]
+        if dst_aux is not None:
+            for a, item in enumerate(self.layout.aux_item_lens):
+                view = self.aux[a].reshape(self.layout.aux_rows, item)
+                view[dst_aux] = src.rows(a)[src_aux]
+
+    def mismatches(self, side: Side) -> List[str]:
+        out = []
+        for b, item in enumerate(self.layout.kv_item_lens):
+            want = self.kv[b].reshape(-1, item)
+            got = side.kv[b].reshape(-1, item)
+            bad = np.nonzero((want != got).any(axis=1))[0]
+            if len(bad):
+                out.append(f"kv buffer {b} (item {item}): pages {bad[:10].tolist()} differ"
+                           f" ({len(bad)} pages)")
+        for a, item in enumerate(self.layout.aux_item_lens):
+            want = self.aux[a].reshape(-1, item)
+            got = side.aux[a].reshape(-1, item)
+            bad = np.nonzero((want != got).any(axis=1))[0]
+            if len(bad):
+                out.append(f"aux buffer {a} (item {item}): rows {bad[:10].tolist()} differ")
+        return out
+
+    def check(self, side: Side) -> None:
+        bad = self.mismatches(side)
+        assert not bad, "decode memory differs from the expected bytes:\n" + "\n".join(bad)
+
+
+def assert_all_canary(side: Side) -> None:
+    for b, buf in enumerate(side.kv):
+        assert (buf == CANARY).all(), f"kv buffer {b} was written"
+    for a, buf in enumerate(side.aux):
+        assert (buf == CANARY).all(), f"aux buffer {a} was written"
+
+
+def count_runs(src: Sequence[int], dst: Sequence[int]) -> int:
+    """Runs where both the source and the destination pages are consecutive."""
+    runs = 0
+    for i in range(len(src)):
+        if i == 0 or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
+            runs += 1
+    return runs
+
+
+def split_chunks(rng: np.random.Generator, seq, nchunks: int) -> List:
+    """Splits seq into nchunks non-empty consecutive chunks (nchunks <= len)."""
+    n = len(seq)
+    nchunks = max(1, min(nchunks, n))
+    cuts = sorted(rng.choice(np.arange(1, n), size=nchunks - 1, replace=False).tolist()) if nchunks > 1 else []
+    bounds = [0] + cuts + [n]
+    return [seq[bounds[i]:bounds[i + 1]] for i in range(nchunks)]
+
+
+# --------------------------------------------------------------------------
+# Polling
+# --------------------------------------------------------------------------
+
+
+def wait_for(room, targets, timeout: float = 10.0):
+    """Polls room until its state is in targets (a KVPoll or a collection of
+    them) or the deadline passes; returns the last state seen."""
+    if not isinstance(targets, (set, frozenset, tuple, list)):
+        targets = (targets,)
+    deadline = time.monotonic() + timeout
+    state = room.poll()
+    while state not in targets and time.monotonic() < deadline:
+        time.sleep(POLL_SLEEP)
+        state = room.poll()
+    return state
+
+
+def wait_all(rooms, targets, timeout: float = 20.0) -> list:
+    if not isinstance(targets, (set, frozenset, tuple, list)):
+        targets = (targets,)
+    deadline = time.monotonic() + timeout
+    pending = list(rooms)
+    while pending and time.monotonic() < deadline:
+        pending = [r for r in pending if r.poll() not in targets]
+        if pending:
+            time.sleep(POLL_SLEEP)
+    return [r.poll() for r in rooms]
+
+
+def wait_until(pred, timeout: float = 10.0, interval: float = 0.002) -> bool:
+    deadline = time.monotonic() + timeout
+    while True:
+        if pred():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(interval)
+
+
+def terminal():
+    from kvrecv import KVPoll
+
+    return (KVPoll.Success, KVPoll.Failed)
+
+
+def describe_failure(room) -> str:
+    from kvrecv import KVPoll, KVTransferError
+
+    if room.poll() != KVPoll.Failed:
+        return f"state {room.poll()!r}"
+    try:
+        room.failure_exception()
+    except KVTransferError as e:  # always raised
+        return f"{type(e).__name__}[{e.code}]: {e}"
+    return "failure_exception() did not raise"
+
+
+# --------------------------------------------------------------------------
+# A raw ZMQ DEALER through ctypes
+# --------------------------------------------------------------------------
+
+ZMQ_DEALER = 5
+ZMQ_SNDMORE = 2
+ZMQ_LINGER = 17
+ZMQ_RCVTIMEO = 27
+ZMQ_SNDTIMEO = 28
+
+_zmq = None
+
+
+def _libzmq():
+    global _zmq
+    if _zmq is None:
+        z = ctypes.CDLL("libzmq.so.5", use_errno=True)
+        z.zmq_ctx_new.restype = ctypes.c_void_p
+        z.zmq_ctx_new.argtypes = []
+        z.zmq_ctx_term.argtypes = [ctypes.c_void_p]
+        z.zmq_socket.restype = ctypes.c_void_p
+        z.zmq_socket.argtypes = [ctypes.c_void_p, ctypes.c_int]
+        z.zmq_close.argtypes = [ctypes.c_void_p]
+        z.zmq_connect.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        z.zmq_setsockopt.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                     ctypes.c_size_t]
+        z.zmq_send.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        z.zmq_send.restype = ctypes.c_int
+        z.zmq_recv.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        z.zmq_recv.restype = ctypes.c_int
+        _zmq = z
+    return _zmq
+
+
+class Dealer:
+    """A DEALER connected to endpoint ("tcp://host:port")."""
+
+    def __init__(self, endpoint: str, recv_timeout_ms: int = 5000):
+        z = _libzmq()
+        self._z = z
+        self.ctx = z.zmq_ctx_new()
+        assert self.ctx, "zmq_ctx_new failed"
+        self.sock = z.zmq_socket(self.ctx, ZMQ_DEALER)
+        assert self.sock, "zmq_socket failed"
+        for opt, val in ((ZMQ_LINGER, 0), (ZMQ_RCVTIMEO, recv_timeout_ms), (ZMQ_SNDTIMEO, 5000)):
+            v = ctypes.c_int(val)
+            assert z.zmq_setsockopt(self.sock, opt, ctypes.byref(v), ctypes.sizeof(v)) == 0
+        rc = z.zmq_connect(self.sock, endpoint.encode())
+        assert rc == 0, f"zmq_connect({endpoint}) failed"
+
+    def send(self, data: bytes, more: bool = False) -> None:
+        buf = ctypes.create_string_buffer(data, max(len(data), 1))
+        n = self._z.zmq_send(self.sock, buf, len(data), ZMQ_SNDMORE if more else 0)
+        assert n == len(data), f"zmq_send returned {n}"
+
+    def send_multipart(self, frames: Sequence[bytes]) -> None:
+        for i, f in enumerate(frames):
+            self.send(f, more=i < len(frames) - 1)
+
+    def recv(self, maxlen: int = 1 << 20) -> Optional[bytes]:
+        """One frame, or None on timeout."""
+        buf = ctypes.create_string_buffer(maxlen)
+        n = self._z.zmq_recv(self.sock, buf, maxlen, 0)
+        if n < 0:
+            return None
+        return buf.raw[: min(n, maxlen)]
+
+    def close(self) -> None:
+        if self.sock:
+            self._z.zmq_close(self.sock)
+            self.sock = None
+        if self.ctx:
+            self._z.zmq_ctx_term(self.ctx)
+            self.ctx = None
+
+
+# --------------------------------------------------------------------------
+# The wire format (csrc/wire.h), for crafting messages
+# --------------------------------------------------------------------------
+
+MAGIC = 0x5752564B
+VERSION = 1
+(MSG_BS_REGISTER, MSG_BS_REGISTER_OK, MSG_BS_QUERY, MSG_BS_QUERY_REPLY, MSG_HELLO, MSG_HELLO_OK,
+ MSG_HELLO_REJECT, MSG_ROOM_REQ, MSG_ROOM_DONE, MSG_ROOM_FAIL, MSG_PING, MSG_PONG,
+ MSG_BYE) = range(1, 14)
+
+
+def header(msg_type: int, epoch: int = 0x1122334455667788, magic: int = MAGIC,
+           version: int = VERSION) -> bytes:
+    return struct.pack("<IHHQ", magic, version, msg_type, epoch)
+
+
+def parse_header(data: bytes) -> Tuple[int, int, int, int]:
+    return struct.unpack_from("<IHHQ", data)
+
+
+def wire_str(s: bytes, length: Optional[int] = None) -> bytes:
+    return struct.pack("<H", len(s) if length is None else length) + s
+
+
+def wire_layout(layout: Layout, page_size: int = 1) -> bytes:
+    out = struct.pack("<II", page_size, len(layout.kv_item_lens))
+    out += b"".join(struct.pack("<Q", v) for v in layout.kv_item_lens)
+    out += struct.pack("<I", len(layout.aux_item_lens))
+    out += b"".join(struct.pack("<Q", v) for v in layout.aux_item_lens)
+    return out
+
+
+def room_req(room: int, tag: int, aux_index: int, pages: Sequence[int],
+             npages: Optional[int] = None, **hk) -> bytes:
+    body = struct.pack("<QQqI", room, tag, aux_index, len(pages) if npages is None else npages)
+    body += b"".join(struct.pack("<i", p) for p in pages)
+    return header(MSG_ROOM_REQ, **hk) + body
+
+
+def room_fail(room: int, tag: int, code: int, origin: int, reason: bytes, peer: bytes,
+              **hk) -> bytes:
+    return (header(MSG_ROOM_FAIL, **hk) + struct.pack("<QQHi", room, tag, code, origin)
+            + wire_str(reason) + wire_str(peer))
+
+
+def ping(rank: int = 0, **hk) -> bytes:
+    return header(MSG_PING, **hk) + struct.pack("<I", rank)
+
+
+def bs_query(rank: int, **hk) -> bytes:
+    return header(MSG_BS_QUERY, **hk) + struct.pack("<I", rank)
+
+
+def hello(rank: int, layout: Layout, worker_addr: bytes, **hk) -> bytes:
+    return (header(MSG_HELLO, **hk) + struct.pack("<I", rank) + wire_layout(layout)
+            + struct.pack("<I", len(worker_addr)) + worker_addr)
+
+
+# --------------------------------------------------------------------------
+# A prefill rank in a child process
+# --------------------------------------------------------------------------
+
+
+def _prefill_child_main(conn, layout: Layout, rank: int, seed: int, bootstrap_addr: str,
+                        env: Dict[str, str], config: Dict[str, int]) -> None:
+    """Child process: owns a prefill KVManager; answers commands on conn."""
+    os.environ.update(env)
+    from kvrecv import KVConfig, KVManager, KVPoll, KVSender
+
+    side = Side(layout, rank, seed)
+    mgr = KVManager(side.args(), "prefill", bootstrap_addr=bootstrap_addr,
+                    config=KVConfig(**config))
+    senders: Dict[int, KVSender] = {}
+    conn.send(("ready", {"endpoint": mgr.endpoint, "transport": mgr.transport,
+                         "pid": os.getpid()}))
+    try:
+        while True:
+            try:
+                cmd, arg = conn.recv()
+            except (EOFError, OSError):
+                return
+            try:
+                if cmd == "close":
+                    conn.send(("ok", None))
+                    return
+                elif cmd == "send":
+                    # arg: list of (room, num_pages, aux_index, [chunk, ...])
+                    for room, num, aux, chunks in arg:
+                        s = senders.get(room)
+                        if s is None:
+                            s = senders[room] = KVSender(mgr, bootstrap_addr, room)
+                        s.init(num, aux)
+                        for c in chunks:
+                            s.send(np.asarray(c, dtype=np.int32))
+                    conn.send(("ok", None))
+                elif cmd == "wait":
+                    rooms, timeout = arg
+                    rs = [senders[r] for r in rooms]
+                    wait_all(rs, (KVPoll.Success, KVPoll.Failed), timeout)
+                    conn.send(("ok", {r: (int(s.poll()), describe_failure(s))
+                                      for r, s in zip(rooms, rs)}))
+                elif cmd == "clear":
+                    for r in arg:
+                        senders.pop(r).clear()
+                    conn.send(("ok", None))
+                elif cmd == "stats":
+                    conn.send(("ok", mgr.stats()))
+                else:
+                    conn.send(("error", f"unknown command {cmd!r}"))
+            except Exception:
+                conn.send(("error", traceback.format_exc()))
+    finally:
+        senders.clear()
+        mgr.close()
+
+
+class ChildError(AssertionError):
+    pass
+
+
+class ChildPrefill:
+    """Parent side of a prefill rank in a spawned child process."""
+
+    def __init__(self, layout: Layout, rank: int, seed: int, bootstrap_addr: str,
+                 env: Optional[Dict[str, str]] = None, config: Optional[Dict[str, int]] = None,
+                 start_timeout: float = 60.0):
+        ctx = multiprocessing.get_context("spawn")
+        self.conn, child_conn = ctx.Pipe()
+        self.layout = layout
+        self.rank = rank
+        self.seed = seed
+        env = dict(env or {})
+        env.setdefault("UCX_TLS", os.environ.get("UCX_TLS", "tcp"))
+        self.proc = ctx.Process(
+            target=_prefill_child_main,
+            args=(child_conn, layout, rank, seed, bootstrap_addr, env,
+                  dict(ROBUST_CONFIG, **(config or {}))),
+            daemon=True,
+            name=f"kvrecv-prefill-rank{rank}",
+        )
+        self.proc.start()
+        child_conn.close()
+        kind, info = self._recv(start_timeout)
+        if kind != "ready":
+            raise ChildError(f"prefill child failed to start: {info}")
+        self.endpoint = info["endpoint"]
+        self.transport = info["transport"]
+
+    def side(self) -> Side:
+        """The child's source memory, rebuilt from the same seed."""
+        return Side(self.layout, self.rank, self.seed)
+
+    def _recv(self, timeout: float):
+        if not self.conn.poll(timeout):
+            raise ChildError(f"prefill child rank {self.rank} did not answer within {timeout}s "
+                             f"(alive={self.proc.is_alive()}, exitcode={self.proc.exitcode})")
+        try:
+            return self.conn.recv()
+        except EOFError:
+            self.proc.join(2)
+            raise ChildError(f"prefill child rank {self.rank} died "
+                             f"(exitcode={self.proc.exitcode})") from None
+
+    def call(self, cmd: str, arg=None, timeout: float = 30.0):
+        self.conn.send((cmd, arg))
+        kind, value = self._recv(timeout)
+        if kind != "ok":
+            raise ChildError(f"prefill child rank {self.rank}: {value}")
+        return value
+
+    def alive(self) -> bool:
+        return self.proc.is_alive()
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("close", None))
+                if self.conn.poll(10):
+                    self.conn.recv()
+            except (OSError, EOFError, BrokenPipeError):
+                pass
+            self.proc.join(10)
+        if self.proc.is_alive():
+            self.proc.terminate()
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()

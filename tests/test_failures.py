@@ -1,0 +1,1067 @@
+"""Failure paths: every failure is provoked for real (a SIGKILLed peer
+process, a closed port, a layout that differs, an abort, a deadline that
+passes) and checked for its exception class, code, reason, room and how
+long it took to be noticed.  After each scenario the surviving manager must
+still serve a new room, forget its rooms on clear(), and leave no threads
+behind.
+
+Peers that get killed live in child processes (tests/failure_peer.py),
+driven through JSON lines on their stdin/stdout.  Time bounds carry wide
+margins (the machine has 2 cores and may be running other tests); the
+measured value is in every assertion message.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import pickle
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import kvrecv
+from kvrecv import (
+    BootstrapServer,
+    KVAbortedError,
+    KVArgs,
+    KVBootstrapError,
+    KVConfig,
+    KVLayoutError,
+    KVManager,
+    KVPeerLostError,
+    KVPeerRestartedError,
+    KVPoll,
+    KVProtocolError,
+    KVReceiver,
+    KVRemoteError,
+    KVSender,
+    KVTimeoutError,
+    KVTransferError,
+    KVTransportError,
+)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+PEER_SCRIPT = os.path.join(HERE, "failure_peer.py")
+
+_spec = importlib.util.spec_from_file_location("kvrecv_failure_peer", PEER_SCRIPT)
+peer_mod = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(peer_mod)
+
+NBUF = peer_mod.NBUF
+PAGES = peer_mod.PAGES
+AUX_ITEM = peer_mod.AUX_ITEM
+CANARY = peer_mod.CANARY
+ITEMS = peer_mod.item_lens()
+PAGE_BYTES = peer_mod.page_bytes()
+
+TERMINAL = (KVPoll.Success, KVPoll.Failed)
+
+CODE_TO_CLASS = {
+    "BOOTSTRAP": KVBootstrapError,
+    "LAYOUT_MISMATCH": KVLayoutError,
+    "PEER_LOST": KVPeerLostError,
+    "PEER_RESTARTED": KVPeerRestartedError,
+    "TRANSPORT": KVTransportError,
+    "TIMEOUT": KVTimeoutError,
+    "ABORTED": KVAbortedError,
+    "REMOTE": KVRemoteError,
+    "PROTOCOL": KVProtocolError,
+}
+
+pytestmark = pytest.mark.timeout(60)
+
+
+# --------------------------------------------------------------------------
+# Helpers
+# --------------------------------------------------------------------------
+
+
+def _native_threads() -> int:
+    return len(os.listdir("/proc/self/task"))
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _wait_state(room, states, timeout):
+    """Polls room until its state is in states; returns (state, seconds)."""
+    t0 = time.monotonic()
+    while True:
+        st = room.poll()
+        el = time.monotonic() - t0
+        if st in states or el > timeout:
+            return st, el
+        time.sleep(0.001)
+
+
+def _wait_until(pred, timeout, what):
+    t0 = time.monotonic()
+    while not pred():
+        if time.monotonic() - t0 > timeout:
+            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
+        time.sleep(0.002)
+    return time.monotonic() - t0
+
+
+def _wait_all_failed(rooms, t0, timeout):
+    """Polls every room until all are Failed; returns {room_id: seconds since t0}
+    (None for rooms that never failed)."""
+    seen = {}
+    while len(seen) < len(rooms) and time.monotonic() - t0 < timeout:
+        for rid, r in rooms.items():
+            if rid not in seen and r.poll() == KVPoll.Failed:
+                seen[rid] = time.monotonic() - t0
+        time.sleep(0.001)
+    return {rid: seen.get(rid) for rid in rooms}
+
+
+def _exc(room) -> KVTransferError:
+    with pytest.raises(KVTransferError) as ei:
+        room.failure_exception()
+    return ei.value
+
+
+def _prefill(addr, seed, rank=0, config=None, items=None, scale=64):
+    kv, aux = peer_mod.source_buffers(seed, scale=scale)
+    if items is not None:
+        kv = [np.random.default_rng(seed + i).integers(0, 256, PAGES * it, dtype=np.uint8)
+              for i, it in enumerate(items)]
+    items = list(items or peer_mod.item_lens(scale=scale))
+    args = KVArgs.from_buffers(rank, kv, items, aux, [AUX_ITEM])
+    return KVManager(args, "prefill", bootstrap_addr=addr, config=config), kv, aux
+
+
+def _decode(config=None, rank=0, items=None, scale=64):
+    items = list(items or peer_mod.item_lens(scale=scale))
+    kv = [np.full(PAGES * it, CANARY, dtype=np.uint8) for it in items]
+    aux = [np.full(peer_mod.AUX_ROWS * AUX_ITEM, CANARY, dtype=np.uint8)]
+    args = KVArgs.from_buffers(rank, kv, items, aux, [AUX_ITEM])
+    return KVManager(args, "decode", config=config), kv, aux
+
+
+def _pages_equal(src_kv, dst_kv, src_pages, dst_pages):
+    for b in range(len(dst_kv)):
+        it = len(dst_kv[b]) // PAGES
+        for sp, dp in zip(src_pages, dst_pages):
+            if not np.array_equal(src_kv[b][sp * it:(sp + 1) * it], dst_kv[b][dp * it:(dp + 1) * it]):
+                return False
+    return True
+
+
+def _pages_canary(dst_kv, dst_pages):
+    for b in range(len(dst_kv)):
+        it = len(dst_kv[b]) // PAGES
+        for dp in dst_pages:
+            if not (dst_kv[b][dp * it:(dp + 1) * it] == CANARY).all():
+                return False
+    return True
+
+
+def _assert_still(bufs, seconds, what):
+    """Asserts that none of bufs changes during the next `seconds`."""
+    snap = [b.copy() for b in bufs]
+    t_end = time.monotonic() + seconds
+    while time.monotonic() < t_end:
+        for i, (a, b) in enumerate(zip(snap, bufs)):
+            assert np.array_equal(a, b), f"{what}: buffer {i} changed after poll() said Failed"
+        time.sleep(0.01)
+
+
+def _open_receiver(dmgr, addr, room, pages, aux=None, timeout=20):
+    r = KVReceiver(dmgr, addr, room)
+    r.init()
+    st, el = _wait_state(r, (KVPoll.WaitingForInput, KVPoll.Failed), timeout)
+    assert st == KVPoll.WaitingForInput, f"room {room} did not bootstrap: {st} after {el:.3f} s"
+    r.send_metadata(np.asarray(pages, dtype=np.int32), aux_index=aux)
+    return r
+
+
+def _check_new_room_in_process(pmgr, pkv, paux, dmgr, dkv, daux, addr, room, dst_pages, dst_aux):
+    """The survivor check: one new room moves every byte, and clear() empties
+    both managers' room tables."""
+    src_pages = [1, 2, 3, 30]
+    r = _open_receiver(dmgr, addr, room, dst_pages, aux=dst_aux)
+    s = KVSender(pmgr, addr, room)
+    s.init(len(src_pages), aux_index=5)
+    s.send(np.asarray(src_pages[:2], dtype=np.int32))
+    s.send(np.asarray(src_pages[2:], dtype=np.int32))
+    st, el = _wait_state(r, TERMINAL, 20)
+    assert st == KVPoll.Success, f"new room {room} on the surviving manager: {st} after {el:.3f} s"
+    st, el = _wait_state(s, TERMINAL, 20)
+    assert st == KVPoll.Success, f"new room {room}, prefill side: {st} after {el:.3f} s"
+    assert _pages_equal(pkv, dkv, src_pages, dst_pages), "new room: KV bytes differ"
+    assert np.array_equal(paux[0][5 * AUX_ITEM:6 * AUX_ITEM],
+                          daux[0][dst_aux * AUX_ITEM:(dst_aux + 1) * AUX_ITEM]), "new room: aux differs"
+    r.clear()
+    s.clear()
+
+
+def _assert_no_rooms(*mgrs):
+    for m in mgrs:
+        st = m.stats()
+        assert st["rooms_open"] == 0, f"{m.mode} manager still has rooms after clear(): {st}"
+        assert st["rooms_draining"] == 0, f"{m.mode} manager still draining: {st}"
+
+
+class _Peer:
+    """A kvrecv manager in a child process (tests/failure_peer.py)."""
+
+    def __init__(self, role, bootstrap, seed=1, config=None, scale=64, startup_timeout=60):
+        spec = {"role": role, "bootstrap": bootstrap, "seed": seed, "config": config or {},
+                "scale": scale}
+        env = dict(os.environ)
+        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
+        self._err = tempfile.TemporaryFile()
+        self.proc = subprocess.Popen(
+            [sys.executable, PEER_SCRIPT, json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=env, cwd=ROOT,
+        )
+        self._buf = b""
+        self._frozen = False
+        try:
+            self.hello = self._read(startup_timeout)
+        except BaseException:
+            self.proc.kill()
+            self.close()
+            raise
+        self.pid = self.hello["pid"]
+        self.endpoint = self.hello["endpoint"]
+        self.port = int(self.endpoint.rsplit(":", 1)[1])
+
+    def stderr(self) -> str:
+        self._err.seek(0)
+        return self._err.read().decode(errors="replace")[-2000:]
+
+    def _read(self, timeout):
+        fd = self.proc.stdout.fileno()
+        deadline = time.monotonic() + timeout
+        while b"\n" not in self._buf:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise AssertionError(f"peer {self.proc.pid} silent for {timeout} s; stderr:\n{self.stderr()}")
+            ready, _, _ = select.select([fd], [], [], left)
+            if ready:
+                chunk = os.read(fd, 65536)
+                if not chunk:
+                    raise AssertionError(f"peer {self.proc.pid} exited ({self.proc.wait()}); "
+                                         f"stderr:\n{self.stderr()}")
+                self._buf += chunk
+        line, self._buf = self._buf.split(b"\n", 1)
+        msg = json.loads(line)
+        if "error" in msg:
+            raise AssertionError(f"peer command failed: {msg['error']}")
+        return msg
+
+    def call(self, op, timeout=30, **kw):
+        self.proc.stdin.write((json.dumps(dict(op=op, **kw)) + "\n").encode())
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def freeze(self):
+        """SIGSTOP: the process keeps its sockets and memory but stops
+        making progress, so whatever it had in flight stays in flight."""
+        os.kill(self.proc.pid, signal.SIGSTOP)
+        self._frozen = True
+
+    def kill(self) -> float:
+        """SIGKILL; returns the monotonic time of the kill."""
+        t = time.monotonic()
+        os.kill(self.proc.pid, signal.SIGKILL)
+        self.proc.wait(timeout=30)
+        assert self.proc.returncode == -signal.SIGKILL
+        return t
+
+    def close(self):
+        if self.proc.poll() is None and self._frozen:
+            self.proc.kill()
+        if self.proc.poll() is None:
+            try:
+                self.call("exit", timeout=10)
+                self.proc.wait(timeout=10)
+            except Exception:
+                self.proc.kill()
+                self.proc.wait(timeout=30)
+        self.proc.wait(timeout=30)
+        for f in (self.proc.stdin, self.proc.stdout):
+            try:
+                f.close()
+            except Exception:
+                pass
+        self._err.close()
+
+
+# --------------------------------------------------------------------------
+# Fixtures (self-contained: prefixed fail_)
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(autouse=True)
+def fail_no_thread_leak():
+    """After the test: as many Python and native threads as before it."""
+    py_before = threading.active_count()
+    native_before = _native_threads()
+    yield
+    deadline = time.monotonic() + 5
+    while time.monotonic() < deadline and (
+        threading.active_count() > py_before or _native_threads() > native_before
+    ):
+        time.sleep(0.01)
+    assert threading.active_count() == py_before, (
+        f"Python threads: {py_before} before, {threading.active_count()} after: "
+        f"{[t.name for t in threading.enumerate()]}"
+    )
+    assert _native_threads() <= native_before, (
+        f"native threads: {native_before} before, {_native_threads()} after"
+    )
+
+
+@pytest.fixture
+def fail_closer():
+    """Closes what a test registers, in reverse order, also on failure."""
+    items = []
+    yield items.append
+    errors = []
+    for obj in reversed(items):
+        try:
+            obj.close()
+        except Exception as e:
+            errors.append(repr(e))
+    assert not errors, f"teardown errors: {errors}"
+
+
+@pytest.fixture
+def fail_bs(fail_closer):
+    bs = BootstrapServer("127.0.0.1", 0)
+    fail_closer(bs)
+    return bs
+
+
+@pytest.fixture
+def fail_spawn(fail_closer):
+    def spawn(role, bootstrap, **kw):
+        p = _Peer(role, bootstrap, **kw)
+        fail_closer(p)
+        return p
+
+    return spawn
+
+
+# --------------------------------------------------------------------------
+# 1. The exception classes
+# --------------------------------------------------------------------------
+
+
+def test_exceptions_construct_pickle_and_generic_failure(fail_bs, fail_closer):
+    e = KVTransferError(5, "x")
+    assert str(e) == "KVTransferError(bootstrap_room=5): x"
+    assert (e.bootstrap_room, e.failure_reason, e.is_from_another_rank) == (5, "x", False)
+    assert e.code is None and e.origin_rank is None and e.peer is None
+    assert set(kvrecv.failure_codes()) == set(CODE_TO_CLASS)
+
+    for code, cls in CODE_TO_CLASS.items():
+        sub = cls(7, f"why {code}")
+        assert isinstance(sub, KVTransferError)
+        assert sub.code == code, (cls, sub.code)
+        assert str(sub) == f"KVTransferError(bootstrap_room=7): why {code}"
+        assert sub.origin_rank is None and sub.peer is None and sub.is_from_another_rank is False
+        try:
+            raise sub
+        except KVTransferError as caught:
+            assert caught is sub
+        else:  # pragma: no cover
+            raise AssertionError("not raised")
+        back = pickle.loads(pickle.dumps(sub))
+        assert type(back) is cls
+        assert (back.bootstrap_room, back.failure_reason, back.code) == (7, f"why {code}", code)
+        assert str(back) == str(sub)
+
+    full = KVPeerLostError(9, "gone", True, code="PEER_LOST", origin_rank=3, peer="10.0.0.1:7")
+    for obj in (full, KVTransferError(2**64 - 1, "big", code="TIMEOUT", origin_rank=0, peer="p")):
+        back = pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        assert type(back) is type(obj)
+        for attr in ("bootstrap_room", "failure_reason", "is_from_another_rank", "code",
+                     "origin_rank", "peer"):
+            assert getattr(back, attr) == getattr(obj, attr), attr
+        assert str(back) == str(obj)
+    assert (full.is_from_another_rank, full.origin_rank, full.peer) == (True, 3, "10.0.0.1:7")
+
+    # failure_exception() without a record: the generic error, blamed on
+    # another rank.
+    d, _, _ = _decode()
+    fail_closer(d)
+    p, _, _ = _prefill(fail_bs.address, seed=1)
+    fail_closer(p)
+    r = KVReceiver(d, fail_bs.address, 11)
+    s = KVSender(p, fail_bs.address, 12)
+    for room, obj, text in ((11, r, "KVReceiver Exception"), (12, s, "KVSender Exception")):
+        e = _exc(obj)
+        assert type(e) is KVTransferError
+        assert e.failure_reason == text
+        assert e.is_from_another_rank is True
+        assert e.bootstrap_room == room
+        assert str(e) == f"KVTransferError(bootstrap_room={room}): {text}"
+
+    # A record made by the core survives pickling too.
+    r.abort()
+    st, el = _wait_state(r, (KVPoll.Failed,), 5)
+    assert st == KVPoll.Failed, f"abort() of an idle room: {st} after {el:.3f} s"
+    e = _exc(r)
+    assert type(e) is KVAbortedError and e.code == "ABORTED" and e.origin_rank == 0
+    assert "aborted by decode" in e.failure_reason
+    back = pickle.loads(pickle.dumps(e))
+    assert (type(back), back.code, back.failure_reason, back.origin_rank, back.bootstrap_room) == (
+        KVAbortedError, "ABORTED", e.failure_reason, 0, 11)
+    r.clear()
+    s.clear()
+    _assert_no_rooms(d, p)
+
+
+# --------------------------------------------------------------------------
+# 2. Bootstrap
+# --------------------------------------------------------------------------
+
+
+def test_bootstrap_unreachable_closed_port(fail_bs, fail_closer):
+    dead = f"127.0.0.1:{_free_port()}"  # bound, then closed: nobody listens
+    d, dkv, daux = _decode(KVConfig(bootstrap_timeout_ms=300))
+    fail_closer(d)
+    r = KVReceiver(d, dead, 21)
+    t0 = time.monotonic()
+    r.init()
+    st, el = _wait_state(r, TERMINAL, 10)
+    assert st == KVPoll.Failed, f"room to a closed port: {st} after {el:.3f} s"
+    assert 0.25 <= el < 3.0, f"BOOTSTRAP detected after {el:.3f} s (bootstrap_timeout_ms=300)"
+    e = _exc(r)
+    assert type(e) is KVBootstrapError and e.code == "BOOTSTRAP", (type(e), e.code)
+    assert e.bootstrap_room == 21
+    assert dead in e.failure_reason, e.failure_reason
+    assert e.peer == dead, e.peer
+    assert "300 ms" in e.failure_reason, e.failure_reason
+    assert d.stats()["failures_by_code"]["BOOTSTRAP"] == 1
+    print(f"bootstrap unreachable: Failed after {time.monotonic() - t0:.3f} s")
+
+    # The manager survives: a reachable prefill serves a new room.
+    p, pkv, paux = _prefill(fail_bs.address, seed=2)
+    fail_closer(p)
+    _check_new_room_in_process(p, pkv, paux, d, dkv, daux, fail_bs.address, 22, [4, 5, 6, 7], 1)
+    r.clear()
+    _assert_no_rooms(d, p)
+
+
+def test_bootstrap_rank_not_registered(fail_bs, fail_closer):
+    # The server knows a prefill rank 1; the decode (rank 0) asks for rank 0.
+    other, _, _ = _prefill(fail_bs.address, seed=3, rank=1)
+    fail_closer(other)
+    _wait_until(lambda: fail_bs.stats()["registrations"] >= 1, 20, "rank 1 registration")
+    d, dkv, daux = _decode(KVConfig(bootstrap_timeout_ms=300))
+    fail_closer(d)
+    r = KVReceiver(d, fail_bs.address, 31)
+    r.init()
+    st, el = _wait_state(r, TERMINAL, 10)
+    assert st == KVPoll.Failed, f"unregistered rank: {st} after {el:.3f} s"
+    assert 0.25 <= el < 3.0, f"BOOTSTRAP detected after {el:.3f} s (bootstrap_timeout_ms=300)"
+    e = _exc(r)
+    assert type(e) is KVBootstrapError and e.code == "BOOTSTRAP", (type(e), e.code)
+    assert e.bootstrap_room == 31
+    assert fail_bs.address in e.failure_reason, e.failure_reason
+    assert "not registered" in e.failure_reason, e.failure_reason
+
+    # Once rank 0 registers, a new room on the same manager goes through.
+    p, pkv, paux = _prefill(fail_bs.address, seed=4)
+    fail_closer(p)
+    _wait_until(lambda: fail_bs.stats()["registrations"] >= 2, 20, "rank 0 registration")
+    _check_new_room_in_process(p, pkv, paux, d, dkv, daux, fail_bs.address, 32, [8, 9, 10, 11], 2)
+    r.clear()
+    _assert_no_rooms(d, p, other)
+
+
+# --------------------------------------------------------------------------
+# 3. Layout mismatch
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "decode_items, words",
+    [
+        ([64, 160, 192, 256], ["KV buffer 1", "item_len", "128", "160"]),
+        ([64, 128, 192], ["4 KV buffers", "3 there"]),
+    ],
+    ids=["item_len", "buffer_count"],
+)
+def test_layout_mismatch(fail_bs, fail_closer, decode_items, words):
+    p, pkv, paux = _prefill(fail_bs.address, seed=5)
+    fail_closer(p)
+    d, dkv, daux = _decode(items=decode_items)
+    fail_closer(d)
+    s = KVSender(p, fail_bs.address, 41)
+    s.init(4, aux_index=0)
+    s.send(np.asarray([0, 1, 2, 3], dtype=np.int32))
+    r = KVReceiver(d, fail_bs.address, 41)
+    t0 = time.monotonic()
+    r.init()
+    st, el = _wait_state(r, TERMINAL, 10)
+    assert st == KVPoll.Failed, f"layout mismatch: {st} after {el:.3f} s"
+    assert el < 3.0, f"LAYOUT_MISMATCH detected after {el:.3f} s"
+    e = _exc(r)
+    assert type(e) is KVLayoutError and e.code == "LAYOUT_MISMATCH", (type(e), e.code, e.failure_reason)
+    assert e.bootstrap_room == 41
+    for w in words:
+        assert w in e.failure_reason, (w, e.failure_reason)
+    # No byte reached the decode buffers.
+    time.sleep(0.2)
+    for b, buf in enumerate(dkv):
+        assert (buf == CANARY).all(), f"decode KV buffer {b} was written"
+    assert (daux[0] == CANARY).all(), "decode aux buffer was written"
+    print(f"layout mismatch: Failed after {time.monotonic() - t0:.3f} s")
+
+    # The prefill still serves a decode whose layout matches.
+    d2, dkv2, daux2 = _decode()
+    fail_closer(d2)
+    _check_new_room_in_process(p, pkv, paux, d2, dkv2, daux2, fail_bs.address, 42, [0, 1, 2, 3], 0)
+    r.clear()
+    s.clear()
+    _assert_no_rooms(p, d, d2)
+
+
+# --------------------------------------------------------------------------
+# 4. The prefill process dies
+# --------------------------------------------------------------------------
+
+# UCX_TLS per transport.  "shm" leaves out cma, as in containers where
+# process_vm_readv is not allowed: shared memory then has no peer-failure
+# handling in UCX 1.13 and only the heartbeats can tell that a peer died.
+FAIL_TLS = {"tcp": "tcp", "shm": "posix,sysv,self"}
+
+
+@pytest.mark.parametrize("tls", sorted(FAIL_TLS))
+def test_prefill_killed(fail_bs, fail_closer, fail_spawn, monkeypatch, tls):
+    monkeypatch.setenv("UCX_TLS", FAIL_TLS[tls])
+    child = fail_spawn("prefill", fail_bs.address, seed=11)
+    d, dkv, daux = _decode()  # default heartbeat settings
+    fail_closer(d)
+    src = [10, 11, 12, 13]
+    plan = {  # room -> (decode pages, aux row, pages the child sends)
+        401: ([0, 1, 2, 3], 0, src),         # completes before the kill
+        402: ([4, 5, 6, 7], 1, src[:2]),     # half sent
+        403: ([8, 9, 10, 11], 2, None),      # sender open, nothing sent
+        404: ([12, 13, 14, 15], 3, None),    # sender open, nothing sent
+        405: ([16, 17, 18, 19], 4, "none"),  # no sender at all on the prefill
+    }
+    rooms = {rid: _open_receiver(d, fail_bs.address, rid, pg, aux) for rid, (pg, aux, _) in plan.items()}
+    for rid, (pg, aux, send) in plan.items():
+        if send == "none":
+            continue
+        child.call("open_sender", room=rid, n=len(pg), aux=aux)
+        if send:
+            child.call("send", room=rid, pages=send)
+    st, el = _wait_state(rooms[401], TERMINAL, 20)
+    assert st == KVPoll.Success, f"room 401: {st} after {el:.3f} s"
+    want = len(src) * PAGE_BYTES + AUX_ITEM + 2 * PAGE_BYTES
+    _wait_until(lambda: d.stats()["bytes_moved"] == want, 20, f"{want} bytes landed")
+    pkv, _ = peer_mod.source_buffers(11)
+    assert _pages_equal(pkv, dkv, src[:2], [4, 5]), "room 402: the first half is wrong"
+    for rid in (402, 403, 404, 405):
+        assert rooms[rid].poll() == KVPoll.Transferring, (rid, rooms[rid].poll())
+
+    failing = {rid: rooms[rid] for rid in (402, 403, 404, 405)}
+    t_kill = child.kill()
+    times = _wait_all_failed(failing, t_kill, 10)
+    print(f"prefill SIGKILL: decode rooms Failed after {times}")
+    for rid, t in times.items():
+        assert t is not None, f"room {rid} not Failed 10 s after the kill: {rooms[rid].poll()} ({times})"
+        assert t < 2.5, f"room {rid}: PEER_LOST detected {t:.3f} s after SIGKILL (want ~1 s): {times}"
+    peer_name = f"prefill rank 0 at 127.0.0.1:{child.port}"
+    for rid in failing:
+        e = _exc(rooms[rid])
+        assert type(e) is KVPeerLostError and e.code == "PEER_LOST", (rid, type(e), e.code, e.failure_reason)
+        assert e.bootstrap_room == rid
+        assert peer_name in e.failure_reason, e.failure_reason
+        assert e.peer == peer_name, e.peer
+    assert rooms[401].poll() == KVPoll.Success, "a finished room changed state after the kill"
+    stats = d.stats()
+    assert stats["failures_by_code"]["PEER_LOST"] == 4, stats
+    # Nothing landed after the failure: room 402's second half is untouched.
+    assert _pages_canary(dkv, [6, 7]), "room 402: bytes landed for pages never sent"
+    assert (daux[0][1 * AUX_ITEM:5 * AUX_ITEM] == CANARY).all()
+
+    # The decode manager survives: a new prefill instance serves a new room.
+    regs = fail_bs.stats()["registrations"]
+    p2, pkv2, paux2 = _prefill(fail_bs.address, seed=12)
+    fail_closer(p2)
+    _wait_until(lambda: fail_bs.stats()["registrations"] > regs, 20, "new prefill registration")
+    _check_new_room_in_process(p2, pkv2, paux2, d, dkv, daux, fail_bs.address, 406, [20, 21, 22, 23], 6)
+    for r in rooms.values():
+        r.clear()
+    _assert_no_rooms(d, p2)
+
+
+# --------------------------------------------------------------------------
+# 5. The decode process dies
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tls", sorted(FAIL_TLS))
+def test_decode_killed(fail_bs, fail_closer, fail_spawn, monkeypatch, tls):
+    monkeypatch.setenv("UCX_TLS", FAIL_TLS[tls])
+    p, pkv, paux = _prefill(fail_bs.address, seed=13)  # default heartbeat settings
+    fail_closer(p)
+    child = fail_spawn("decode", fail_bs.address)
+    src = [20, 21, 22, 23]
+    plan = {  # room -> (decode pages, aux row, pages sent before the kill)
+        501: ([0, 1, 2, 3], 0, src),
+        502: ([4, 5, 6, 7], 1, src[:2]),
+        503: ([8, 9, 10, 11], 2, []),
+        504: ([12, 13, 14, 15], 3, []),
+    }
+    senders = {}
+    for rid, (pg, aux, _) in plan.items():
+        s = KVSender(p, fail_bs.address, rid)
+        s.init(len(pg), aux_index=aux)
+        senders[rid] = s
+        st = child.call("open_receiver", room=rid, pages=pg, aux=aux)["state"]
+        assert st in (KVPoll.WaitingForInput, KVPoll.Transferring), (rid, st)
+    unbound = KVSender(p, fail_bs.address, 505)  # the decode never asks for it
+    unbound.init(4)
+    for rid, s in senders.items():
+        st, el = _wait_state(s, (KVPoll.WaitingForInput, KVPoll.Failed), 20)
+        assert st == KVPoll.WaitingForInput, f"room {rid} not bound: {st} after {el:.3f} s"
+    for rid, (_, _, send) in plan.items():
+        if send:
+            senders[rid].send(np.asarray(send, dtype=np.int32))
+    st, el = _wait_state(senders[501], TERMINAL, 20)
+    assert st == KVPoll.Success, f"room 501: {st} after {el:.3f} s"
+    want = len(src) * PAGE_BYTES + AUX_ITEM + 2 * PAGE_BYTES
+    _wait_until(lambda: p.stats()["bytes_moved"] == want, 20, f"{want} bytes sent")
+
+    failing = {rid: senders[rid] for rid in (502, 503, 504)}
+    t_kill = child.kill()
+    times = _wait_all_failed(failing, t_kill, 10)
+    print(f"decode SIGKILL: prefill rooms Failed after {times}")
+    for rid, t in times.items():
+        assert t is not None, f"room {rid} not Failed 10 s after the kill: {senders[rid].poll()} ({times})"
+        assert t < 2.5, f"room {rid}: PEER_LOST detected {t:.3f} s after SIGKILL (want ~1 s): {times}"
+    for rid in failing:
+        e = _exc(senders[rid])
+        assert type(e) is KVPeerLostError and e.code == "PEER_LOST", (rid, type(e), e.code, e.failure_reason)
+        assert e.bootstrap_room == rid
+        assert "decode rank 0" in e.failure_reason, e.failure_reason
+        assert e.peer and e.peer.startswith("decode rank 0"), e.peer
+    assert senders[501].poll() == KVPoll.Success, "a finished room changed state after the kill"
+    assert unbound.poll() == KVPoll.Bootstrapping, "a room never bound to the dead decode was failed"
+    assert p.stats()["failures_by_code"]["PEER_LOST"] == 3, p.stats()
+
+    # The prefill manager survives: a new decode gets a new room.
+    d2, dkv2, daux2 = _decode()
+    fail_closer(d2)
+    _check_new_room_in_process(p, pkv, paux, d2, dkv2, daux2, fail_bs.address, 506, [0, 1, 2, 3], 0)
+    for s in senders.values():
+        s.clear()
+    unbound.clear()
+    _assert_no_rooms(p, d2)
+
+
+# --------------------------------------------------------------------------
+# 4b/5b. A peer dies while big rooms are in flight
+# --------------------------------------------------------------------------
+#
+# To kill "during" a transfer deterministically, the doomed process is first
+# frozen with SIGSTOP as soon as data flows: its half of the in-flight
+# operations stays in flight, which is checked (the byte counter stands still
+# below the total), and then it is SIGKILLed.  The expectations are those of
+# scenarios 4 and 5: every unfinished room bound to the dead peer is Failed
+# with PEER_LOST within ~1 s of the kill, and nothing lands afterwards.
+
+BIG_SCALE = 131072  # KV items of 128..512 KiB: a page is 1.25 MiB, a room 10 MiB
+BIG_ROOM_PAGES = 8
+
+
+def _freeze_mid_transfer(child, progress, total):
+    """Waits for the first bytes, freezes child, waits until the byte counter
+    stands still (the kernel's socket buffers drained) and returns it."""
+    t0 = time.monotonic()
+    while progress() == 0:
+        assert time.monotonic() - t0 < 20, "no byte moved within 20 s"
+        time.sleep(0.0005)
+    child.freeze()
+    t0 = time.monotonic()
+    last, still = progress(), 0
+    while still < 4:
+        assert time.monotonic() - t0 < 10, "bytes kept moving 10 s after the peer was frozen"
+        time.sleep(0.05)
+        now = progress()
+        still = still + 1 if now == last else 0
+        last = now
+    return last
+
+
+@pytest.mark.parametrize("tls", [
+    pytest.param(t) for t in sorted(FAIL_TLS)
+])
+def test_prefill_killed_big_rooms_in_flight(fail_bs, fail_closer, fail_spawn, monkeypatch, tls):
+    monkeypatch.setenv("UCX_TLS", FAIL_TLS[tls])
+    d, dkv, daux = _decode(scale=BIG_SCALE)
+    fail_closer(d)
+    room_bytes = BIG_ROOM_PAGES * peer_mod.page_bytes(scale=BIG_SCALE)
+    trials = 0
+    for trial in range(3):
+        for buf in dkv:
+            buf.fill(CANARY)
+        regs = fail_bs.stats()["registrations"]
+        child = fail_spawn("prefill", fail_bs.address, seed=40 + trial, scale=BIG_SCALE)
+        _wait_until(lambda: fail_bs.stats()["registrations"] > regs, 20, "registration")
+        base = d.stats()["bytes_moved"]
+        plan = {100 * trial + 4100 + i: list(range(8 * i, 8 * i + BIG_ROOM_PAGES)) for i in range(4)}
+        rooms = {rid: _open_receiver(d, fail_bs.address, rid, pg) for rid, pg in plan.items()}
+        for rid, pg in plan.items():
+            child.call("open_sender", room=rid, n=len(pg))
+        for rid, pg in plan.items():
+            child.call("send", room=rid, pages=pg)
+        total = len(plan) * room_bytes
+        landed = _freeze_mid_transfer(child, lambda: d.stats()["bytes_moved"] - base, total)
+        if landed == total:
+            child.kill()
+            for r in rooms.values():
+                r.clear()
+            continue
+        trials += 1
+        t_kill = child.kill()
+        unfinished = {rid: r for rid, r in rooms.items() if r.poll() != KVPoll.Success}
+        times = _wait_all_failed(unfinished, t_kill, 3)
+        print(f"[{tls}] prefill SIGKILL with {landed} of {total} bytes landed: Failed after {times}")
+        for rid, t in times.items():
+            assert t is not None, (
+                f"room {rid} not Failed 3 s after the kill: {rooms[rid].poll()!r}, "
+                f"stats {d.stats()}")
+            assert t < 2.5, f"room {rid}: Failed {t:.3f} s after SIGKILL: {times}"
+        peer_name = f"prefill rank 0 at 127.0.0.1:{child.port}"
+        for rid, r in unfinished.items():
+            e = _exc(r)
+            assert type(e) is KVPeerLostError and e.code == "PEER_LOST", (rid, e.code, e.failure_reason)
+            assert peer_name in e.failure_reason and e.bootstrap_room == rid, e.failure_reason
+        _assert_still(dkv, 0.3, "prefill killed in flight")
+        for r in rooms.values():
+            r.clear()
+    if trials == 0:
+        pytest.skip("every trial's transfer finished before the prefill could be frozen")
+
+    p, pkv, paux = _prefill(fail_bs.address, seed=49, scale=BIG_SCALE)
+    fail_closer(p)
+    regs = fail_bs.stats()["registrations"]
+    _wait_until(lambda: fail_bs.stats()["registrations"] > regs, 20, "registration")
+    _check_new_room_in_process(p, pkv, paux, d, dkv, daux, fail_bs.address, 4999, [8, 9, 10, 11], 1)
+    _assert_no_rooms(d, p)
+
+
+@pytest.mark.parametrize("tls", [
+    pytest.param(t) for t in sorted(FAIL_TLS)
+])
+def test_decode_killed_big_rooms_in_flight(fail_bs, fail_closer, fail_spawn, monkeypatch, tls):
+    monkeypatch.setenv("UCX_TLS", FAIL_TLS[tls])
+    p, pkv, paux = _prefill(fail_bs.address, seed=50, scale=BIG_SCALE)
+    fail_closer(p)
+    room_bytes = BIG_ROOM_PAGES * peer_mod.page_bytes(scale=BIG_SCALE)
+    trials = 0
+    for trial in range(6):
+        child = fail_spawn("decode", fail_bs.address, scale=BIG_SCALE)
+        base = p.stats()["bytes_moved"]
+        plan = {100 * trial + 5100 + i: list(range(8 * i, 8 * i + BIG_ROOM_PAGES)) for i in range(4)}
+        senders = {}
+        for rid, pg in plan.items():
+            s = KVSender(p, fail_bs.address, rid)
+            s.init(len(pg))
+            senders[rid] = s
+            child.call("open_receiver", room=rid, pages=pg)
+        for rid, s in senders.items():
+            st, el = _wait_state(s, (KVPoll.WaitingForInput, KVPoll.Failed), 20)
+            assert st == KVPoll.WaitingForInput, (rid, st, el)
+        for rid, pg in plan.items():
+            senders[rid].send(np.asarray(pg, dtype=np.int32))
+        total = len(plan) * room_bytes
+        sent = _freeze_mid_transfer(child, lambda: p.stats()["bytes_moved"] - base, total)
+        if sent == total:
+            child.kill()
+            for s in senders.values():
+                s.clear()
+            continue
+        trials += 1
+        t_kill = child.kill()
+        unfinished = {rid: s for rid, s in senders.items() if s.poll() != KVPoll.Success}
+        times = _wait_all_failed(unfinished, t_kill, 3)
+        print(f"[{tls}] decode SIGKILL with {sent} of {total} bytes sent: Failed after {times}")
+        for rid, t in times.items():
+            assert t is not None, (
+                f"room {rid} not Failed 3 s after the kill: {senders[rid].poll()!r}, "
+                f"stats {p.stats()}")
+            assert t < 2.5, f"room {rid}: Failed {t:.3f} s after SIGKILL: {times}"
+        for rid, s in unfinished.items():
+            e = _exc(s)
+            assert type(e) is KVPeerLostError and e.code == "PEER_LOST", (
+                f"trial {trial}, room {rid}: {type(e).__name__} {e.code}: {e.failure_reason}")
+            assert "decode rank 0" in e.failure_reason and e.bootstrap_room == rid, e.failure_reason
+        for s in senders.values():
+            s.clear()
+    if trials == 0:
+        pytest.skip("every trial's transfer finished before the decode could be frozen")
+
+    d2, dkv2, daux2 = _decode(scale=BIG_SCALE)
+    fail_closer(d2)
+    _check_new_room_in_process(p, pkv, paux, d2, dkv2, daux2, fail_bs.address, 5999, [0, 1, 2, 3], 0)
+    _assert_no_rooms(p, d2)
+
+
+# --------------------------------------------------------------------------
+# 6. abort()
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_abort_mid_transfer(fail_bs, fail_closer, side):
+    p, pkv, paux = _prefill(fail_bs.address, seed=14)
+    fail_closer(p)
+    d, dkv, daux = _decode()
+    fail_closer(d)
+    dst = [0, 1, 2, 3, 4, 5, 6, 7]
+    src = [8, 9, 10, 11, 12, 13, 14, 15]
+    r = _open_receiver(d, fail_bs.address, 61, dst, aux=0)
+    s = KVSender(p, fail_bs.address, 61)
+    s.init(len(src), aux_index=0)
+    s.send(np.asarray(src[:4], dtype=np.int32))
+    _wait_until(lambda: d.stats()["bytes_moved"] == 4 * PAGE_BYTES, 20, "the first half landed")
+    assert r.poll() == KVPoll.Transferring and s.poll() == KVPoll.Transferring, (r.poll(), s.poll())
+
+    aborter, other = (r, s) if side == "decode" else (s, r)
+    t0 = time.monotonic()
+    aborter.abort()
+    st, el = _wait_state(aborter, TERMINAL, 10)
+    assert st == KVPoll.Failed, f"{side} abort(): {st} after {el:.3f} s"
+    st, el2 = _wait_state(other, TERMINAL, 10)
+    assert st == KVPoll.Failed, f"the other side after a {side} abort: {st} after {el2:.3f} s"
+    assert el2 < 3.0, f"the other side learnt of the abort after {el2:.3f} s"
+    print(f"{side} abort: local Failed after {el:.3f} s, remote after {el2:.3f} s")
+    # The rest of the pages are handed over after the abort: they must go nowhere.
+    s.send(np.asarray(src[4:], dtype=np.int32))
+    time.sleep(0.3)
+
+    for obj in (aborter, other):
+        e = _exc(obj)
+        assert type(e) is KVAbortedError and e.code == "ABORTED", (type(e), e.code, e.failure_reason)
+        assert e.bootstrap_room == 61
+        assert f"aborted by {side}" in e.failure_reason, e.failure_reason
+    assert _pages_equal(pkv, dkv, src[:4], dst[:4])
+    assert _pages_canary(dkv, dst[4:]), "pages sent after the abort landed"
+    assert (daux[0] == CANARY).all(), "the aux row landed after the abort"
+    assert d.stats()["failures_by_code"]["ABORTED"] == 1
+    assert p.stats()["failures_by_code"]["ABORTED"] == 1
+
+    _check_new_room_in_process(p, pkv, paux, d, dkv, daux, fail_bs.address, 62, [16, 17, 18, 19], 1)
+    r.clear()
+    s.clear()
+    _assert_no_rooms(p, d)
+
+
+# --------------------------------------------------------------------------
+# 7. Deadline
+# --------------------------------------------------------------------------
+
+
+def test_timeout_sender_never_sends(fail_bs, fail_closer):
+    p, pkv, paux = _prefill(fail_bs.address, seed=15)
+    fail_closer(p)
+    d, dkv, daux = _decode(KVConfig(deadline_base_ms=300))
+    fail_closer(d)
+    dst = [0, 1, 2, 3]
+    r = KVReceiver(d, fail_bs.address, 71)
+    r.init()
+    st, el = _wait_state(r, (KVPoll.WaitingForInput, KVPoll.Failed), 20)
+    assert st == KVPoll.WaitingForInput, (st, el)
+    s = KVSender(p, fail_bs.address, 71)
+    s.init(len(dst), aux_index=0)  # ... and never send()
+    t0 = time.monotonic()
+    r.send_metadata(np.asarray(dst, dtype=np.int32), aux_index=0)
+    st, el = _wait_state(r, TERMINAL, 10)
+    assert st == KVPoll.Failed, f"timeout: {st} after {el:.3f} s"
+    assert 0.29 <= el < 3.0, f"TIMEOUT after {el:.3f} s (deadline_base_ms=300)"
+    print(f"timeout: Failed after {el:.3f} s")
+    expected = len(dst) * PAGE_BYTES + AUX_ITEM
+    e = _exc(r)
+    assert type(e) is KVTimeoutError and e.code == "TIMEOUT", (type(e), e.code, e.failure_reason)
+    assert e.bootstrap_room == 71
+    assert f"0 of {expected} bytes received" in e.failure_reason, e.failure_reason
+    # The prefill hears about it and stops waiting.
+    st, el = _wait_state(s, TERMINAL, 10)
+    assert st == KVPoll.Failed, f"prefill after the decode's timeout: {st} after {el:.3f} s"
+    e = _exc(s)
+    assert e.code == "TIMEOUT" and e.bootstrap_room == 71, (e.code, e.failure_reason)
+    assert _pages_canary(dkv, dst)
+
+    _check_new_room_in_process(p, pkv, paux, d, dkv, daux, fail_bs.address, 72, [4, 5, 6, 7], 1)
+    r.clear()
+    s.clear()
+    _assert_no_rooms(p, d)
+
+
+# --------------------------------------------------------------------------
+# 8. The prefill restarts at the same control port
+# --------------------------------------------------------------------------
+
+
+def test_prefill_restarted_same_port(fail_bs, fail_closer, fail_spawn):
+    port = _free_port()
+    first = fail_spawn("prefill", fail_bs.address, seed=21, config={"ctrl_port": port})
+    assert first.port == port
+    d, dkv, daux = _decode(KVConfig(heartbeat_timeout_ms=10000))
+    fail_closer(d)
+    rooms = {}
+    for i, rid in enumerate((801, 802)):
+        pages = [4 * i + k for k in range(4)]
+        rooms[rid] = _open_receiver(d, fail_bs.address, rid, pages, aux=i)
+        first.call("open_sender", room=rid, n=4, aux=i)
+    _wait_until(lambda: first.call("stats")["rooms_by_state"]["WaitingForInput"] == 2, 20,
+                "both rooms bound on the first instance")
+
+    t_kill = first.kill()
+    regs = fail_bs.stats()["registrations"]
+    second = fail_spawn("prefill", fail_bs.address, seed=22, config={"ctrl_port": port})
+    assert second.port == port
+    times = _wait_all_failed(rooms, t_kill, 9)
+    print(f"prefill restart: old rooms Failed after {times} (second instance up after "
+          f"{time.monotonic() - t_kill:.3f} s or less)")
+    for rid, t in times.items():
+        assert t is not None, f"room {rid} not Failed 9 s after the restart: {rooms[rid].poll()}"
+    for rid, r in rooms.items():
+        e = _exc(r)
+        assert type(e) is KVPeerRestartedError and e.code == "PEER_RESTARTED", (
+            rid, type(e), e.code, e.failure_reason)
+        assert e.bootstrap_room == rid
+        assert f"127.0.0.1:{port}" in e.failure_reason and "restarted" in e.failure_reason, e.failure_reason
+
+    # A new room on the same decode manager goes through the new instance.
+    _wait_until(lambda: fail_bs.stats()["registrations"] > regs, 20, "the new instance's registration")
+    dst, src = [20, 21, 22, 23], [3, 4, 5, 6]
+    r = _open_receiver(d, fail_bs.address, 803, dst, aux=6)
+    second.call("open_sender", room=803, n=4, aux=2)
+    second.call("send", room=803, pages=src)
+    st, el = _wait_state(r, TERMINAL, 20)
+    assert st == KVPoll.Success, f"new room through the restarted prefill: {st} after {el:.3f} s"
+    pkv, paux = peer_mod.source_buffers(22)
+    assert _pages_equal(pkv, dkv, src, dst), "new room: bytes are not the new instance's"
+    assert np.array_equal(paux[0][2 * AUX_ITEM:3 * AUX_ITEM], daux[0][6 * AUX_ITEM:7 * AUX_ITEM])
+    assert _pages_canary(dkv, list(range(8))), "the old rooms received bytes"
+    for x in list(rooms.values()) + [r]:
+        x.clear()
+    _assert_no_rooms(d)
+
+
+# --------------------------------------------------------------------------
+# 9. Abort safety: nothing lands after Failed
+# --------------------------------------------------------------------------
+
+BIG_PAGES = 64
+BIG_NBUF = 8
+BIG_ITEM = 64 * 1024
+
+
+def test_abort_in_flight_no_late_writes(fail_bs, fail_closer, monkeypatch):
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    rng = np.random.default_rng(91)
+    pkv = [rng.integers(0, 256, BIG_PAGES * BIG_ITEM, dtype=np.uint8) for _ in range(BIG_NBUF)]
+    dkv = [np.full(BIG_PAGES * BIG_ITEM, CANARY, dtype=np.uint8) for _ in range(BIG_NBUF)]
+    p = KVManager(KVArgs.from_buffers(0, pkv, [BIG_ITEM] * BIG_NBUF), "prefill",
+                  bootstrap_addr=fail_bs.address)
+    fail_closer(p)
+    d = KVManager(KVArgs.from_buffers(0, dkv, [BIG_ITEM] * BIG_NBUF), "decode")
+    fail_closer(d)
+    assert "UCX_TLS=tcp" in d.transport, d.transport
+    expected = BIG_PAGES * BIG_NBUF * BIG_ITEM
+    # Reversed destination pages: one operation per page and buffer.
+    dst = np.arange(BIG_PAGES - 1, -1, -1, dtype=np.int32)
+    src = np.arange(BIG_PAGES, dtype=np.int32)
+
+    caught = None
+    for attempt, rid in enumerate((91, 92, 93)):
+        for buf in dkv:
+            buf.fill(CANARY)
+        base = d.stats()["bytes_moved"]
+        r = KVReceiver(d, fail_bs.address, rid)
+        r.init()
+        st, el = _wait_state(r, (KVPoll.WaitingForInput, KVPoll.Failed), 20)
+        assert st == KVPoll.WaitingForInput, (st, el)
+        r.send_metadata(dst)
+        s = KVSender(p, fail_bs.address, rid)
+        s.init(BIG_PAGES)
+        s.send(src)
+        t0 = time.monotonic()
+        while d.stats()["bytes_moved"] == base and time.monotonic() - t0 < 10:
+            pass
+        r.abort()
+        landed = d.stats()["bytes_moved"] - base
+        draining = d.stats()["rooms_draining"]
+        if landed < expected and r.poll() != KVPoll.Success:
+            caught = (r, s, landed, draining, rid)
+            break
+        r.clear()
+        s.clear()
+    assert caught is not None, "the transfer always finished before abort() could hit it"
+    r, s, landed, draining, rid = caught
+
+    st, el = _wait_state(r, TERMINAL, 10)
+    assert st == KVPoll.Failed, f"abort in flight: {st} after {el:.3f} s"
+    assert d.stats()["rooms_draining"] == 0, "Failed while operations are still in flight"
+    snap = [b.copy() for b in dkv]
+    t_end = time.monotonic() + 0.5
+    changed = None
+    while time.monotonic() < t_end and changed is None:
+        for i, (a, b) in enumerate(zip(snap, dkv)):
+            if not np.array_equal(a, b):
+                changed = i
+                break
+        time.sleep(0.01)
+    print(f"abort in flight: {landed} of {expected} bytes had landed at abort(), "
+          f"rooms_draining={draining}, Failed {el:.3f} s later, attempt {attempt + 1}")
+    assert changed is None, f"decode buffer {changed} changed after poll() said Failed"
+    e = _exc(r)
+    assert type(e) is KVAbortedError and e.code == "ABORTED" and e.bootstrap_room == rid
+    assert "aborted by decode" in e.failure_reason, e.failure_reason
+    st, el = _wait_state(s, TERMINAL, 10)
+    assert st == KVPoll.Failed, f"prefill after the decode's abort: {st} after {el:.3f} s"
+    e = _exc(s)
+    assert e.code == "ABORTED", (e.code, e.failure_reason)
+    # Every page that changed holds the right bytes: no torn or misplaced writes.
+    for b in range(BIG_NBUF):
+        for sp, dp in zip(src, dst):
+            got = dkv[b][dp * BIG_ITEM:(dp + 1) * BIG_ITEM]
+            if not (got == CANARY).all():
+                assert np.array_equal(got, pkv[b][sp * BIG_ITEM:(sp + 1) * BIG_ITEM]), (b, sp, dp)
+    r.clear()
+    s.clear()
+
+    # The same pair still moves a whole room.
+    for buf in dkv:
+        buf.fill(CANARY)
+    r = _open_receiver(d, fail_bs.address, 99, dst)
+    s = KVSender(p, fail_bs.address, 99)
+    s.init(BIG_PAGES)
+    s.send(src)
+    st, el = _wait_state(r, TERMINAL, 30)
+    assert st == KVPoll.Success, f"new room after the abort: {st} after {el:.3f} s"
+    for b in range(BIG_NBUF):
+        assert np.array_equal(dkv[b].reshape(BIG_PAGES, BIG_ITEM)[::-1],
+                              pkv[b].reshape(BIG_PAGES, BIG_ITEM)), b
+    _wait_state(s, TERMINAL, 10)
+    r.clear()
+    s.clear()
+    _assert_no_rooms(p, d)

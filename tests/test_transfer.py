@@ -1,0 +1,417 @@
+"""Byte-exact transfers: random source pages land on the named decode pages,
+every other decode byte keeps its canary, aux rows likewise; over TCP and
+shared memory, with two ranks, across processes, with hundreds of rooms in
+flight, and with the statistics that account for it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import List, Optional
+
+import numpy as np
+import pytest
+
+from kvrecv import KVPoll, KVReceiver, KVSender
+from kvtest import (
+    STD,
+    TRANSPORTS,
+    WIDE,
+    Side,
+    count_runs,
+    describe_failure,
+    split_chunks,
+    terminal,
+    wait_all,
+    wait_for,
+    wait_until,
+)
+
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@dataclasses.dataclass
+class Plan:
+    room: int
+    src: np.ndarray            # source pages, in order
+    dst: np.ndarray            # destination pages, same length
+    chunks: List[np.ndarray]   # src split into the send() calls
+    src_aux: Optional[int] = None
+    dst_aux: Optional[int] = None
+
+    @property
+    def with_aux(self) -> bool:
+        return self.dst_aux is not None
+
+
+def open_receivers(decode, addr, plans):
+    rs = []
+    for p in plans:
+        r = KVReceiver(decode, addr, p.room)
+        r.init()
+        rs.append(r)
+    return rs
+
+
+def send_metadata_all(receivers, plans):
+    states = wait_all(receivers, (KVPoll.WaitingForInput, KVPoll.Failed), timeout=20)
+    assert all(s == KVPoll.WaitingForInput for s in states), [
+        describe_failure(r) for r in receivers
+    ]
+    for r, p in zip(receivers, plans):
+        r.send_metadata(np.asarray(p.dst, dtype=np.int32), aux_index=p.dst_aux)
+
+
+def start_senders(prefill, addr, plans, send=True):
+    ss = []
+    for p in plans:
+        s = KVSender(prefill, addr, p.room)
+        s.init(len(p.src), p.src_aux)
+        if send:
+            for c in p.chunks:
+                s.send(c)
+        ss.append(s)
+    return ss
+
+
+def assert_all_success(rooms, timeout=30):
+    states = wait_all(rooms, terminal(), timeout)
+    bad = [(r.bootstrap_room, describe_failure(r)) for r, s in zip(rooms, states)
+           if s != KVPoll.Success]
+    assert not bad, f"rooms that did not succeed: {bad[:5]} ({len(bad)} of {len(rooms)})"
+
+
+def run_in_process(prefill, decode, addr, plans, timeout=30):
+    rs = open_receivers(decode, addr, plans)
+    send_metadata_all(rs, plans)
+    ss = start_senders(prefill, addr, plans)
+    assert_all_success(rs, timeout)
+    assert_all_success(ss, timeout)
+    return rs, ss
+
+
+def zero_failures(stats):
+    return all(v == 0 for v in stats["failures_by_code"].values())
+
+
+def make_plans(rng, layout, room0=1):
+    """Four rooms with disjoint destination pages: a long contiguous run (large
+    messages), two scattered ones, and one without aux rows."""
+    n = layout.num_pages
+    block_dst = np.arange(n - 70, n - 6, dtype=np.int32)           # 64 contiguous pages
+    block_src = np.arange(10, 74, dtype=np.int64)
+    pool = rng.permutation(np.setdiff1d(np.arange(n), block_dst))
+    sizes = [21, 27, 33]
+    plans = [Plan(room0, block_src, block_dst, split_chunks(rng, block_src, 3), 5, 60)]
+    at = 0
+    aux_dst = [3, 41, None]
+    aux_src = [17, 0, 9]  # the last room's prefill has an aux row the decode did not ask for
+    for i, size in enumerate(sizes):
+        dst = pool[at:at + size].astype(np.int32)
+        at += size
+        src = rng.choice(n, size=size, replace=False).astype(np.int64)
+        plans.append(Plan(room0 + 1 + i, src, dst, split_chunks(rng, src, [1, 5, 2][i]),
+                          aux_src[i], aux_dst[i]))
+    return plans
+
+
+def ops_bounds(plans, nkv, naux):
+    """rma_ops_posted lies between the runs of whole rooms and the runs when
+    every chunk boundary also ends a run (posting races the send() calls)."""
+    lo = hi = 0
+    for p in plans:
+        aux = naux if p.with_aux else 0
+        lo += count_runs(p.src, p.dst) * nkv + aux
+        pos = 0
+        for c in p.chunks:
+            hi += count_runs(p.src[pos:pos + len(c)], p.dst[pos:pos + len(c)]) * nkv
+            pos += len(c)
+        hi += aux
+    return lo, hi
+
+
+# --------------------------------------------------------------------------
+
+
+def test_byte_exact_transfer(transport, pair):
+    rng = np.random.default_rng(7)
+    plans = make_plans(rng, STD)
+    expected = pair.dst.snapshot()
+
+    rs = open_receivers(pair.decode, pair.addr, plans)
+    send_metadata_all(rs, plans)
+    ss = start_senders(pair.prefill, pair.addr, plans)
+
+    # The states a receiver shows only ever move forward.
+    seen = [rs[0].poll()]
+    wait_until(lambda: seen.append(rs[0].poll()) or seen[-1] in terminal(), timeout=30,
+               interval=0.0005)
+    assert seen == sorted(seen), f"receiver state went backwards: {seen}"
+    assert_all_success(rs)
+    assert_all_success(ss)
+
+    for p in plans:
+        expected.apply(pair.src, p.src, p.dst, p.src_aux, p.dst_aux)
+    expected.check(pair.dst)
+
+    want_bytes = sum(STD.transfer_bytes(len(p.src), p.with_aux) for p in plans)
+    for side, mgr in (("decode", pair.decode), ("prefill", pair.prefill)):
+        st = mgr.stats()
+        assert st["rooms_succeeded"] == len(plans), (side, st)
+        assert st["bytes_moved"] == want_bytes, (side, st)
+        assert st["rooms_by_state"]["Success"] == len(plans), (side, st)
+        assert st["rooms_open"] == len(plans), (side, st)
+        assert zero_failures(st), (side, st)
+        assert st["ctrl_dropped"] == 0 and st["data_rejected"] == 0, (side, st)
+        assert st["pending_requests"] == 0, (side, st)
+    lo, hi = ops_bounds(plans, len(STD.kv_item_lens), len(STD.aux_item_lens))
+    assert lo <= pair.prefill.stats()["rma_ops_posted"] <= hi
+    assert pair.decode.stats()["rma_ops_posted"] == 0
+
+
+def test_two_ranks_each_decode_rank_reads_its_prefill_rank(transport, res, bootstrap):
+    addr = bootstrap.address
+    srcs = [Side(STD, rank=r, seed=500 + r) for r in range(2)]
+    dsts = [Side(STD, rank=r) for r in range(2)]
+    prefills = [res.manager(srcs[r], "prefill", addr) for r in range(2)]
+    decodes = [res.manager(dsts[r], "decode") for r in range(2)]
+    plans = make_plans(np.random.default_rng(11), STD, room0=900)
+    expected = [d.snapshot() for d in dsts]
+
+    # Both ranks use the same room ids and the same pages, as TP ranks do.
+    rs = [open_receivers(decodes[r], addr, plans) for r in range(2)]
+    for r in range(2):
+        send_metadata_all(rs[r], plans)
+    ss = [start_senders(prefills[r], addr, plans) for r in range(2)]
+    for r in range(2):
+        assert_all_success(rs[r])
+        assert_all_success(ss[r])
+
+    for r in range(2):
+        for p in plans:
+            expected[r].apply(srcs[r], p.src, p.dst, p.src_aux, p.dst_aux)
+        expected[r].check(dsts[r])
+        other = srcs[1 - r]
+        for p in plans:
+            for b in range(len(STD.kv_item_lens)):
+                assert not np.array_equal(dsts[r].pages(b)[p.dst], other.pages(b)[p.src]), (
+                    f"decode rank {r} holds prefill rank {1 - r}'s data (room {p.room}, buffer {b})"
+                )
+        want = sum(STD.transfer_bytes(len(p.src), p.with_aux) for p in plans)
+        assert decodes[r].stats()["bytes_moved"] == want
+        assert prefills[r].stats()["bytes_moved"] == want
+
+
+@pytest.mark.timeout(90)
+def test_prefill_ranks_in_child_processes(transport, res, bootstrap):
+    addr = bootstrap.address
+    children = [res.child_prefill(STD, r, 700 + r, addr) for r in range(2)]
+    assert all(c.transport.endswith("UCX_TLS=" + TRANSPORTS[transport]) for c in children), [
+        c.transport for c in children
+    ]
+    dsts = [Side(STD, rank=r) for r in range(2)]
+    decodes = [res.manager(dsts[r], "decode") for r in range(2)]
+    plans = make_plans(np.random.default_rng(13), STD, room0=40)
+    expected = [d.snapshot() for d in dsts]
+
+    rs = [open_receivers(decodes[r], addr, plans) for r in range(2)]
+    for r in range(2):
+        send_metadata_all(rs[r], plans)
+    # The decode's requests are already on their way: the child's senders
+    # are created after them (the prefill holds them as pending requests).
+    work = [(p.room, len(p.src), p.src_aux, [c.tolist() for c in p.chunks]) for p in plans]
+    for c in children:
+        c.call("send", work)
+    for r in range(2):
+        assert_all_success(rs[r])
+    for r, c in enumerate(children):
+        states = c.call("wait", ([p.room for p in plans], 30))
+        assert all(s == int(KVPoll.Success) for s, _ in states.values()), states
+        st = c.call("stats")
+        want = sum(STD.transfer_bytes(len(p.src), p.with_aux) for p in plans)
+        assert st["rooms_succeeded"] == len(plans), st
+        assert st["bytes_moved"] == want, st
+        assert zero_failures(st), st
+        for p in plans:
+            expected[r].apply(c.side(), p.src, p.dst, p.src_aux, p.dst_aux)
+        expected[r].check(dsts[r])
+        assert decodes[r].stats()["bytes_moved"] == want
+
+
+@pytest.mark.timeout(90)
+def test_hundreds_of_rooms_in_flight(transport, res, bootstrap):
+    addr = bootstrap.address
+    n_rooms, per_room = 300, 3
+    src = Side(WIDE, 0, seed=31)
+    dst = Side(WIDE, 0)
+    prefill = res.manager(src, "prefill", addr)
+    decode = res.manager(dst, "decode")
+    rng = np.random.default_rng(99)
+    perm = rng.permutation(WIDE.num_pages)
+    plans = []
+    for i in range(n_rooms):
+        d = perm[per_room * i: per_room * (i + 1)].astype(np.int32)
+        s = rng.choice(WIDE.num_pages, size=per_room, replace=False).astype(np.int64)
+        plans.append(Plan(10_000 + i, s, d, [s[:2], s[2:]], int(rng.integers(WIDE.aux_rows)), i))
+
+    rs = open_receivers(decode, addr, plans)
+    send_metadata_all(rs, plans)
+    ss = start_senders(prefill, addr, plans, send=False)
+    # Every room is open and none can have completed: no page was sent yet.
+    dstat, pstat = decode.stats(), prefill.stats()
+    assert dstat["rooms_open"] == n_rooms and pstat["rooms_open"] == n_rooms
+    assert dstat["rooms_by_state"]["Success"] == 0 and pstat["rooms_by_state"]["Success"] == 0
+    assert all(r.poll() in (KVPoll.WaitingForInput, KVPoll.Transferring) for r in rs)
+    assert all(s.poll() in (KVPoll.Bootstrapping, KVPoll.WaitingForInput) for s in ss)
+    assert dstat["bytes_moved"] == 0
+
+    for s, p in zip(ss, plans):
+        s.send(p.chunks[0])
+    for s, p in zip(ss, plans):
+        s.send(p.chunks[1])
+    assert_all_success(rs, timeout=60)
+    assert_all_success(ss, timeout=60)
+
+    expected = Side(WIDE, 0).snapshot()
+    for p in plans:
+        expected.apply(src, p.src, p.dst, p.src_aux, p.dst_aux)
+    expected.check(dst)
+    want = n_rooms * WIDE.transfer_bytes(per_room, True)
+    for mgr in (decode, prefill):
+        st = mgr.stats()
+        assert st["rooms_succeeded"] == n_rooms, st
+        assert st["bytes_moved"] == want, st
+        assert zero_failures(st), st
+
+
+# Page patterns and their number of runs (both sides consecutive).
+PATTERNS = {
+    "one_run": (list(range(20, 36)), list(range(100, 116)), 1),
+    "scattered": ([5, 9, 2, 17], [40, 3, 77, 12], 4),
+    "mixed": ([10, 11, 12, 13, 50, 70, 71, 3, 4, 5],
+              [100, 101, 102, 103, 7, 200, 201, 30, 31, 40], 5),
+    "src_consecutive_only": ([0, 1, 2, 3, 4, 5], [10, 12, 14, 16, 18, 20], 6),
+    "dst_consecutive_only": ([9, 7, 5, 3], [50, 51, 52, 53], 4),
+    "descending": ([30, 29, 28], [60, 59, 58], 3),
+}
+
+
+@pytest.mark.parametrize("with_aux", [True, False], ids=["aux", "noaux"])
+@pytest.mark.parametrize("name", sorted(PATTERNS))
+def test_contiguous_runs_are_coalesced(pair, name, with_aux):
+    src, dst, runs = PATTERNS[name]
+    assert count_runs(src, dst) == runs  # the pattern is what it claims
+    plan = Plan(77, np.array(src), np.array(dst, dtype=np.int32), [np.array(src)],
+                3 if with_aux else None, 9 if with_aux else None)
+    run_in_process(pair.prefill, pair.decode, pair.addr, [plan])
+    nkv, naux = len(STD.kv_item_lens), len(STD.aux_item_lens)
+    assert pair.prefill.stats()["rma_ops_posted"] == runs * nkv + (naux if with_aux else 0)
+    expected = Side(STD, 0).snapshot()
+    expected.apply(pair.src, plan.src, plan.dst, plan.src_aux, plan.dst_aux)
+    expected.check(pair.dst)
+
+
+def test_chunks_split_at_run_boundaries_keep_the_run_count(pair):
+    src, dst, runs = PATTERNS["mixed"]
+    # Chunks that end where runs end: [10..13] [50] [70, 71, 3, 4] [5]
+    chunks = [src[0:4], src[4:5], src[5:9], src[9:]]
+    plan = Plan(78, np.array(src), np.array(dst, dtype=np.int32), [np.array(c) for c in chunks],
+                1, 2)
+    run_in_process(pair.prefill, pair.decode, pair.addr, [plan])
+    assert pair.prefill.stats()["rma_ops_posted"] == runs * len(STD.kv_item_lens) + 2
+    expected = Side(STD, 0).snapshot()
+    expected.apply(pair.src, plan.src, plan.dst, plan.src_aux, plan.dst_aux)
+    expected.check(pair.dst)
+
+
+def test_room_id_reused_after_clear(pair):
+    expected = pair.dst.snapshot()
+    first = Plan(5, np.array([1, 2, 3]), np.array([10, 11, 12], dtype=np.int32),
+                 [np.array([1, 2]), np.array([3])], 4, 6)
+    rs, ss = run_in_process(pair.prefill, pair.decode, pair.addr, [first])
+    expected.apply(pair.src, first.src, first.dst, first.src_aux, first.dst_aux)
+    expected.check(pair.dst)
+    for room in rs + ss:
+        room.clear()
+    assert pair.decode.stats()["rooms_open"] == 0
+    assert pair.prefill.stats()["rooms_open"] == 0
+
+    # Same id, other pages and rows: only the new pages change.
+    second = Plan(5, np.array([150, 40]), np.array([90, 17], dtype=np.int32),
+                  [np.array([150, 40])], 33, 7)
+    run_in_process(pair.prefill, pair.decode, pair.addr, [second])
+    expected.apply(pair.src, second.src, second.dst, second.src_aux, second.dst_aux)
+    expected.check(pair.dst)
+    for mgr in (pair.decode, pair.prefill):
+        st = mgr.stats()
+        assert st["rooms_succeeded"] == 2, st
+        assert st["bytes_moved"] == STD.transfer_bytes(3, True) + STD.transfer_bytes(2, True), st
+
+
+def test_room_id_reused_after_a_failed_room(pair):
+    r = KVReceiver(pair.decode, pair.addr, 6)
+    s = KVSender(pair.prefill, pair.addr, 6)
+    r.init()
+    assert wait_for(r, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+    r.send_metadata([1, 2], aux_index=None)
+    assert wait_for(s, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+    r.abort()
+    assert wait_for(r, terminal()) == KVPoll.Failed
+    assert wait_for(s, terminal()) == KVPoll.Failed
+    r.clear()
+    s.clear()
+
+    plan = Plan(6, np.array([60, 61]), np.array([1, 2], dtype=np.int32), [np.array([60, 61])],
+                0, 0)
+    run_in_process(pair.prefill, pair.decode, pair.addr, [plan])
+    expected = Side(STD, 0).snapshot()
+    expected.apply(pair.src, plan.src, plan.dst, 0, 0)
+    expected.check(pair.dst)
+
+
+def test_request_arriving_before_the_sender_is_held_and_served(pair):
+    plan = Plan(12, np.array([7, 8, 9, 100]), np.array([3, 4, 5, 50], dtype=np.int32),
+                [np.array([7, 8]), np.array([9, 100])], 2, 8)
+    (r,) = open_receivers(pair.decode, pair.addr, [plan])
+    send_metadata_all([r], [plan])
+    assert wait_until(lambda: pair.prefill.stats()["pending_requests"] == 1), \
+        pair.prefill.stats()
+    (s,) = start_senders(pair.prefill, pair.addr, [plan])
+    assert_all_success([r, s])
+    assert pair.prefill.stats()["pending_requests"] == 0
+    expected = Side(STD, 0).snapshot()
+    expected.apply(pair.src, plan.src, plan.dst, plan.src_aux, plan.dst_aux)
+    expected.check(pair.dst)
+
+
+def test_transfer_without_registered_memory(res, bootstrap):
+    src, dst = Side(STD, 0, seed=3), Side(STD, 0)
+    prefill = res.manager(src, "prefill", bootstrap.address, register_memory=False)
+    decode = res.manager(dst, "decode", register_memory=False)
+    plans = make_plans(np.random.default_rng(5), STD)
+    run_in_process(prefill, decode, bootstrap.address, plans)
+    expected = Side(STD, 0).snapshot()
+    for p in plans:
+        expected.apply(src, p.src, p.dst, p.src_aux, p.dst_aux)
+    expected.check(dst)
+
+
+def test_aux_only_room(pair):
+    empty = np.array([], dtype=np.int64)
+    plan = Plan(21, empty, empty.astype(np.int32), [empty], 11, 12)
+    run_in_process(pair.prefill, pair.decode, pair.addr, [plan])
+    expected = Side(STD, 0).snapshot()
+    expected.apply(pair.src, plan.src, plan.dst, 11, 12)
+    expected.check(pair.dst)
+    assert pair.decode.stats()["bytes_moved"] == STD.aux_bytes
+
+
+def test_aux_only_room_completes_after_init_without_send(pair):
+    r = KVReceiver(pair.decode, pair.addr, 22)
+    s = KVSender(pair.prefill, pair.addr, 22)
+    r.init()
+    assert wait_for(r, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+    r.send_metadata([], aux_index=12)
+    assert wait_for(s, KVPoll.WaitingForInput) == KVPoll.WaitingForInput  # request bound
+    s.init(0, aux_index=11)  # nothing left to hand over: no send() needed
+    assert wait_for(r, terminal(), timeout=3) == KVPoll.Success
