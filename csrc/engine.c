@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "control.h"
+#include "log.h"
 #include "room.h"
 #include "table.h"
 #include "transport.h"
@@ -41,6 +42,12 @@ typedef struct kvr_peer {
     unsigned char ident[KVR_IDENT_MAX];
     size_t ident_len;           /* prefill: the decode's routing id */
     kvr_tp_ep_t *ep;            /* prefill: endpoint to the decode's worker */
+    kvr_ctl_conn_t *vconn;      /* decode: re-checking the bootstrap registration */
+    int verifying;
+    uint64_t verified_ns;
+    uint64_t verify_deadline_ns;
+    void *worker_addr;          /* prefill: the decode's worker address */
+    size_t worker_addr_len;
     uint64_t last_heard_ns;
     uint64_t next_ping_ns;
     uint64_t next_try_ns;
@@ -128,6 +135,10 @@ struct kvr_engine {
     int ndead_conns;
     kvr_tp_ep_t *dead_eps[KVR_MAX_DEAD];
     int ndead_eps;
+
+    kvr_log_t log;
+    uint64_t drop_log_ns;  /* last time dropped messages were logged */
+    uint64_t drop_log_n;   /* dropped since then */
 
     kvr_wbuf_t wbuf;
     kvr_stats_t stats; /* counters (room gauges are computed on demand) */
@@ -233,10 +244,11 @@ static int kvr_room_fail_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_failur
         }
     }
     e->stats.failures_by_code[f->code < KVR_STATUS_LAST ? f->code : 0]++;
-    if (getenv("KVRECV_DEBUG")) {
-        fprintf(stderr, "kvrecv %s rank %d: %s: %s\n", kvr_side(e), e->rank,
-                kvr_status_name(f->code), f->reason);
-    }
+    /* Logged once, where it happened; echoes only at debug level. */
+    kvr_log_write(&e->log, f->from_remote || f->from_sibling ? KVR_LOG_DEBUG : KVR_LOG_WARNING,
+                  "%s rank %d: %s: %s%s", kvr_side(e), e->rank, kvr_status_name(f->code),
+                  f->reason, f->from_sibling ? " (from another rank)"
+                                             : f->from_remote ? " (reported by the peer)" : "");
     if (notify && r->peer != NULL && r->notice == NULL) {
         /* Sockets belong to the engine thread: it sends the notice. */
         r->notice = malloc(sizeof(kvr_failure_t));
@@ -400,8 +412,10 @@ static kvr_peer_t *kvr_peer_new(kvr_engine_t *e, int kind, const char *key)
  * this may run inside a callback of either. */
 static void kvr_peer_disconnect(kvr_engine_t *e, kvr_peer_t *p)
 {
-    kvr_ctl_conn_t *conns[2] = {p->bs_conn, p->conn};
-    for (int i = 0; i < 2; i++) {
+    kvr_ctl_conn_t *conns[3] = {p->bs_conn, p->conn, p->vconn};
+    p->vconn = NULL;
+    p->verifying = 0;
+    for (int i = 0; i < 3; i++) {
         if (conns[i] && e->ndead_conns < KVR_MAX_DEAD) {
             e->dead_conns[e->ndead_conns++] = conns[i];
         } else if (conns[i]) {
@@ -437,8 +451,9 @@ static void kvr_siblings_locked(kvr_engine_t *e)
             if (kvr_ctl_connect(e->ctl, e->sib_eps[i], ident, sizeof(ident), NULL,
                                 &e->sib_conns[e->nsib_conns], err, sizeof(err)) == 0) {
                 e->nsib_conns++;
-            } else if (getenv("KVRECV_DEBUG")) {
-                fprintf(stderr, "kvrecv: sibling %s: %s\n", e->sib_eps[i], err);
+            } else {
+                kvr_log_write(&e->log, KVR_LOG_WARNING, "%s rank %d: sibling %s: %s",
+                              kvr_side(e), e->rank, e->sib_eps[i], err);
             }
         }
     }
@@ -497,16 +512,42 @@ static void kvr_reap_locked(kvr_engine_t *e)
     }
 }
 
-/* Declares the peer failed: every room bound to it fails with code. */
+static int kvr_peer_resolve(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen);
+
+/*
+ * Declares the peer failed: every room bound to it fails with code.  On the
+ * decode side, rooms still bootstrapping have sent nothing to that instance:
+ * when the instance is lost or replaced they wait for the next one (within
+ * the bootstrap timeout) instead of failing.
+ */
 static void kvr_peer_fail_locked(kvr_engine_t *e, kvr_peer_t *p, int code, const char *what)
 {
     if (p->state == KVR_PEER_FAILED) {
         return;
     }
-    /* Rooms first (they may want to notify), then the sockets. */
-    kvr_peer_fail_rooms_locked(e, p, code, 0, what);
+    kvr_log_write(&e->log, KVR_LOG_WARNING, "%s rank %d: %s: %s %s", kvr_side(e), e->rank,
+                  kvr_status_name(code), p->name, what);
+    int spare = p->kind == KVR_PEER_IS_PREFILL && (code == KVR_PEER_LOST || code == KVR_PEER_RESTARTED);
+    int waiting = 0;
+    for (size_t i = 0; i < e->rooms.capacity; i++) {
+        kvr_room_t *r = e->rooms.slots[i].value;
+        if (r == NULL || r->peer != p || kvr_room_terminal(r)) {
+            continue;
+        }
+        if (spare && atomic_load(&r->visible) == KVR_POLL_BOOTSTRAPPING && !r->failing) {
+            waiting = 1;
+            continue;
+        }
+        kvr_room_failf_locked(e, r, code, 0, "%s %s", p->name, what);
+    }
     p->state = KVR_PEER_FAILED;
     kvr_peer_disconnect(e, p);
+    if (waiting) {
+        char err[256];
+        if (kvr_peer_resolve(e, p, err, sizeof(err)) != 0) {
+            kvr_peer_fail_rooms_locked(e, p, KVR_BOOTSTRAP, 0, err);
+        }
+    }
 }
 
 /* Decode: start (or restart) resolving a prefill peer through bootstrap. */
@@ -555,6 +596,77 @@ static void kvr_peer_hello(kvr_engine_t *e, kvr_peer_t *p)
     m.addr = addr;
     m.addr_len = (uint32_t)alen;
     kvr_send_ctrl_to_peer(e, p, &m);
+}
+
+/*
+ * Decode: before a new room binds to a ready prefill peer, ask the bootstrap
+ * server (at most every 100 ms) whether the same instance is still the one
+ * registered for our rank.  A prefill that restarted is then noticed by the
+ * first new room after it registered, not by the heartbeat of the dead one.
+ */
+#define KVR_VERIFY_EVERY_MS 100
+#define KVR_VERIFY_TIMEOUT_MS 500
+
+static void kvr_peer_verify_locked(kvr_engine_t *e, kvr_peer_t *p)
+{
+    uint64_t now = kvr_now_ns();
+    if (p->verifying || now - p->verified_ns < KVR_VERIFY_EVERY_MS * KVR_MS) {
+        return;
+    }
+    char ep[192], err[256];
+    snprintf(ep, sizeof(ep), "tcp://%s", p->key);
+    if (kvr_ctl_connect(e->ctl, ep, NULL, 0, p, &p->vconn, err, sizeof(err)) != 0) {
+        p->verified_ns = now; /* keep the peer we have */
+        return;
+    }
+    p->verifying = 1;
+    p->verify_deadline_ns = now + KVR_VERIFY_TIMEOUT_MS * KVR_MS;
+    kvr_msg_t m;
+    memset(&m, 0, sizeof(m));
+    m.type = KVR_MSG_BS_QUERY;
+    m.epoch = e->epoch;
+    m.rank = (uint32_t)e->rank;
+    if (kvr_wire_encode(&e->wbuf, &m) == 0) {
+        kvr_ctl_send_conn(p->vconn, e->wbuf.data, e->wbuf.len);
+    }
+}
+
+static void kvr_service_peer_rooms_locked(kvr_engine_t *e, kvr_peer_t *p);
+
+/* Ends a verification: the registration is the same (or unknown), or a new
+ * instance replaced the one our rooms are bound to. */
+static void kvr_peer_verified_locked(kvr_engine_t *e, kvr_peer_t *p, int found, uint64_t epoch)
+{
+    if (p->vconn && e->ndead_conns < KVR_MAX_DEAD) {
+        e->dead_conns[e->ndead_conns++] = p->vconn;
+        p->vconn = NULL;
+    }
+    p->verifying = 0;
+    p->verified_ns = kvr_now_ns();
+    if (found && epoch != p->epoch) {
+        char what[200];
+        snprintf(what, sizeof(what),
+                 "restarted: the bootstrap server lists a new instance (epoch %016" PRIx64
+                 ", was %016" PRIx64 ")",
+                 epoch, p->epoch);
+        kvr_log_write(&e->log, KVR_LOG_WARNING, "decode rank %d: PEER_RESTARTED: %s %s", e->rank,
+                      p->name, what);
+        /* Rooms bound to the old instance fail; rooms still bootstrapping
+         * go to the new one. */
+        for (size_t i = 0; i < e->rooms.capacity; i++) {
+            kvr_room_t *r = e->rooms.slots[i].value;
+            if (r && r->peer == p && !kvr_room_terminal(r) &&
+                atomic_load(&r->visible) > KVR_POLL_BOOTSTRAPPING) {
+                kvr_room_failf_locked(e, r, KVR_PEER_RESTARTED, 0, "%s %s", p->name, what);
+            }
+        }
+        char err[256];
+        if (kvr_peer_resolve(e, p, err, sizeof(err)) != 0) {
+            kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, err);
+        }
+        return;
+    }
+    kvr_service_peer_rooms_locked(e, p);
 }
 
 /* ------------------------------------------------------------------ */
@@ -729,9 +841,8 @@ protocol:
                           r->peer ? r->peer->name : "?", why);
 reject:
     e->stats.data_rejected++;
-    if (getenv("KVRECV_DEBUG")) {
-        fprintf(stderr, "kvrecv decode rank %d: rejected a data message: %s\n", e->rank, why);
-    }
+    kvr_log_write(&e->log, KVR_LOG_DEBUG, "decode rank %d: rejected a data message: %s", e->rank,
+                  why);
     acc->dst = NULL;
     acc->reject_why = why;
 }
@@ -750,8 +861,18 @@ static void kvr_on_ep_error(void *arg, void *ep_ctx, const char *status_text)
 static void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
 {
     if (!r->bound || !r->inited || r->failing || kvr_room_terminal(r) || r->peer == NULL ||
-        r->peer->ep == NULL) {
+        r->peer->state != KVR_PEER_READY) {
         return;
+    }
+    if (r->peer->ep == NULL) {
+        char err[256];
+        if (r->peer->worker_addr == NULL ||
+            kvr_tp_ep_create(e->tp, r->peer->worker_addr, r->peer->worker_addr_len, r->peer,
+                             &r->peer->ep, err, sizeof(err)) != 0) {
+            kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "cannot reach %s: %s", r->peer->name,
+                                  r->peer->worker_addr ? err : "no worker address");
+            return;
+        }
     }
     if (r->given > r->ndst) {
         kvr_room_failf_locked(e, r, KVR_LAYOUT_MISMATCH, 1,
@@ -876,7 +997,10 @@ static void kvr_service_room_locked(kvr_engine_t *e, kvr_room_t *r)
         if (p == NULL || !r->init_called) {
             return;
         }
-        if (p->state == KVR_PEER_READY) {
+        if (p->state == KVR_PEER_READY && atomic_load(&r->visible) == KVR_POLL_BOOTSTRAPPING) {
+            kvr_peer_verify_locked(e, p);
+        }
+        if (p->state == KVR_PEER_READY && !p->verifying) {
             kvr_room_advance(r, KVR_POLL_WAITING);
             if (r->meta_set && !r->req_sent) {
                 kvr_decode_send_req_locked(e, r);
@@ -967,7 +1091,7 @@ static kvr_peer_t *kvr_decode_peer_by_ident(kvr_engine_t *e, const void *ident, 
 static void kvr_handle_hello_locked(kvr_engine_t *e, const void *ident, size_t ident_len,
                                     const kvr_msg_t *m)
 {
-    char key[2 * KVR_IDENT_MAX + 1], why[256], err[256];
+    char key[2 * KVR_IDENT_MAX + 1], why[256], err[256] = "";
     kvr_msg_t reply;
     memset(&reply, 0, sizeof(reply));
     reply.rank = (uint32_t)e->rank;
@@ -1000,6 +1124,7 @@ static void kvr_handle_hello_locked(kvr_engine_t *e, const void *ident, size_t i
         reply.str = reason;
         reply.str_len = (uint16_t)strlen(reason);
         kvr_send_ctrl_to_peer(e, p, &reply);
+        kvr_log_write(&e->log, KVR_LOG_WARNING, "%s", reason);
         p->state = KVR_PEER_FAILED;
         /* Rooms the decode already asked for through this peer cannot move. */
         for (size_t i = 0; i < e->pending.capacity; i++) {
@@ -1010,7 +1135,16 @@ static void kvr_handle_hello_locked(kvr_engine_t *e, const void *ident, size_t i
         }
         return;
     }
-    if (kvr_tp_ep_create(e->tp, m->addr, m->addr_len, p, &p->ep, err, sizeof(err)) != 0) {
+    /* The endpoint is created on the first data sent to this decode: a
+     * decode that never receives costs no connection (and UCX 1.13's tcp
+     * transport mishandles connections refused by a worker that is gone). */
+    free(p->worker_addr);
+    p->worker_addr = NULL;
+    if (kvr_tp_address_check(e->tp, m->addr, m->addr_len, err, sizeof(err)) != 0 ||
+        (p->worker_addr = malloc(m->addr_len)) == NULL) {
+        if (p->worker_addr == NULL && err[0] == '\0') {
+            snprintf(err, sizeof(err), "out of memory");
+        }
         reply.type = KVR_MSG_HELLO_REJECT;
         reply.code = KVR_TRANSPORT;
         reply.str = err;
@@ -1019,6 +1153,8 @@ static void kvr_handle_hello_locked(kvr_engine_t *e, const void *ident, size_t i
         p->state = KVR_PEER_FAILED;
         return;
     }
+    memcpy(p->worker_addr, m->addr, m->addr_len);
+    p->worker_addr_len = m->addr_len;
     reply.type = KVR_MSG_HELLO_OK;
     kvr_fill_layout(e, &reply.layout);
     kvr_send_ctrl_to_peer(e, p, &reply);
@@ -1088,18 +1224,17 @@ static void kvr_handle_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_
 static void kvr_handle_remote_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
 {
     kvr_room_t *r = kvr_table_get(&e->rooms, m->room);
-    if (r == NULL) {
-        if (e->mode == KVR_MODE_PREFILL) {
-            /* The decode gave up on a request we never served. */
-            kvr_pending_t *pd = kvr_table_remove(&e->pending, m->room);
-            if (pd) {
-                kvr_pending_free(pd);
-            }
+    uint64_t mytag = r == NULL ? 0 : e->mode == KVR_MODE_DECODE ? r->tag : r->dst_tag;
+    /* A prefill room no decode has bound yet fails with the decode's cause
+     * (the decode gave up on it before asking, e.g. a rejected layout). */
+    int unbound = r != NULL && e->mode == KVR_MODE_PREFILL && !r->bound;
+    if (r == NULL && e->mode == KVR_MODE_PREFILL) {
+        kvr_pending_t *pd = kvr_table_remove(&e->pending, m->room);
+        if (pd) {
+            kvr_pending_free(pd);
         }
-        return;
     }
-    uint64_t mytag = e->mode == KVR_MODE_DECODE ? r->tag : r->dst_tag;
-    if (r->peer != p || mytag != m->tag) {
+    if (r != NULL && !unbound && (r->peer != p || mytag != m->tag)) {
         return; /* about another incarnation of the room */
     }
     kvr_failure_t f;
@@ -1113,7 +1248,30 @@ static void kvr_handle_remote_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const 
     f.time_ns = kvr_now_ns();
     snprintf(f.reason, sizeof(f.reason), "%.*s", (int)m->str_len, m->str);
     snprintf(f.peer, sizeof(f.peer), "%s", p->name);
+    if (r == NULL) {
+        if (e->mode == KVR_MODE_PREFILL) {
+            /* Kept for a sender not created yet (see kvr_handle_open). */
+            kvr_registry_record(&e->registry, m->room, &f);
+        }
+        return;
+    }
     kvr_room_fail_locked(e, r, &f, 0);
+}
+
+/* Counts a malformed control message; logs at most one line a second. */
+static void kvr_drop_locked(kvr_engine_t *e, size_t len, const char *why)
+{
+    uint64_t now = kvr_now_ns();
+    e->stats.ctrl_dropped++;
+    e->drop_log_n++;
+    if (now - e->drop_log_ns >= 1000 * KVR_MS) {
+        kvr_log_write(&e->log, KVR_LOG_WARNING,
+                      "%s rank %d: dropped %" PRIu64 " malformed control message(s); the last "
+                      "(%zu bytes): %s",
+                      kvr_side(e), e->rank, e->drop_log_n, len, why);
+        e->drop_log_ns = now;
+        e->drop_log_n = 0;
+    }
 }
 
 static void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, const void *data,
@@ -1123,10 +1281,7 @@ static void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, co
     kvr_msg_t m;
     const char *why;
     if (kvr_wire_decode(data, len, &m, &why) != 0) {
-        e->stats.ctrl_dropped++;
-        if (getenv("KVRECV_DEBUG")) {
-            fprintf(stderr, "kvrecv: dropped control message (%zu bytes): %s\n", len, why);
-        }
+        kvr_drop_locked(e, len, why);
         return;
     }
     if (m.type == KVR_MSG_SIB_FAIL) {
@@ -1162,6 +1317,12 @@ static void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, co
         if (kvr_wire_encode(&e->wbuf, &pong) == 0) {
             kvr_ctl_send_router(e->ctl, ident, ident_len, e->wbuf.data, e->wbuf.len);
         }
+        return;
+    }
+    if (p != NULL && p->epoch == m.epoch && p->state == KVR_PEER_FAILED &&
+        m.type == KVR_MSG_ROOM_FAIL) {
+        /* A decode we rejected reports the rooms it gave up on. */
+        kvr_handle_remote_fail_locked(e, p, &m);
         return;
     }
     if (p == NULL || p->epoch != m.epoch || p->state != KVR_PEER_READY) {
@@ -1202,12 +1363,17 @@ static void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, con
     const char *why;
     char err[256];
     if (kvr_wire_decode(data, len, &m, &why) != 0) {
-        e->stats.ctrl_dropped++;
+        kvr_drop_locked(e, len, why);
         return;
     }
     if (e->mode == KVR_MODE_PREFILL) {
         /* Our registration with the bootstrap server. */
         if (m.type == KVR_MSG_BS_REGISTER_OK) {
+            if (!e->registered) {
+                kvr_log_write(&e->log, KVR_LOG_INFO,
+                              "prefill rank %d registered with the bootstrap server %s as %s",
+                              e->rank, e->bootstrap_addr, kvr_ctl_endpoint(e->ctl));
+            }
             e->registered = 1;
         } else {
             e->stats.ctrl_dropped++;
@@ -1216,6 +1382,14 @@ static void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, con
     }
     if (p == NULL) {
         e->stats.ctrl_dropped++;
+        return;
+    }
+    if (conn == p->vconn) {
+        if (m.type != KVR_MSG_BS_QUERY_REPLY || !p->verifying) {
+            e->stats.ctrl_dropped++;
+            return;
+        }
+        kvr_peer_verified_locked(e, p, m.found, m.peer_epoch);
         return;
     }
     if (conn == p->bs_conn) {
@@ -1271,6 +1445,8 @@ static void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, con
             break;
         }
         p->state = KVR_PEER_READY;
+        p->verified_ns = kvr_now_ns();
+        kvr_log_write(&e->log, KVR_LOG_INFO, "decode rank %d connected to %s", e->rank, p->name);
         p->next_ping_ns = kvr_now_ns() + e->cfg.heartbeat_interval_ms * KVR_MS;
         kvr_service_peer_rooms_locked(e, p);
         break;
@@ -1287,6 +1463,18 @@ static void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, con
                 snprintf(fr.reason, sizeof(fr.reason), "room %" PRIu64 ": %.*s", r->id,
                          (int)m.str_len, m.str);
                 kvr_room_fail_locked(e, r, &fr, 0);
+                /* The prefill rejected us before any request: tell it which
+                 * rooms this was about, so its senders fail now too. */
+                kvr_msg_t n;
+                memset(&n, 0, sizeof(n));
+                n.type = KVR_MSG_ROOM_FAIL;
+                n.room = r->id;
+                n.tag = r->tag;
+                n.code = (uint16_t)fr.code;
+                n.origin_rank = e->rank;
+                n.str = fr.reason;
+                n.str_len = (uint16_t)strlen(fr.reason);
+                kvr_send_ctrl_to_peer(e, p, &n);
             }
         }
         p->state = KVR_PEER_FAILED;
@@ -1350,6 +1538,13 @@ static void kvr_timers_locked(kvr_engine_t *e)
                     p->next_try_ns = now + 200 * KVR_MS;
                 }
             } else if (p->state == KVR_PEER_READY) {
+                if (p->verifying && now > p->verify_deadline_ns) {
+                    /* The bootstrap server did not answer: keep the peer. */
+                    kvr_peer_verified_locked(e, p, 0, 0);
+                }
+                if (p->state != KVR_PEER_READY) {
+                    continue;
+                }
                 if (now - p->last_heard_ns > e->cfg.heartbeat_timeout_ms * KVR_MS) {
                     char what[200];
                     snprintf(what, sizeof(what), "lost: no heartbeat for %" PRIu64 " ms",
@@ -1660,6 +1855,11 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
     kvr_table_init(&e->pending);
     kvr_wbuf_init(&e->wbuf);
     kvr_registry_init(&e->registry);
+    if (kvr_log_init(&e->log) != 0) {
+        kvr_registry_destroy(&e->registry);
+        free(e);
+        return kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+    }
     pthread_mutex_init(&e->lock, NULL);
     while (e->epoch == 0) {
         if (getrandom(&e->epoch, sizeof(e->epoch), 0) != sizeof(e->epoch)) {
@@ -1809,6 +2009,22 @@ void kvr_engine_close(kvr_engine_t *e)
         kvr_room_unref_locked(e, r);
     }
     pthread_mutex_unlock(&e->lock);
+    kvr_log_close(&e->log);
+}
+
+int kvr_engine_log_read(kvr_engine_t *e, int *levels, char (*texts)[KVR_ENGINE_LOG_TEXT], int max,
+                        int timeout_ms)
+{
+    kvr_log_rec_t recs[16];
+    if (max > 16) {
+        max = 16;
+    }
+    int n = kvr_log_read(&e->log, recs, max, timeout_ms);
+    for (int i = 0; i < n; i++) {
+        levels[i] = recs[i].level;
+        memcpy(texts[i], recs[i].text, KVR_ENGINE_LOG_TEXT);
+    }
+    return n;
 }
 
 void kvr_engine_free(kvr_engine_t *e)
@@ -1837,6 +2053,7 @@ void kvr_engine_free(kvr_engine_t *e)
     while (e->peers) {
         kvr_peer_t *p = e->peers;
         e->peers = p->next;
+        free(p->worker_addr);
         free(p);
     }
     if (e->wake_fd >= 0) {
@@ -1854,6 +2071,7 @@ void kvr_engine_free(kvr_engine_t *e)
     }
     kvr_wbuf_free(&e->wbuf);
     kvr_registry_destroy(&e->registry);
+    kvr_log_destroy(&e->log);
     pthread_mutex_destroy(&e->lock);
     free(e->kv_ptrs);
     free(e->kv_lens);
@@ -1911,6 +2129,7 @@ void kvr_engine_stats(kvr_engine_t *e, kvr_stats_t *s)
     }
     s->pending_requests = e->pending.count;
     pthread_mutex_unlock(&e->lock);
+    s->log_dropped = kvr_log_dropped(&e->log);
 }
 
 /* ------------------------------------------------------------------ */
@@ -1975,9 +2194,9 @@ int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
     r->in_table = 1;
     r->refs = 2; /* table + handle */
     kvr_failure_t prior;
-    if (kvr_registry_pop(&e->registry, room, &prior) && prior.from_sibling &&
+    if (kvr_registry_pop(&e->registry, room, &prior) && (prior.from_sibling || prior.from_remote) &&
         kvr_now_ns() - prior.time_ns < e->cfg.bootstrap_timeout_ms * KVR_MS) {
-        /* A sibling failed this room before this rank opened it. */
+        /* A sibling or the peer failed this room before this rank opened it. */
         kvr_room_fail_locked(e, r, &prior, 0);
     }
     if (e->mode == KVR_MODE_PREFILL) {
@@ -2264,7 +2483,12 @@ int kvr_engine_set_siblings(kvr_engine_t *e, const char *const *endpoints, int n
         return kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
     }
     for (int i = 0; i < n; i++) {
-        if (strncmp(endpoints[i], "tcp://", 6) != 0 || strchr(endpoints[i] + 6, ':') == NULL) {
+        const char *hp = endpoints[i] + 6;
+        const char *colon = strncmp(endpoints[i], "tcp://", 6) == 0 ? strrchr(hp, ':') : NULL;
+        int ok = colon != NULL && colon > hp && colon[1] != '\0' &&
+                 strspn(colon + 1, "0123456789") == strlen(colon + 1) && atoi(colon + 1) > 0 &&
+                 atoi(colon + 1) < 65536 && strlen(colon + 1) <= 5;
+        if (!ok) {
             for (int j = 0; j < i; j++) {
                 free(eps[j]);
             }

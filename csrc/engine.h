@@ -72,7 +72,8 @@ typedef struct {
     uint64_t pending_requests;    /* prefill: requests waiting for a sender */
     uint64_t peers;
     uint64_t rooms_succeeded;
-    uint64_t rooms_force_drained; /* declared drained with a dead peer's ops stuck */
+    uint64_t rooms_force_drained;
+    uint64_t log_dropped;         /* log records lost because nobody read them */ /* declared drained with a dead peer's ops stuck */
     uint64_t failures_by_code[KVR_STATUS_LAST];
 } kvr_stats_t;
 
@@ -85,6 +86,16 @@ void kvr_engine_close(kvr_engine_t *e);
 void kvr_engine_free(kvr_engine_t *e);
 int kvr_engine_closed(kvr_engine_t *e);
 void kvr_engine_stats(kvr_engine_t *e, kvr_stats_t *s);
+/*
+ * Waits up to timeout_ms for log records of the core and copies up to max
+ * (at most 16) of them out: Python logging levels and texts.  Returns the
+ * number copied, or -1 once the engine is closed and every record was read.
+ * Blocks: call without the GIL.
+ */
+#define KVR_ENGINE_LOG_TEXT 448
+int kvr_engine_log_read(kvr_engine_t *e, int *levels, char (*texts)[KVR_ENGINE_LOG_TEXT], int max,
+                        int timeout_ms);
+
 /* The control endpoint ("tcp://host:port") and the instance epoch. */
 const char *kvr_engine_endpoint(kvr_engine_t *e);
 uint64_t kvr_engine_epoch(kvr_engine_t *e);

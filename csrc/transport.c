@@ -263,6 +263,19 @@ const char *kvr_tp_describe(kvr_transport_t *tp)
 
 /* ---- endpoints ---- */
 
+int kvr_tp_address_check(kvr_transport_t *tp, const void *addr, size_t len, char *err,
+                         size_t errlen)
+{
+    const unsigned char *a = addr;
+    const unsigned char *own = (const unsigned char *)tp->address;
+    if (len < 9 || tp->address_len < 1 || (a[0] & 0x0f) != (own[0] & 0x0f)) {
+        snprintf(err, errlen, "malformed UCX worker address (%zu bytes, version %u, ours %u)", len,
+                 len ? a[0] & 0x0f : 0, own[0] & 0x0f);
+        return -1;
+    }
+    return 0;
+}
+
 int kvr_tp_ep_create(kvr_transport_t *tp, const void *addr, size_t len, void *ep_ctx,
                      kvr_tp_ep_t **ep_p, char *err, size_t errlen)
 {
@@ -270,11 +283,7 @@ int kvr_tp_ep_create(kvr_transport_t *tp, const void *addr, size_t len, void *ep
      * not know: check that it has a header of our UCX's address version and
      * room for the worker id before handing it over.  (The control channel
      * is where peers are vetted; this stops garbage, not a forger.) */
-    const unsigned char *a = addr;
-    const unsigned char *own = (const unsigned char *)tp->address;
-    if (len < 9 || tp->address_len < 1 || (a[0] & 0x0f) != (own[0] & 0x0f)) {
-        snprintf(err, errlen, "malformed UCX worker address (%zu bytes, version %u, ours %u)", len,
-                 len ? a[0] & 0x0f : 0, own[0] & 0x0f);
+    if (kvr_tp_address_check(tp, addr, len, err, errlen) != 0) {
         return -1;
     }
     kvr_tp_ep_t *e = calloc(1, sizeof(*e));

@@ -78,6 +78,11 @@ unsigned kvr_tp_progress(kvr_transport_t *tp);
 /* Arms the event fd: 0 armed (safe to sleep), 1 busy (progress again). */
 int kvr_tp_arm(kvr_transport_t *tp);
 
+/* Checks that addr looks like a worker address of this UCX (UCX asserts,
+ * aborting the process, on one it cannot parse).  0, or -1 with err. */
+int kvr_tp_address_check(kvr_transport_t *tp, const void *addr, size_t len, char *err,
+                         size_t errlen);
+
 /* Connects to a peer worker address.  ep_ctx is passed to on_ep_error. */
 int kvr_tp_ep_create(kvr_transport_t *tp, const void *addr, size_t len, void *ep_ctx,
                      kvr_tp_ep_t **ep_p, char *err, size_t errlen);

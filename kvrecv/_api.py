@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import os
+import threading
+import weakref
 from typing import Any, Optional, Sequence
 
 from . import _core
@@ -229,6 +232,14 @@ class KVManager:
             bootstrap_addr or "",
             self.config.resolved(),
         )
+        # The core's events reach logging.getLogger("kvrecv") through one
+        # thread per manager that waits (without the GIL) for them.  It holds
+        # only the core, so dropping the manager closes it.
+        self._log_thread = threading.Thread(
+            target=_pump_logs, args=(self._core,), name=f"kvrecv-log-{mode}-{args.engine_rank}",
+            daemon=True)
+        self._log_thread.start()
+        self._finalizer = weakref.finalize(self, _close_core, self._core, self._log_thread)
 
     @property
     def closed(self) -> bool:
@@ -261,13 +272,31 @@ class KVManager:
 
     def close(self) -> None:
         """Stops the engine; open rooms fail with ABORTED.  Idempotent."""
-        self._core.close()
+        self._finalizer()
 
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
+
+
+_log = logging.getLogger("kvrecv")
+
+
+def _pump_logs(core) -> None:
+    while True:
+        records = core.read_logs(200)
+        if records is None:
+            return
+        for level, text in records:
+            _log.log(level, text)
+
+
+def _close_core(core, thread) -> None:
+    core.close()
+    if thread is not threading.current_thread():
+        thread.join(5)
 
 
 def _check_addr(addr: str) -> None:

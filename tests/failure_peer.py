@@ -1,4 +1,4 @@
-"""Child-process peer for tests/test_failures.py.
+"""Child-process peer for tests/test_failures.py and tests/test_ranks.py.
 
 Runs one kvrecv manager (prefill or decode) in its own process so that the
 tests can kill it for real (SIGKILL) and watch the survivor.  It takes a JSON
@@ -133,6 +133,10 @@ def main() -> int:
                 reply(_failure(rooms[cmd["room"]], kvrecv))
             elif op == "stats":
                 reply(mgr.stats())
+            elif op == "set_siblings":
+                # Joins this rank with the other ranks of its instance.
+                mgr.set_siblings(list(cmd["endpoints"]))
+                reply({"ok": True})
             elif op == "exit":
                 for obj in rooms.values():
                     obj.clear()

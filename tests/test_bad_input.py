@@ -579,7 +579,15 @@ def test_layout_mismatch_between_ranks_fails_the_decode_room(res, bootstrap):
     time.sleep(0.05)
     assert_all_canary(dst)
     assert prefill.stats()["rma_ops_posted"] == 0
-    assert s.poll() == KVPoll.Bootstrapping  # no request ever reached it
+    # No request ever reached the prefill; the rejected decode names the room,
+    # so the sender fails with the same cause instead of waiting for its
+    # bootstrap timeout.
+    assert wait_for(s, terminal()) == KVPoll.Failed
+    with pytest.raises(KVLayoutError) as ei:
+        s.failure_exception()
+    assert ei.value.code == "LAYOUT_MISMATCH"
+    assert "KV buffer 1 item_len" in ei.value.failure_reason
+    assert prefill.stats()["rma_ops_posted"] == 0
 
 
 def test_unregistered_prefill_fails_with_bootstrap_then_recovers(res, bootstrap):

@@ -758,9 +758,9 @@ def test_prefill_killed_big_rooms_in_flight(fail_bs, fail_closer, fail_spawn, mo
     if trials == 0:
         pytest.skip("every trial's transfer finished before the prefill could be frozen")
 
+    regs = fail_bs.stats()["registrations"]  # before the prefill exists: it registers at once
     p, pkv, paux = _prefill(fail_bs.address, seed=49, scale=BIG_SCALE)
     fail_closer(p)
-    regs = fail_bs.stats()["registrations"]
     _wait_until(lambda: fail_bs.stats()["registrations"] > regs, 20, "registration")
     _check_new_room_in_process(p, pkv, paux, d, dkv, daux, fail_bs.address, 4999, [8, 9, 10, 11], 1)
     _assert_no_rooms(d, p)

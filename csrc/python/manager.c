@@ -256,7 +256,8 @@ static PyObject *kvr_manager_stats(PyObject *op, PyObject *unused)
         kvr_dict_set_u64(d, "data_rejected", s.data_rejected) < 0 ||
         kvr_dict_set_u64(d, "heartbeats_missed", s.heartbeats_missed) < 0 ||
         kvr_dict_set_u64(d, "pending_requests", s.pending_requests) < 0 ||
-        kvr_dict_set_u64(d, "peers", s.peers) < 0) {
+        kvr_dict_set_u64(d, "peers", s.peers) < 0 ||
+        kvr_dict_set_u64(d, "log_dropped", s.log_dropped) < 0) {
         goto fail;
     }
     Py_DECREF(byst);
@@ -346,7 +347,47 @@ static PyObject *kvr_manager_set_siblings(PyObject *op, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* read_logs(timeout_ms) -> list of (level, text), or None once closed. */
+static PyObject *kvr_manager_read_logs(PyObject *op, PyObject *arg)
+{
+    kvr_py_manager_t *self = (kvr_py_manager_t *)op;
+    if (kvr_manager_check(self) < 0) {
+        return NULL;
+    }
+    long timeout = PyLong_AsLong(arg);
+    if (timeout == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    int levels[16];
+    char (*texts)[KVR_ENGINE_LOG_TEXT] = PyMem_Malloc(16 * KVR_ENGINE_LOG_TEXT);
+    if (texts == NULL) {
+        return PyErr_NoMemory();
+    }
+    int n;
+    kvr_engine_t *e = self->engine;
+    Py_BEGIN_ALLOW_THREADS
+    n = kvr_engine_log_read(e, levels, texts, 16, (int)timeout);
+    Py_END_ALLOW_THREADS
+    if (n < 0) {
+        PyMem_Free(texts);
+        Py_RETURN_NONE;
+    }
+    PyObject *out = PyList_New(n);
+    for (int i = 0; out != NULL && i < n; i++) {
+        PyObject *t = Py_BuildValue("(is)", levels[i], texts[i]);
+        if (t == NULL) {
+            Py_CLEAR(out);
+            break;
+        }
+        PyList_SET_ITEM(out, i, t);
+    }
+    PyMem_Free(texts);
+    return out;
+}
+
 static PyMethodDef kvr_manager_methods[] = {
+    {"read_logs", kvr_manager_read_logs, METH_O,
+     "Wait up to timeout_ms for core log records; None once closed."},
     {"set_siblings", kvr_manager_set_siblings, METH_O,
      "Control endpoints of the other ranks of this instance."},
     {"close", kvr_manager_close, METH_NOARGS, "Stop the engine; idempotent."},
