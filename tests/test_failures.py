@@ -1065,3 +1065,36 @@ def test_abort_in_flight_no_late_writes(fail_bs, fail_closer, monkeypatch):
     r.clear()
     s.clear()
     _assert_no_rooms(p, d)
+
+
+def test_transport_error_reaches_both_sides(fail_bs, fail_closer, monkeypatch):
+    """A real UCX error for an operation: the decode advertises only tcp, the
+    prefill may use only shared memory, so the prefill's endpoint to the
+    decode cannot be created ("Destination is unreachable").  Both rooms fail
+    with TRANSPORT and UCX's own status text; no byte lands."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    d, dkv, daux = _decode()
+    fail_closer(d)
+    monkeypatch.setenv("UCX_TLS", "posix,sysv,cma,self")
+    p, pkv, paux = _prefill(fail_bs.address, seed=70)
+    fail_closer(p)
+    r = _open_receiver(d, fail_bs.address, 7000, [1, 2, 3])
+    s = KVSender(p, fail_bs.address, 7000)
+    s.init(3)
+    t0 = time.monotonic()
+    s.send(np.array([4, 5, 6], dtype=np.int32))
+    st_s, _ = _wait_state(s, (KVPoll.Failed, KVPoll.Success), 5)
+    st_r, el = _wait_state(r, (KVPoll.Failed, KVPoll.Success), 5)
+    assert (st_s, st_r) == (KVPoll.Failed, KVPoll.Failed), (st_s, st_r)
+    assert time.monotonic() - t0 < 2.5
+    es, er = _exc(s), _exc(r)
+    for e in (es, er):
+        assert type(e) is KVTransportError and e.code == "TRANSPORT", (e.code, e.failure_reason)
+        assert "Destination is unreachable" in e.failure_reason, e.failure_reason
+        assert "room 7000" in e.failure_reason and e.bootstrap_room == 7000
+    assert es.is_from_another_rank is False and er.is_from_another_rank is False
+    assert _pages_canary(dkv, [1, 2, 3]), "bytes landed although the transfer failed"
+    assert d.stats()["failures_by_code"]["TRANSPORT"] == 1
+    r.clear()
+    s.clear()
+    _assert_no_rooms(d, p)
