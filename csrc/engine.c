@@ -342,6 +342,21 @@ static void kvr_fill_layout(kvr_engine_t *e, kvr_wire_layout_t *l)
     l->aux_item_lens = e->layout_aux;
 }
 
+/* Compares one kind of buffers' item lengths (ours against the wire's). */
+static int kvr_items_diff(const char *what, uint32_t n, const uint64_t *ours,
+                          const unsigned char *theirs, char *why, size_t len)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t v = kvr_wire_u64_at(theirs, i);
+        if (v != ours[i]) {
+            snprintf(why, len, "%s buffer %u item_len %" PRIu64 " here, %" PRIu64 " there", what,
+                     i, ours[i], v);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 /* Compares a peer's layout with ours; returns 0 or writes the first
  * difference into why. */
 static int kvr_layout_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *why, size_t n)
@@ -354,27 +369,14 @@ static int kvr_layout_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *wh
         snprintf(why, n, "%u KV buffers here, %u there", e->nkv, l->nkv);
         return -1;
     }
-    for (uint32_t i = 0; i < e->nkv; i++) {
-        uint64_t v = kvr_wire_u64_at(l->kv_item_lens, i);
-        if (v != e->kv_item[i]) {
-            snprintf(why, n, "KV buffer %u item_len %" PRIu64 " here, %" PRIu64 " there", i,
-                     e->kv_item[i], v);
-            return -1;
-        }
+    if (kvr_items_diff("KV", e->nkv, e->kv_item, l->kv_item_lens, why, n) != 0) {
+        return -1;
     }
     if (l->naux != e->naux) {
         snprintf(why, n, "%u aux buffers here, %u there", e->naux, l->naux);
         return -1;
     }
-    for (uint32_t i = 0; i < e->naux; i++) {
-        uint64_t v = kvr_wire_u64_at(l->aux_item_lens, i);
-        if (v != e->aux_item[i]) {
-            snprintf(why, n, "aux buffer %u item_len %" PRIu64 " here, %" PRIu64 " there", i,
-                     e->aux_item[i], v);
-            return -1;
-        }
-    }
-    return 0;
+    return kvr_items_diff("aux", e->naux, e->aux_item, l->aux_item_lens, why, n);
 }
 
 /* ------------------------------------------------------------------ */
@@ -856,6 +858,26 @@ static void kvr_on_ep_error(void *arg, void *ep_ctx, const char *status_text)
     kvr_peer_fail_locked(e, p, KVR_PEER_LOST, what);
 }
 
+/* Prefill: posts one data message (a run of one buffer, or an aux row). */
+static void kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_header_t *h,
+                                const char *src, uint64_t len)
+{
+    kvr_op_t *op = kvr_op_new(r, len);
+    if (op == NULL) {
+        kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory posting data");
+        return;
+    }
+    kvr_am_header_encode(op->hdr, h);
+    const char *st = NULL;
+    int rc = kvr_tp_send(e->tp, r->peer->ep, op->hdr, sizeof(op->hdr), src, len, &op->base, &st);
+    e->stats.ops_posted++;
+    r->ops_posted++;
+    if (rc <= 0) {
+        kvr_op_end_locked(e, op, rc == 0 ? KVR_TP_OK : rc == -2 ? KVR_TP_PEER_GONE : KVR_TP_ERROR,
+                          st);
+    }
+}
+
 /* Prefill: post the operations for pages [posted, given) and, after the last
  * page, the aux rows.  Called on the engine thread with the lock held. */
 static void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
@@ -898,28 +920,15 @@ static void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
     while (r->posted < r->given) {
         uint32_t pos = r->posted;
         uint32_t n = kvr_run_length(r->src_pages, r->dst_pages, pos, r->given);
+        h.kind = KVR_AM_KIND_KV;
+        h.pos = pos;
+        h.npages = n;
         for (uint32_t b = 0; b < e->nkv && !r->failing; b++) {
-            uint64_t len = (uint64_t)n * e->kv_item[b];
-            const char *src =
-                (const char *)(uintptr_t)e->kv_ptrs[b] + (uint64_t)r->src_pages[pos] * e->kv_item[b];
-            h.kind = KVR_AM_KIND_KV;
             h.buf = (uint16_t)b;
-            h.pos = pos;
-            h.npages = n;
-            kvr_op_t *op = kvr_op_new(r, len);
-            if (op == NULL) {
-                kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory posting data");
-                break;
-            }
-            kvr_am_header_encode(op->hdr, &h);
-            const char *st = NULL;
-            int rc = kvr_tp_send(e->tp, r->peer->ep, op->hdr, sizeof(op->hdr), src, len,
-                                 &op->base, &st);
-            e->stats.ops_posted++;
-            r->ops_posted++;
-            if (rc <= 0) {
-                kvr_op_end_locked(e, op, rc == 0 ? KVR_TP_OK : rc == -2 ? KVR_TP_PEER_GONE : KVR_TP_ERROR, st);
-            }
+            kvr_post_one_locked(e, r, &h,
+                                (const char *)(uintptr_t)e->kv_ptrs[b] +
+                                    (uint64_t)r->src_pages[pos] * e->kv_item[b],
+                                (uint64_t)n * e->kv_item[b]);
         }
         if (r->failing) {
             return;
@@ -930,29 +939,15 @@ static void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
         r->aux_posted = 1;
         if (r->dst_aux >= 0) {
             kvr_room_advance(r, KVR_POLL_TRANSFERRING);
+            h.kind = KVR_AM_KIND_AUX;
+            h.pos = 0;
+            h.npages = 1;
             for (uint32_t a = 0; a < e->naux && !r->failing; a++) {
-                const char *src = (const char *)(uintptr_t)e->aux_ptrs[a] +
-                                  (uint64_t)r->src_aux * e->aux_item[a];
-                h.kind = KVR_AM_KIND_AUX;
                 h.buf = (uint16_t)a;
-                h.pos = 0;
-                h.npages = 1;
-                kvr_op_t *op = kvr_op_new(r, e->aux_item[a]);
-                if (op == NULL) {
-                    kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory posting aux");
-                    break;
-                }
-                kvr_am_header_encode(op->hdr, &h);
-                const char *st = NULL;
-                int rc = kvr_tp_send(e->tp, r->peer->ep, op->hdr, sizeof(op->hdr), src,
-                                     e->aux_item[a], &op->base, &st);
-                e->stats.ops_posted++;
-                r->ops_posted++;
-                if (rc <= 0) {
-                    kvr_op_end_locked(e, op,
-                                      rc == 0 ? KVR_TP_OK : rc == -2 ? KVR_TP_PEER_GONE : KVR_TP_ERROR,
-                                      st);
-                }
+                kvr_post_one_locked(e, r, &h,
+                                    (const char *)(uintptr_t)e->aux_ptrs[a] +
+                                        (uint64_t)r->src_aux * e->aux_item[a],
+                                    e->aux_item[a]);
             }
         }
     }
