@@ -516,6 +516,29 @@ static void kvr_reap_locked(kvr_engine_t *e)
 
 static int kvr_peer_resolve(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen);
 
+static void kvr_send_ctrl_to_peer(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m);
+
+/* Decode: tells the prefill, over the control channel that still works,
+ * that a room failed before it could ask for anything (the prefill's
+ * sender would otherwise wait for its bootstrap timeout). */
+static void kvr_tell_room_failed(kvr_engine_t *e, kvr_peer_t *p, kvr_room_t *r, int code)
+{
+    kvr_failure_t f;
+    if (p->conn == NULL || !kvr_registry_peek(&e->registry, r->id, &f)) {
+        return;
+    }
+    kvr_msg_t n;
+    memset(&n, 0, sizeof(n));
+    n.type = KVR_MSG_ROOM_FAIL;
+    n.room = r->id;
+    n.tag = r->tag;
+    n.code = (uint16_t)code;
+    n.origin_rank = e->rank;
+    n.str = f.reason;
+    n.str_len = (uint16_t)strlen(f.reason);
+    kvr_send_ctrl_to_peer(e, p, &n);
+}
+
 /*
  * Declares the peer failed: every room bound to it fails with code.  On the
  * decode side, rooms still bootstrapping have sent nothing to that instance:
@@ -541,6 +564,9 @@ static void kvr_peer_fail_locked(kvr_engine_t *e, kvr_peer_t *p, int code, const
             continue;
         }
         kvr_room_failf_locked(e, r, code, 0, "%s %s", p->name, what);
+        if (p->kind == KVR_PEER_IS_PREFILL && (code == KVR_TRANSPORT || code == KVR_LAYOUT_MISMATCH)) {
+            kvr_tell_room_failed(e, p, r, code);
+        }
     }
     p->state = KVR_PEER_FAILED;
     kvr_peer_disconnect(e, p);
@@ -1152,6 +1178,11 @@ static void kvr_handle_hello_locked(kvr_engine_t *e, const void *ident, size_t i
     p->worker_addr_len = m->addr_len;
     reply.type = KVR_MSG_HELLO_OK;
     kvr_fill_layout(e, &reply.layout);
+    const void *own;
+    size_t own_len;
+    kvr_tp_address(e->tp, &own, &own_len);
+    reply.addr = own;
+    reply.addr_len = (uint32_t)own_len;
     kvr_send_ctrl_to_peer(e, p, &reply);
 }
 
@@ -1439,6 +1470,20 @@ static void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, con
             kvr_peer_fail_locked(e, p, KVR_LAYOUT_MISMATCH, what);
             break;
         }
+        /*
+         * The decode holds an endpoint to the prefill's worker too.  UCX
+         * pairs it with the prefill's own endpoint to us, so the prefill's
+         * data arrives on it: closing it when the prefill is lost cancels
+         * the receives the dead peer left hanging, and on transports with
+         * peer-failure support its error reports a dead prefill at once.
+         */
+        char eperr[256];
+        if (kvr_tp_ep_create(e->tp, m.addr, m.addr_len, p, &p->ep, eperr, sizeof(eperr)) != 0) {
+            char what[400];
+            snprintf(what, sizeof(what), "cannot be reached: %s", eperr);
+            kvr_peer_fail_locked(e, p, KVR_TRANSPORT, what);
+            break;
+        }
         p->state = KVR_PEER_READY;
         p->verified_ns = kvr_now_ns();
         kvr_log_write(&e->log, KVR_LOG_INFO, "decode rank %d connected to %s", e->rank, p->name);
@@ -1460,16 +1505,7 @@ static void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, con
                 kvr_room_fail_locked(e, r, &fr, 0);
                 /* The prefill rejected us before any request: tell it which
                  * rooms this was about, so its senders fail now too. */
-                kvr_msg_t n;
-                memset(&n, 0, sizeof(n));
-                n.type = KVR_MSG_ROOM_FAIL;
-                n.room = r->id;
-                n.tag = r->tag;
-                n.code = (uint16_t)fr.code;
-                n.origin_rank = e->rank;
-                n.str = fr.reason;
-                n.str_len = (uint16_t)strlen(fr.reason);
-                kvr_send_ctrl_to_peer(e, p, &n);
+                kvr_tell_room_failed(e, p, r, fr.code);
             }
         }
         p->state = KVR_PEER_FAILED;

@@ -67,6 +67,9 @@ void kvr_log_write(kvr_log_t *log, int level, const char *fmt, ...)
 int kvr_log_read(kvr_log_t *log, kvr_log_rec_t *out, int max, int timeout_ms)
 {
     struct timespec until;
+    if (timeout_ms < 0) {
+        timeout_ms = 0;
+    }
     clock_gettime(CLOCK_MONOTONIC, &until);
     until.tv_sec += timeout_ms / 1000;
     until.tv_nsec += (long)(timeout_ms % 1000) * 1000000L;

@@ -101,4 +101,7 @@ void kvr_failure_fill(kvr_failure_t *f, int code, int origin_rank, const char *p
     va_start(ap, fmt);
     vsnprintf(f->reason, sizeof(f->reason), fmt, ap);
     va_end(ap);
+    if (f->reason[0] == '\0') {
+        snprintf(f->reason, sizeof(f->reason), "%s", "unknown failure");
+    }
 }

@@ -38,7 +38,8 @@ int kvr_room_terminal(const kvr_room_t *r)
 
 int kvr_room_advance(kvr_room_t *r, int state)
 {
-    if (kvr_room_terminal(r) || r->failing || state == KVR_POLL_FAILED) {
+    if (kvr_room_terminal(r) || r->failing || state <= KVR_POLL_FAILED ||
+        state > KVR_POLL_SUCCESS) {
         return 0;
     }
     if (state <= atomic_load(&r->visible)) {
@@ -84,6 +85,9 @@ int kvr_room_complete(const kvr_room_t *r)
 
 uint32_t kvr_run_length(const int32_t *src, const int32_t *dst, uint32_t pos, uint32_t end)
 {
+    if (pos >= end) {
+        return 0;
+    }
     uint32_t n = 1;
     /* 64-bit sums: a page near INT32_MAX must not overflow. */
     while (pos + n < end && (int64_t)dst[pos + n] == (int64_t)dst[pos] + n &&

@@ -89,6 +89,13 @@ static void kvr_put_layout(kvr_wbuf_t *b, const kvr_wire_layout_t *l)
 
 int kvr_wire_encode(kvr_wbuf_t *b, const kvr_msg_t *m)
 {
+    /* Never send what the decoder would refuse. */
+    if (((m->type == KVR_MSG_HELLO || m->type == KVR_MSG_HELLO_OK) &&
+         (m->addr_len == 0 || m->addr_len > KVR_WIRE_MAX_ADDR)) ||
+        m->layout.nkv > KVR_WIRE_MAX_BUFFERS || m->layout.naux > KVR_WIRE_MAX_BUFFERS ||
+        m->npages > KVR_WIRE_MAX_PAGES) {
+        return -1;
+    }
     b->len = 0;
     b->oom = 0;
     kvr_put_u32(b, KVR_WIRE_MAGIC);
@@ -114,14 +121,11 @@ int kvr_wire_encode(kvr_wbuf_t *b, const kvr_msg_t *m)
         kvr_put_str(b, m->str, m->str_len);
         break;
     case KVR_MSG_HELLO:
+    case KVR_MSG_HELLO_OK:
         kvr_put_u32(b, m->rank);
         kvr_put_layout(b, &m->layout);
         kvr_put_u32(b, m->addr_len);
         kvr_wbuf_put(b, m->addr, m->addr_len);
-        break;
-    case KVR_MSG_HELLO_OK:
-        kvr_put_u32(b, m->rank);
-        kvr_put_layout(b, &m->layout);
         break;
     case KVR_MSG_HELLO_REJECT:
         kvr_put_u32(b, m->rank);
@@ -262,7 +266,8 @@ int kvr_wire_decode(const void *buf, size_t len, kvr_msg_t *m, const char **why)
         m->peer_epoch = kvr_rd_int(&r, 8, "truncated query reply");
         kvr_rd_str(&r, &m->str, &m->str_len, "bad endpoint");
         break;
-    case KVR_MSG_HELLO: {
+    case KVR_MSG_HELLO:
+    case KVR_MSG_HELLO_OK: {
         const unsigned char *p = NULL;
         m->rank = (uint32_t)kvr_rd_int(&r, 4, "truncated rank");
         kvr_rd_layout(&r, &m->layout);
@@ -275,10 +280,6 @@ int kvr_wire_decode(const void *buf, size_t len, kvr_msg_t *m, const char **why)
         }
         break;
     }
-    case KVR_MSG_HELLO_OK:
-        m->rank = (uint32_t)kvr_rd_int(&r, 4, "truncated rank");
-        kvr_rd_layout(&r, &m->layout);
-        break;
     case KVR_MSG_HELLO_REJECT:
         m->rank = (uint32_t)kvr_rd_int(&r, 4, "truncated rank");
         m->code = (uint16_t)kvr_rd_int(&r, 2, "truncated code");

@@ -30,7 +30,7 @@ typedef enum {
     KVR_MSG_BS_QUERY,         /* decode -> bootstrap: rank */
     KVR_MSG_BS_QUERY_REPLY,   /* bootstrap -> decode: rank, found, peer_epoch, endpoint */
     KVR_MSG_HELLO,            /* decode -> prefill: rank, layout, worker address */
-    KVR_MSG_HELLO_OK,         /* prefill -> decode: rank, layout */
+    KVR_MSG_HELLO_OK,         /* prefill -> decode: rank, layout, worker address */
     KVR_MSG_HELLO_REJECT,     /* prefill -> decode: rank, code, reason */
     KVR_MSG_ROOM_REQ,         /* decode -> prefill: room, tag, aux_index, pages */
     KVR_MSG_ROOM_DONE,        /* decode -> prefill: room, tag */
@@ -69,7 +69,7 @@ typedef struct {
     uint16_t str_len;
     const char *peer;  /* peer text of ROOM_FAIL */
     uint16_t peer_len;
-    const void *addr;  /* UCX worker address of HELLO */
+    const void *addr;  /* UCX worker address of HELLO and HELLO_OK */
     uint32_t addr_len;
     kvr_wire_layout_t layout;
 } kvr_msg_t;

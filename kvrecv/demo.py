@@ -94,10 +94,17 @@ def run(argv=None) -> int:
     p.add_argument("--slots", type=int, default=16, help="rooms in flight per rank")
     p.add_argument("--contiguous", action="store_true", help="contiguous page runs")
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--inject", choices=INJECTIONS, default=None,
+                   help="inject a failure and show how a scheduler-style loop handles it: "
+                        "failed rooms are requeued under a new room id")
+    p.add_argument("--max-attempts", type=int, default=3,
+                   help="with --inject: attempts per request before it is given up")
     args = p.parse_args(argv)
     args.pages_per_buffer = max(args.slots * args.pages * 2, 64)
     if args.ranks < 1 or args.rooms < 1 or args.pages < 1 or args.buffers < 1:
         p.error("--ranks, --rooms, --pages and --buffers must be >= 1")
+    if args.inject:
+        return _run_inject(args)
 
     server = BootstrapServer(port=0)
     bootstrap = server.address
@@ -203,3 +210,213 @@ def run(argv=None) -> int:
     if unfinished:
         print(f"{unfinished} rooms did not finish within {args.timeout} s")
     return 0 if outcomes.get("ok", 0) == args.rooms else 1
+
+
+# --------------------------------------------------------------------------
+# --inject: failure handling through a scheduler-style requeue loop
+# --------------------------------------------------------------------------
+
+INJECTIONS = ("kill-prefill", "abort", "restart-prefill", "bad-layout")
+# codes a scheduler gives up on at once: retrying cannot help
+NOT_RETRYABLE = ("LAYOUT_MISMATCH", "PROTOCOL")
+INJECT_CONFIG = dict(bootstrap_timeout_ms=3000)
+
+
+def _inject_prefill_main(bootstrap, args, conn):
+    """Prefill instance for --inject: rooms arrive over the pipe at any
+    time (requeued requests come under new room ids)."""
+    mgrs = []
+    data = []
+    for rank in range(args.ranks):
+        kv, items, aux = _buffers(rank, 1, args)
+        data.append((kv, aux))
+        mgrs.append(KVManager(KVArgs.from_buffers(rank, kv, items, aux, [AUX_ITEM]), "prefill",
+                              bootstrap_addr=bootstrap, config=KVConfig(**INJECT_CONFIG)))
+    conn.send("ready")
+    senders = {}
+    while True:
+        while conn.poll(0):
+            msg = conn.recv()
+            if msg == "finish":
+                for group in senders.values():
+                    for s in group:
+                        s.clear()
+                for m in mgrs:
+                    m.close()
+                return
+            for room in msg:
+                src, dst, slot = _room_plan(room, args)
+                group = []
+                for rank in range(args.ranks):
+                    s = KVSender(mgrs[rank], bootstrap, room)
+                    s.init(len(src), aux_index=slot)
+                    half = len(src) // 2
+                    s.send(src[:half])
+                    s.send(src[half:])
+                    group.append(s)
+                senders[room] = group
+        for room, group in list(senders.items()):
+            states = [s.poll() for s in group]
+            if all(st in (KVPoll.Success, KVPoll.Failed) for st in states):
+                for s in group:
+                    s.clear()
+                del senders[room]
+        time.sleep(0.0005)
+
+
+def _start_prefill(ctx, bootstrap, args):
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_inject_prefill_main, args=(bootstrap, args, child), daemon=True)
+    proc.start()
+    if not parent.poll(60) or parent.recv() != "ready":
+        raise RuntimeError("prefill process did not start")
+    return proc, parent
+
+
+def _verify(decode, expect, args, room) -> bool:
+    src, dst, slot = _room_plan(room, args)
+    ok = True
+    for rank in range(args.ranks):
+        kv, aux, _ = decode[rank]
+        ekv, items, eaux = expect[rank]
+        for b, it in enumerate(items):
+            ok &= bool(np.array_equal(kv[b].reshape(-1, it)[dst], ekv[b].reshape(-1, it)[src]))
+        ok &= bool(np.array_equal(aux[0].reshape(-1, AUX_ITEM)[slot],
+                                  eaux[0].reshape(-1, AUX_ITEM)[slot]))
+    return ok
+
+
+def _run_inject(args) -> int:
+    from ._core import KVTransferError
+
+    server = BootstrapServer(port=0)
+    bootstrap = server.address
+    ctx = mp.get_context("spawn")
+    try:
+        proc, pipe = _start_prefill(ctx, bootstrap, args)
+    except RuntimeError as e:
+        print(e, file=sys.stderr)
+        return 1
+    decode, expect = [], []
+    for rank in range(args.ranks):
+        kv, items, aux = _buffers(rank, 2, args)
+        if args.inject == "bad-layout" and rank == args.ranks - 1:
+            items = list(items)
+            items[0] *= 2  # this rank registers another item_len for buffer 0
+        for b in kv:
+            b.fill(0xA5)
+        decode.append((kv, aux, KVManager(KVArgs.from_buffers(rank, kv, items, aux, [AUX_ITEM]),
+                                          "decode", config=KVConfig(**INJECT_CONFIG))))
+        expect.append(_buffers(rank, 1, args))
+    mgrs = [d[2] for d in decode]
+    for m in mgrs:
+        m.set_siblings([x.endpoint for x in mgrs])
+    print(f"kvrecv demo --inject {args.inject}: {args.ranks} prefill + {args.ranks} decode ranks, "
+          f"{args.rooms} requests, transport: {mgrs[0].transport}")
+
+    # request id -> current room; requeued requests get a new room id
+    room_of = {rid: 1000 + rid for rid in range(args.rooms)}
+    attempts = {rid: 1 for rid in range(args.rooms)}
+    next_room = [1000 + args.rooms + 100000]
+    pending = list(range(args.rooms))
+    pipe.send([room_of[r] for r in pending])
+    active: dict = {}
+    result: dict = {}  # rid -> "ok" / "CORRUPT" / code
+    attempt_failures: dict = {}
+    requeued = 0
+    killed = False
+    deadline = time.time() + args.timeout
+    victims = {rid for rid in range(args.rooms) if rid % 5 == 2}
+
+    def requeue(rid, code):
+        nonlocal requeued
+        attempt_failures[code] = attempt_failures.get(code, 0) + 1
+        if code in NOT_RETRYABLE or attempts[rid] >= args.max_attempts:
+            result[rid] = code
+            return
+        attempts[rid] += 1
+        requeued += 1
+        room_of[rid] = next_room[0]
+        next_room[0] += 1
+        pending.append(rid)
+        if proc.is_alive():
+            pipe.send([room_of[rid]])
+
+    while (pending or active) and time.time() < deadline:
+        # the injected process failures, once a third of the requests finished
+        if not killed and args.inject in ("kill-prefill", "restart-prefill") and \
+                len(result) >= args.rooms // 3:
+            killed = True
+            proc.kill()
+            proc.join(10)
+            print(f"injected: prefill process killed after {len(result)} requests")
+            if args.inject == "restart-prefill":
+                proc, pipe = _start_prefill(ctx, bootstrap, args)
+                print("injected: prefill process restarted")
+                pipe.send([room_of[r] for r in pending] + [room_of[r] for r in active])
+        busy = {room_of[r] % args.slots for r in active}
+        for rid in list(pending):
+            if len(active) >= args.slots:
+                break
+            if room_of[rid] % args.slots in busy:
+                continue
+            pending.remove(rid)
+            busy.add(room_of[rid] % args.slots)
+            group = []
+            for rank in range(args.ranks):
+                r = KVReceiver(mgrs[rank], bootstrap, room_of[rid])
+                r.init()
+                group.append(r)
+            active[rid] = [group, False]
+        for rid, entry in list(active.items()):
+            group, sent = entry
+            room = room_of[rid]
+            state = min(r.poll() for r in group)  # the scheduler's MIN all-reduce
+            if not sent and state == KVPoll.WaitingForInput:
+                if args.inject == "abort" and rid in victims and attempts[rid] == 1:
+                    group[0].abort()  # an AbortReq reaches decode rank 0
+                else:
+                    _, dst, slot = _room_plan(room, args)
+                    for r in group:
+                        r.send_metadata(dst, aux_index=slot)
+                    entry[1] = True
+                continue
+            if state == KVPoll.Success:
+                result[rid] = "ok" if _verify(decode, expect, args, room) else "CORRUPT"
+            elif state == KVPoll.Failed:
+                code = None
+                for r in group:
+                    try:
+                        r.failure_exception()
+                    except KVTransferError as e:
+                        if code is None or not e.is_from_another_rank:
+                            code = e.code or "UNKNOWN"
+                requeue(rid, code)
+            else:
+                continue
+            for r in group:
+                r.clear()
+            del active[rid]
+        time.sleep(0.0005)
+
+    if proc.is_alive():
+        pipe.send("finish")
+        proc.join(30)
+        if proc.is_alive():
+            proc.kill()
+    for m in mgrs:
+        m.close()
+    server.close()
+    ok = sum(1 for v in result.values() if v == "ok")
+    failed: dict = {}
+    for v in result.values():
+        if v != "ok":
+            failed[v] = failed.get(v, 0) + 1
+    unfinished = args.rooms - len(result)
+    print(f"requests: ok={ok} failed={sum(failed.values())}"
+          + (" (" + ", ".join(f"{k}={v}" for k, v in sorted(failed.items())) + ")" if failed else "")
+          + (f" unfinished={unfinished}" if unfinished else ""))
+    print("failed attempts by code: "
+          + (", ".join(f"{k}={v}" for k, v in sorted(attempt_failures.items())) or "none"))
+    print(f"requeued under a new room id: {requeued}")
+    return 0 if ok == args.rooms else 1

@@ -1,0 +1,79 @@
+#!/usr/bin/env python3
+"""Writes the seed corpora: one or more valid messages of every control
+message type (fuzz/corpus/fuzz_wire) and valid data headers
+(fuzz/corpus/fuzz_am_header).  The layout is written out here with struct,
+independently of the C encoder (see csrc/wire.c).  Existing files are kept:
+regression inputs found by fuzzing live in the same folders."""
+import os
+import struct
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+MAGIC = 0x5752564B
+(BS_REGISTER, BS_REGISTER_OK, BS_QUERY, BS_QUERY_REPLY, HELLO, HELLO_OK,
+ HELLO_REJECT, ROOM_REQ, ROOM_DONE, ROOM_FAIL, PING, PONG, BYE, SIB_FAIL) = range(1, 15)
+
+
+def header(t, epoch=0x0123456789ABCDEF):
+    return struct.pack("<IHHQ", MAGIC, 1, t, epoch)
+
+
+def s(b):
+    return struct.pack("<H", len(b)) + b
+
+
+def layout(page_size, kv, aux):
+    return (struct.pack("<II", page_size, len(kv)) + b"".join(struct.pack("<Q", x) for x in kv)
+            + struct.pack("<I", len(aux)) + b"".join(struct.pack("<Q", x) for x in aux))
+
+
+def wire_seeds():
+    out = {}
+    out["bs_register"] = header(BS_REGISTER) + struct.pack("<I", 0) + s(b"tcp://10.0.0.1:5555")
+    out["bs_register_empty"] = header(BS_REGISTER) + struct.pack("<I", 7) + s(b"")
+    out["bs_register_ok"] = header(BS_REGISTER_OK) + struct.pack("<I", 3)
+    out["bs_query"] = header(BS_QUERY) + struct.pack("<I", 1)
+    out["bs_query_reply"] = (header(BS_QUERY_REPLY) + struct.pack("<IBQ", 1, 1, 0xFEEDFACECAFEBEEF)
+                             + s(b"tcp://10.0.0.2:6000"))
+    out["bs_query_reply_notfound"] = header(BS_QUERY_REPLY) + struct.pack("<IBQ", 2, 0, 0) + s(b"")
+    out["hello"] = (header(HELLO) + struct.pack("<I", 0) + layout(16, [4096, 4096, 8192], [128])
+                    + struct.pack("<I", 8) + bytes(range(8)))
+    out["hello_ok"] = (header(HELLO_OK) + struct.pack("<I", 0) + layout(16, [4096, 4096], [])
+                       + struct.pack("<I", 8) + bytes(range(8)))
+    out["hello_ok_empty"] = (header(HELLO_OK) + struct.pack("<I", 0) + layout(1, [], [])
+                             + struct.pack("<I", 1) + b"\x01")
+    out["hello_reject"] = header(HELLO_REJECT) + struct.pack("<IH", 0, 2) + s(b"layout mismatch")
+    out["room_req"] = (header(ROOM_REQ) + struct.pack("<QQqI", 42, 7, 3, 4)
+                       + struct.pack("<4i", 0, 1, 2, 0x7FFFFFFF))
+    out["room_req_noaux"] = header(ROOM_REQ) + struct.pack("<QQqI", 43, 8, -1, 0)
+    out["room_done"] = header(ROOM_DONE) + struct.pack("<QQ", 42, 7)
+    out["room_fail"] = (header(ROOM_FAIL) + struct.pack("<QQHi", 42, 7, 3, -1) + s(b"peer lost")
+                        + s(b"10.0.0.2:6000"))
+    out["ping"] = header(PING) + struct.pack("<I", 0)
+    out["pong"] = header(PONG) + struct.pack("<I", 0)
+    out["bye"] = header(BYE) + struct.pack("<I", 5)
+    out["sib_fail"] = (header(SIB_FAIL) + struct.pack("<QQHi", 42, 7, 5, 2) + s(b"sibling saw timeout")
+                       + s(b""))
+    return out
+
+
+def am_seeds():
+    def am(kind, buf, pos, npages, tag, epoch):
+        return struct.pack("<IHHIIQQ", MAGIC, kind, buf, pos, npages, tag, epoch)
+    return {
+        "kv": am(1, 0, 0, 4, 7, 0x0123456789ABCDEF),
+        "kv_max": am(1, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 2**64 - 1, 2**64 - 1),
+        "aux": am(2, 1, 0, 1, 8, 1),
+    }
+
+
+def write(folder, seeds):
+    os.makedirs(folder, exist_ok=True)
+    for name, data in seeds.items():
+        with open(os.path.join(folder, "seed_" + name), "wb") as f:
+            f.write(data)
+
+
+if __name__ == "__main__":
+    write(os.path.join(HERE, "corpus", "fuzz_wire"), wire_seeds())
+    write(os.path.join(HERE, "corpus", "fuzz_am_header"), am_seeds())
+    print("seeds written")

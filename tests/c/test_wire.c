@@ -1,0 +1,605 @@
+#include "runner.h"
+
+#include <string.h>
+
+#include "../../csrc/wire.h"
+
+static const unsigned char kv_lens[3 * 8] = {
+    0x00, 0x10, 0, 0, 0, 0, 0, 0, /* 4096 */
+    0x00, 0x20, 0, 0, 0, 0, 0, 0, /* 8192 */
+    0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
+};
+static const unsigned char aux_lens[1 * 8] = {0x80, 0, 0, 0, 0, 0, 0, 0};
+static const unsigned char pages_bytes[4 * 4] = {
+    0, 0, 0, 0,             /* 0 */
+    0xff, 0xff, 0xff, 0x7f, /* INT32_MAX */
+    0, 0, 0, 0x80,          /* INT32_MIN */
+    0xff, 0xff, 0xff, 0xff, /* -1 */
+};
+static const unsigned char worker_addr[5] = {1, 2, 3, 0, 5};
+
+/* A fully populated message of the given type. */
+static kvr_msg_t sample(int type)
+{
+    kvr_msg_t m;
+    memset(&m, 0, sizeof(m));
+    m.type = (uint16_t)type;
+    m.epoch = 0x0123456789abcdefULL ^ (uint64_t)type;
+    switch (type) {
+    case KVR_MSG_BS_REGISTER:
+        m.rank = 3;
+        m.str = "tcp://10.1.2.3:5555";
+        m.str_len = (uint16_t)strlen(m.str);
+        break;
+    case KVR_MSG_BS_REGISTER_OK:
+    case KVR_MSG_BS_QUERY:
+    case KVR_MSG_PING:
+    case KVR_MSG_PONG:
+    case KVR_MSG_BYE:
+        m.rank = 0xfffffffeu;
+        break;
+    case KVR_MSG_BS_QUERY_REPLY:
+        m.rank = 1;
+        m.found = 1;
+        m.peer_epoch = UINT64_MAX;
+        m.str = "tcp://h:1";
+        m.str_len = 9;
+        break;
+    case KVR_MSG_HELLO:
+    case KVR_MSG_HELLO_OK:
+        m.rank = 2;
+        m.layout.page_size = 16;
+        m.layout.nkv = 3;
+        m.layout.kv_item_lens = kv_lens;
+        m.layout.naux = 1;
+        m.layout.aux_item_lens = aux_lens;
+        m.addr = worker_addr; /* both carry the sender's worker address */
+        m.addr_len = sizeof(worker_addr);
+        break;
+    case KVR_MSG_HELLO_REJECT:
+        m.rank = 4;
+        m.code = 2;
+        m.str = "layout mismatch: nkv 3 vs 4";
+        m.str_len = (uint16_t)strlen(m.str);
+        break;
+    case KVR_MSG_ROOM_REQ:
+        m.room = 0xfeedfacecafebeefULL;
+        m.tag = 42;
+        m.aux_index = -1;
+        m.npages = 4;
+        m.pages = pages_bytes;
+        break;
+    case KVR_MSG_ROOM_DONE:
+        m.room = 1;
+        m.tag = UINT64_MAX;
+        break;
+    case KVR_MSG_ROOM_FAIL:
+    case KVR_MSG_SIB_FAIL:
+        m.room = 99;
+        m.tag = 100;
+        m.code = 3;
+        m.origin_rank = -1;
+        m.str = "peer lost";
+        m.str_len = 9;
+        m.peer = "10.0.0.9:7000";
+        m.peer_len = 13;
+        break;
+    }
+    return m;
+}
+
+static int bytes_eq(const void *a, const void *b, size_t n)
+{
+    if (n == 0) {
+        return 1;
+    }
+    return a != NULL && b != NULL && memcmp(a, b, n) == 0;
+}
+
+/* Every field the decoder produces, compared by value (pointers by the
+ * bytes they point to). */
+static void assert_same(const kvr_msg_t *a, const kvr_msg_t *b)
+{
+    ASSERT_EQ(a->type, b->type);
+    ASSERT_U64_EQ(a->epoch, b->epoch);
+    ASSERT_U64_EQ(a->rank, b->rank);
+    ASSERT_U64_EQ(a->room, b->room);
+    ASSERT_U64_EQ(a->tag, b->tag);
+    ASSERT_EQ(a->aux_index, b->aux_index);
+    ASSERT_EQ(a->npages, b->npages);
+    ASSERT(bytes_eq(a->pages, b->pages, (size_t)a->npages * 4));
+    ASSERT_EQ(a->found, b->found);
+    ASSERT_U64_EQ(a->peer_epoch, b->peer_epoch);
+    ASSERT_EQ(a->code, b->code);
+    ASSERT_EQ(a->origin_rank, b->origin_rank);
+    ASSERT_EQ(a->str_len, b->str_len);
+    ASSERT(bytes_eq(a->str, b->str, a->str_len));
+    ASSERT_EQ(a->peer_len, b->peer_len);
+    ASSERT(bytes_eq(a->peer, b->peer, a->peer_len));
+    ASSERT_EQ(a->addr_len, b->addr_len);
+    ASSERT(bytes_eq(a->addr, b->addr, a->addr_len));
+    ASSERT_EQ(a->layout.page_size, b->layout.page_size);
+    ASSERT_EQ(a->layout.nkv, b->layout.nkv);
+    ASSERT(bytes_eq(a->layout.kv_item_lens, b->layout.kv_item_lens, (size_t)a->layout.nkv * 8));
+    ASSERT_EQ(a->layout.naux, b->layout.naux);
+    ASSERT(bytes_eq(a->layout.aux_item_lens, b->layout.aux_item_lens, (size_t)a->layout.naux * 8));
+}
+
+/* Decodes from a heap copy of exactly len bytes, so ASan/valgrind catch any
+ * read past the end. */
+static int decode_exact(const void *buf, size_t len, kvr_msg_t *out, const char **why)
+{
+    unsigned char *copy = malloc(len ? len : 1);
+    ASSERT(copy != NULL);
+    if (len) {
+        memcpy(copy, buf, len);
+    }
+    *why = NULL;
+    int rc = kvr_wire_decode(len ? copy : copy + 1, len, out, why);
+    /* pointers into the copy must stay inside it */
+    if (rc == 0) {
+        const unsigned char *lo = copy, *hi = copy + len;
+#define INSIDE(p, n) ASSERT((n) == 0 || ((const unsigned char *)(p) >= lo && (const unsigned char *)(p) + (n) <= hi))
+        INSIDE(out->str, out->str_len);
+        INSIDE(out->peer, out->peer_len);
+        INSIDE(out->addr, out->addr_len);
+        INSIDE(out->pages, (size_t)out->npages * 4);
+        INSIDE(out->layout.kv_item_lens, (size_t)out->layout.nkv * 8);
+        INSIDE(out->layout.aux_item_lens, (size_t)out->layout.naux * 8);
+#undef INSIDE
+        /* the caller compares fields after free, so hand back stable copies */
+    }
+    free(copy);
+    return rc;
+}
+
+TEST_IMPL(wire_round_trip_all_types)
+{
+    kvr_wbuf_t b;
+    kvr_wbuf_init(&b);
+    for (int type = KVR_MSG_BS_REGISTER; type < KVR_MSG_LAST; type++) {
+        kvr_msg_t m = sample(type), d;
+        const char *why = NULL;
+        ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+        ASSERT(b.len >= KVR_WIRE_HEADER_LEN);
+        ASSERT_EQ(b.oom, 0);
+        ASSERT_EQ(kvr_wire_decode(b.data, b.len, &d, &why), 0);
+        assert_same(&m, &d);
+        /* decoded pointers point into the buffer */
+        if (d.str_len) {
+            ASSERT((const unsigned char *)d.str > b.data &&
+                   (const unsigned char *)d.str + d.str_len <= b.data + b.len);
+        }
+        /* re-encoding the decoded message gives the same bytes */
+        kvr_wbuf_t b2;
+        kvr_wbuf_init(&b2);
+        ASSERT_EQ(kvr_wire_encode(&b2, &d), 0);
+        ASSERT_EQ(b2.len, b.len);
+        ASSERT(memcmp(b2.data, b.data, b.len) == 0);
+        kvr_wbuf_free(&b2);
+    }
+    kvr_wbuf_free(&b);
+    ASSERT(b.data == NULL);
+}
+
+static size_t put_le(unsigned char *p, uint64_t v, int n)
+{
+    for (int i = 0; i < n; i++) {
+        p[i] = (unsigned char)(v >> (8 * i));
+    }
+    return (size_t)n;
+}
+
+/* Bytes laid out by hand, independent of the encoder. */
+TEST_IMPL(wire_golden_bytes)
+{
+    unsigned char g[128];
+    size_t n = 0;
+    n += put_le(g + n, 0x5752564b, 4);
+    ASSERT(memcmp(g, "KVRW", 4) == 0);
+    n += put_le(g + n, 1, 2);
+    n += put_le(g + n, KVR_MSG_ROOM_FAIL, 2);
+    n += put_le(g + n, 0x1122334455667788ULL, 8);
+    n += put_le(g + n, 99, 8);          /* room */
+    n += put_le(g + n, 100, 8);         /* tag */
+    n += put_le(g + n, 3, 2);           /* code */
+    n += put_le(g + n, 0xffffffff, 4);  /* origin rank -1 */
+    n += put_le(g + n, 9, 2);
+    memcpy(g + n, "peer lost", 9);
+    n += 9;
+    n += put_le(g + n, 13, 2);
+    memcpy(g + n, "10.0.0.9:7000", 13);
+    n += 13;
+    kvr_msg_t m = sample(KVR_MSG_ROOM_FAIL), d;
+    m.epoch = 0x1122334455667788ULL;
+    kvr_wbuf_t b;
+    kvr_wbuf_init(&b);
+    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    ASSERT_EQ(b.len, n);
+    ASSERT(memcmp(b.data, g, n) == 0);
+    const char *why;
+    ASSERT_EQ(decode_exact(g, n, &d, &why), 0);
+    ASSERT_EQ(d.origin_rank, -1);
+    ASSERT_U64_EQ(d.epoch, 0x1122334455667788ULL);
+    kvr_wbuf_free(&b);
+
+    /* ROOM_REQ with a negative aux index and page list */
+    n = 0;
+    n += put_le(g + n, 0x5752564b, 4);
+    n += put_le(g + n, 1, 2);
+    n += put_le(g + n, KVR_MSG_ROOM_REQ, 2);
+    n += put_le(g + n, 7, 8);
+    n += put_le(g + n, 5, 8);
+    n += put_le(g + n, 6, 8);
+    n += put_le(g + n, (uint64_t)-1, 8);
+    n += put_le(g + n, 2, 4);
+    n += put_le(g + n, 0x7fffffff, 4);
+    n += put_le(g + n, 0x80000000, 4);
+    unsigned char *h = malloc(n);
+    memcpy(h, g, n);
+    ASSERT_EQ(kvr_wire_decode(h, n, &d, &why), 0);
+    ASSERT_EQ(d.aux_index, -1);
+    ASSERT_EQ(d.npages, 2);
+    ASSERT_EQ(kvr_wire_i32_at(d.pages, 0), 2147483647);
+    ASSERT_EQ(kvr_wire_i32_at(d.pages, 1), -2147483647 - 1);
+    free(h);
+}
+
+TEST_IMPL(wire_every_truncation_rejected)
+{
+    kvr_wbuf_t b;
+    kvr_wbuf_init(&b);
+    for (int type = KVR_MSG_BS_REGISTER; type < KVR_MSG_LAST; type++) {
+        kvr_msg_t m = sample(type), d;
+        ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+        for (size_t len = 0; len < b.len; len++) {
+            const char *why = NULL;
+            int rc = decode_exact(b.data, len, &d, &why);
+            if (rc != -1 || why == NULL || why[0] == '\0') {
+                fprintf(stderr, "type %d truncated to %zu of %zu: rc %d why %s\n", type, len,
+                        b.len, rc, why ? why : "(null)");
+            }
+            ASSERT_EQ(rc, -1);
+            ASSERT(why != NULL && why[0] != '\0');
+        }
+        /* and the full message still decodes from an exact-size buffer */
+        const char *why;
+        ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
+    }
+    /* the same for empty variable-length parts (ROOM_REQ without pages,
+     * strings of length 0) */
+    kvr_msg_t m = sample(KVR_MSG_ROOM_REQ), d;
+    m.npages = 0;
+    m.pages = NULL;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    for (size_t len = 0; len < b.len; len++) {
+        const char *why;
+        ASSERT_EQ(decode_exact(b.data, len, &d, &why), -1);
+    }
+    m = sample(KVR_MSG_ROOM_FAIL);
+    m.str_len = 0;
+    m.peer_len = 0;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    for (size_t len = 0; len < b.len; len++) {
+        const char *why;
+        ASSERT_EQ(decode_exact(b.data, len, &d, &why), -1);
+    }
+    kvr_wbuf_free(&b);
+}
+
+TEST_IMPL(wire_trailing_bytes_rejected)
+{
+    kvr_wbuf_t b;
+    kvr_wbuf_init(&b);
+    for (int type = KVR_MSG_BS_REGISTER; type < KVR_MSG_LAST; type++) {
+        kvr_msg_t m = sample(type), d;
+        ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+        unsigned char *x = malloc(b.len + 1);
+        memcpy(x, b.data, b.len);
+        x[b.len] = 0;
+        const char *why = NULL;
+        ASSERT_EQ(decode_exact(x, b.len + 1, &d, &why), -1);
+        ASSERT(why != NULL && strcmp(why, "trailing bytes") == 0);
+        free(x);
+    }
+    kvr_wbuf_free(&b);
+}
+
+TEST_IMPL(wire_bad_header)
+{
+    kvr_wbuf_t b;
+    kvr_wbuf_init(&b);
+    kvr_msg_t m = sample(KVR_MSG_PING), d;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    const char *why;
+    unsigned char x[64];
+    memcpy(x, b.data, b.len);
+    x[0] ^= 1;
+    ASSERT_EQ(decode_exact(x, b.len, &d, &why), -1);
+    ASSERT(strcmp(why, "bad magic") == 0);
+    memcpy(x, b.data, b.len);
+    x[4] = 2;
+    ASSERT_EQ(decode_exact(x, b.len, &d, &why), -1);
+    ASSERT(strcmp(why, "unsupported protocol version") == 0);
+    uint16_t bad_types[] = {0, KVR_MSG_LAST, 0x100 | KVR_MSG_PING, 0xffff};
+    for (size_t i = 0; i < 4; i++) {
+        memcpy(x, b.data, b.len);
+        put_le(x + 6, bad_types[i], 2);
+        ASSERT_EQ(decode_exact(x, b.len, &d, &why), -1);
+        ASSERT(strcmp(why, "unknown message type") == 0);
+    }
+    /* a bare header of a type that needs a body */
+    ASSERT_EQ(decode_exact(b.data, KVR_WIRE_HEADER_LEN, &d, &why), -1);
+    kvr_wbuf_free(&b);
+}
+
+/* Size limits: the largest legal value decodes, one more is rejected, and
+ * a length field that claims more than the buffer never reads past it. */
+TEST_IMPL(wire_limits)
+{
+    const char *why;
+    kvr_msg_t d;
+    kvr_wbuf_t b;
+    kvr_wbuf_init(&b);
+    char *s = malloc(70000);
+    memset(s, 'a', 70000);
+
+    /* strings: 1024 is the limit; the encoder clips longer ones */
+    kvr_msg_t m = sample(KVR_MSG_HELLO_REJECT);
+    m.str = s;
+    m.str_len = KVR_WIRE_MAX_STR;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
+    ASSERT_EQ(d.str_len, KVR_WIRE_MAX_STR);
+    m.str_len = 60000;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
+    ASSERT_EQ(d.str_len, KVR_WIRE_MAX_STR);
+    /* a string length of 1025 on the wire is rejected */
+    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    unsigned char *x = malloc(b.len + 1);
+    memcpy(x, b.data, b.len);
+    put_le(x + KVR_WIRE_HEADER_LEN + 6, KVR_WIRE_MAX_STR + 1, 2);
+    x[b.len] = 'a';
+    ASSERT_EQ(decode_exact(x, b.len + 1, &d, &why), -1);
+    ASSERT(strcmp(why, "bad reason") == 0);
+    /* a length of 0xffff with few bytes behind it */
+    put_le(x + KVR_WIRE_HEADER_LEN + 6, 0xffff, 2);
+    ASSERT_EQ(decode_exact(x, b.len + 1, &d, &why), -1);
+    free(x);
+
+    /* layout: 4096 buffers is the limit */
+    unsigned char *lens = calloc(KVR_WIRE_MAX_BUFFERS + 1, 8);
+    m = sample(KVR_MSG_HELLO_OK);
+    m.layout.nkv = KVR_WIRE_MAX_BUFFERS;
+    m.layout.kv_item_lens = lens;
+    m.layout.naux = KVR_WIRE_MAX_BUFFERS;
+    m.layout.aux_item_lens = lens;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
+    ASSERT_EQ(d.layout.nkv, KVR_WIRE_MAX_BUFFERS);
+    /* one more is refused by the encoder, and by the decoder when a peer
+     * sends it anyway (patched into a valid message) */
+    m.layout.nkv = KVR_WIRE_MAX_BUFFERS + 1;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), -1);
+    m.layout.nkv = 1;
+    m.layout.naux = 1;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    x = malloc(b.len);
+    memcpy(x, b.data, b.len);
+    put_le(x + KVR_WIRE_HEADER_LEN + 8, KVR_WIRE_MAX_BUFFERS + 1, 4);
+    ASSERT_EQ(decode_exact(x, b.len, &d, &why), -1);
+    ASSERT(strcmp(why, "too many KV buffers in layout") == 0);
+    memcpy(x, b.data, b.len);
+    put_le(x + KVR_WIRE_HEADER_LEN + 12 + 8, KVR_WIRE_MAX_BUFFERS + 1, 4);
+    ASSERT_EQ(decode_exact(x, b.len, &d, &why), -1);
+    ASSERT(strcmp(why, "too many aux buffers in layout") == 0);
+    free(x);
+    m.layout.naux = KVR_WIRE_MAX_BUFFERS + 1;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), -1);
+    /* nkv near UINT32_MAX: the length check must not wrap */
+    m.layout.nkv = 1;
+    m.layout.naux = 0;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    x = malloc(b.len);
+    memcpy(x, b.data, b.len);
+    put_le(x + KVR_WIRE_HEADER_LEN + 4 + 4, 0xffffffff, 4);
+    ASSERT_EQ(decode_exact(x, b.len, &d, &why), -1);
+    free(x);
+
+    /* worker address: 1..65536 */
+    m = sample(KVR_MSG_HELLO);
+    unsigned char *addr = calloc(KVR_WIRE_MAX_ADDR + 1, 1);
+    m.addr = addr;
+    m.addr_len = KVR_WIRE_MAX_ADDR;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
+    ASSERT_EQ(d.addr_len, KVR_WIRE_MAX_ADDR);
+    /* the address length field sits right before the address: patch it */
+    size_t alen_pos = b.len - KVR_WIRE_MAX_ADDR - 4;
+    x = malloc(b.len + 1);
+    memcpy(x, b.data, b.len);
+    put_le(x + alen_pos, KVR_WIRE_MAX_ADDR + 1, 4);
+    ASSERT_EQ(decode_exact(x, b.len + 1, &d, &why), -1);
+    ASSERT(strcmp(why, "bad worker address length") == 0);
+    put_le(x + alen_pos, 0, 4);
+    ASSERT_EQ(decode_exact(x, alen_pos + 4, &d, &why), -1);
+    ASSERT(strcmp(why, "bad worker address length") == 0);
+    free(x);
+    /* and the encoder refuses both */
+    m.addr_len = KVR_WIRE_MAX_ADDR + 1;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), -1);
+    m.addr_len = 0;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), -1);
+    free(addr);
+
+    /* pages: the count is checked before the (huge) list is taken */
+    m = sample(KVR_MSG_ROOM_REQ);
+    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    x = malloc(b.len);
+    memcpy(x, b.data, b.len);
+    size_t npos = KVR_WIRE_HEADER_LEN + 24;
+    put_le(x + npos, KVR_WIRE_MAX_PAGES + 1, 4);
+    ASSERT_EQ(decode_exact(x, b.len, &d, &why), -1);
+    ASSERT(strcmp(why, "too many pages") == 0);
+    put_le(x + npos, 0xffffffff, 4);
+    ASSERT_EQ(decode_exact(x, b.len, &d, &why), -1);
+    put_le(x + npos, KVR_WIRE_MAX_PAGES, 4);
+    ASSERT_EQ(decode_exact(x, b.len, &d, &why), -1);
+    ASSERT(strcmp(why, "truncated page list") == 0);
+    free(x);
+
+    free(lens);
+    free(s);
+    kvr_wbuf_free(&b);
+}
+
+TEST_IMPL(wire_encoder_edges)
+{
+    kvr_wbuf_t b;
+    kvr_wbuf_init(&b);
+    kvr_msg_t m = sample(KVR_MSG_PING), d;
+    m.type = 0;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), -1);
+    m.type = KVR_MSG_LAST;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), -1);
+    /* the buffer is reset by every encode */
+    m = sample(KVR_MSG_ROOM_REQ);
+    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    size_t big = b.len;
+    m = sample(KVR_MSG_PING);
+    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    ASSERT(b.len < big);
+    ASSERT_EQ(b.len, KVR_WIRE_HEADER_LEN + 4);
+    const char *why;
+    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
+    ASSERT_EQ(d.type, KVR_MSG_PING);
+    /* growing past the initial capacity many times */
+    unsigned char *pages = calloc(100000, 4);
+    m = sample(KVR_MSG_ROOM_REQ);
+    m.npages = 100000;
+    m.pages = pages;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    ASSERT_EQ(b.len, KVR_WIRE_HEADER_LEN + 28 + 400000);
+    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
+    ASSERT_EQ(d.npages, 100000);
+    free(pages);
+    /* HELLO_OK with an empty layout */
+    m = sample(KVR_MSG_HELLO_OK);
+    m.layout.nkv = 0;
+    m.layout.kv_item_lens = NULL;
+    m.layout.naux = 0;
+    m.layout.aux_item_lens = NULL;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
+    ASSERT_EQ(d.layout.nkv, 0);
+    kvr_wbuf_free(&b);
+    kvr_wbuf_free(&b);
+}
+
+TEST_IMPL(wire_array_readers)
+{
+    ASSERT_U64_EQ(kvr_wire_u64_at(kv_lens, 0), 4096);
+    ASSERT_U64_EQ(kvr_wire_u64_at(kv_lens, 1), 8192);
+    ASSERT_U64_EQ(kvr_wire_u64_at(kv_lens, 2), UINT64_MAX);
+    ASSERT_EQ(kvr_wire_i32_at(pages_bytes, 0), 0);
+    ASSERT_EQ(kvr_wire_i32_at(pages_bytes, 1), 2147483647);
+    ASSERT_EQ(kvr_wire_i32_at(pages_bytes, 2), -2147483647 - 1);
+    ASSERT_EQ(kvr_wire_i32_at(pages_bytes, 3), -1);
+}
+
+TEST_IMPL(wire_type_names)
+{
+    const char *want[] = {"?", "BS_REGISTER", "BS_REGISTER_OK", "BS_QUERY", "BS_QUERY_REPLY",
+                          "HELLO", "HELLO_OK", "HELLO_REJECT", "ROOM_REQ", "ROOM_DONE",
+                          "ROOM_FAIL", "PING", "PONG", "BYE", "SIB_FAIL"};
+    ASSERT_EQ(sizeof(want) / sizeof(want[0]), KVR_MSG_LAST);
+    for (int t = 1; t < KVR_MSG_LAST; t++) {
+        ASSERT(strcmp(kvr_msg_type_name(t), want[t]) == 0);
+    }
+    ASSERT(strcmp(kvr_msg_type_name(0), "?") == 0);
+    ASSERT(strcmp(kvr_msg_type_name(-1), "?") == 0);
+    ASSERT(strcmp(kvr_msg_type_name(KVR_MSG_LAST), "?") == 0);
+    ASSERT(strcmp(kvr_msg_type_name(1 << 20), "?") == 0);
+}
+
+/* ---- data message header ---- */
+
+static void am_same(const kvr_am_header_t *a, const kvr_am_header_t *b)
+{
+    ASSERT_EQ(a->kind, b->kind);
+    ASSERT_EQ(a->buf, b->buf);
+    ASSERT_U64_EQ(a->pos, b->pos);
+    ASSERT_U64_EQ(a->npages, b->npages);
+    ASSERT_U64_EQ(a->tag, b->tag);
+    ASSERT_U64_EQ(a->epoch, b->epoch);
+}
+
+TEST_IMPL(am_header_round_trip)
+{
+    kvr_am_header_t cases[] = {
+        {KVR_AM_KIND_KV, 0, 0, 1, 0, 0},
+        {KVR_AM_KIND_KV, 0xffff, 0xffffffffu, 0xffffffffu, UINT64_MAX, UINT64_MAX},
+        {KVR_AM_KIND_AUX, 3, 17, 1, 0x0102030405060708ULL, 0x1112131415161718ULL},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        unsigned char out[KVR_AM_HEADER_LEN + 8];
+        memset(out, 0xEE, sizeof(out));
+        kvr_am_header_encode(out, &cases[i]);
+        ASSERT_EQ(out[KVR_AM_HEADER_LEN], 0xEE); /* writes exactly 32 bytes */
+        unsigned char *h = malloc(KVR_AM_HEADER_LEN);
+        memcpy(h, out, KVR_AM_HEADER_LEN);
+        kvr_am_header_t d;
+        const char *why = NULL;
+        ASSERT_EQ(kvr_am_header_decode(h, KVR_AM_HEADER_LEN, &d, &why), 0);
+        am_same(&cases[i], &d);
+        free(h);
+    }
+    /* golden layout */
+    kvr_am_header_t g = {KVR_AM_KIND_AUX, 0x0a0b, 0x01020304, 0x05060708,
+                         0x1112131415161718ULL, 0x2122232425262728ULL};
+    unsigned char want[KVR_AM_HEADER_LEN] = {
+        'K', 'V', 'R', 'W', 2, 0, 0x0b, 0x0a, 4, 3, 2, 1, 8, 7, 6, 5,
+        0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,
+        0x28, 0x27, 0x26, 0x25, 0x24, 0x23, 0x22, 0x21};
+    unsigned char got[KVR_AM_HEADER_LEN];
+    kvr_am_header_encode(got, &g);
+    ASSERT(memcmp(got, want, sizeof(want)) == 0);
+}
+
+TEST_IMPL(am_header_rejects)
+{
+    kvr_am_header_t h = {KVR_AM_KIND_KV, 1, 2, 3, 4, 5}, d;
+    unsigned char good[KVR_AM_HEADER_LEN], x[KVR_AM_HEADER_LEN + 1];
+    const char *why;
+    kvr_am_header_encode(good, &h);
+    /* every other length, from exact-size heap buffers */
+    for (size_t len = 0; len <= KVR_AM_HEADER_LEN + 1; len++) {
+        if (len == KVR_AM_HEADER_LEN) {
+            continue;
+        }
+        unsigned char *p = malloc(len ? len : 1);
+        memcpy(x, good, KVR_AM_HEADER_LEN);
+        x[KVR_AM_HEADER_LEN] = 0;
+        memcpy(p, x, len);
+        why = NULL;
+        ASSERT_EQ(kvr_am_header_decode(p, len, &d, &why), -1);
+        ASSERT(why != NULL);
+        free(p);
+    }
+    memcpy(x, good, KVR_AM_HEADER_LEN);
+    x[3] ^= 0x80;
+    ASSERT_EQ(kvr_am_header_decode(x, KVR_AM_HEADER_LEN, &d, &why), -1);
+    ASSERT(strcmp(why, "data header has a bad magic") == 0);
+    uint16_t kinds[] = {0, 3, 0x101, 0xffff};
+    for (size_t i = 0; i < 4; i++) {
+        memcpy(x, good, KVR_AM_HEADER_LEN);
+        put_le(x + 4, kinds[i], 2);
+        ASSERT_EQ(kvr_am_header_decode(x, KVR_AM_HEADER_LEN, &d, &why), -1);
+        ASSERT(strcmp(why, "data header has an unknown kind") == 0);
+    }
+    memcpy(x, good, KVR_AM_HEADER_LEN);
+    put_le(x + 12, 0, 4);
+    ASSERT_EQ(kvr_am_header_decode(x, KVR_AM_HEADER_LEN, &d, &why), -1);
+    ASSERT(strcmp(why, "data header names no pages") == 0);
+}

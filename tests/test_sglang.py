@@ -1,0 +1,297 @@
+"""The sglang adapter (kvrecv.sglang) driven the way sglang's disaggregation
+schedulers drive a transfer backend: 2 prefill ranks and 2 decode ranks, every
+queue polled each iteration, poll results MIN-reduced across ranks, and
+failure_exception() called on every rank inside try/except KVTransferError
+with the request requeued under a new bootstrap room."""
+
+from __future__ import annotations
+
+import enum
+import time
+import types
+
+import numpy as np
+import pytest
+
+from kvtest import ROBUST_CONFIG, STD, Side
+
+from kvrecv import KVConfig, KVPoll, KVTransferError
+from kvrecv.sglang import (
+    KVRecvArgs,
+    KVRecvBootstrapServer,
+    KVRecvManager,
+    KVRecvReceiver,
+    KVRecvSender,
+    mode_name,
+)
+
+RANKS = 2
+PAGES = 8
+
+
+class DisaggregationMode(enum.Enum):
+    """Shaped like sglang's enum: .value is the string."""
+
+    NULL = "null"
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+def sglang_kv_args(side: Side) -> KVRecvArgs:
+    """A KVArgs bag filled the way sglang's queues fill theirs (ints)."""
+    a = KVRecvArgs()
+    a.engine_rank = side.rank
+    a.kv_data_ptrs = [b.ctypes.data for b in side.kv]
+    a.kv_data_lens = [b.nbytes for b in side.kv]
+    a.kv_item_lens = list(side.layout.kv_item_lens)
+    a.aux_data_ptrs = [b.ctypes.data for b in side.aux]
+    a.aux_data_lens = [b.nbytes for b in side.aux]
+    a.aux_item_lens = list(side.layout.aux_item_lens)
+    a.page_size = 1
+    return a
+
+
+class Cluster:
+    def __init__(self):
+        self.closers = []
+        self.server = KVRecvBootstrapServer(host="127.0.0.1", port=0)
+        self.closers.append(self.server)
+        cfg = KVConfig(**dict(ROBUST_CONFIG, sibling_wait_ms=3000))
+        self.server_args = types.SimpleNamespace(
+            host="127.0.0.1", disaggregation_bootstrap_port=self.server.port, kvrecv_config=cfg)
+        self.src = [Side(STD, rank=r, seed=500 + r) for r in range(RANKS)]
+        self.dst = [Side(STD, rank=r) for r in range(RANKS)]
+        self.prefill = [KVRecvManager(sglang_kv_args(s), DisaggregationMode.PREFILL,
+                                      self.server_args, False) for s in self.src]
+        self.closers += self.prefill
+        self.decode = [KVRecvManager(sglang_kv_args(s), DisaggregationMode.DECODE,
+                                     self.server_args, False) for s in self.dst]
+        self.closers += self.decode
+        for group in (self.prefill, self.decode):
+            for m in group:
+                m.set_siblings([x.endpoint for x in group])
+        self.addr = f"127.0.0.1:{self.server.port}"
+
+    def close(self):
+        for obj in reversed(self.closers):
+            obj.close()
+
+
+@pytest.fixture
+def cluster():
+    c = Cluster()
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+def poll_and_all_reduce(pollers) -> int:
+    """sglang's poll_and_all_reduce: MIN over the ranks, as a uint8."""
+    return int(np.array([int(p.poll()) for p in pollers], dtype=np.uint8).min())
+
+
+class Req:
+    def __init__(self, rid, room, rng):
+        self.rid = rid
+        self.room = room
+        self.src_pages = rng.choice(STD.num_pages, size=PAGES, replace=False).astype(np.int32)
+        self.dst_pages = (rid * PAGES + np.arange(PAGES)).astype(np.int32)
+        rng.shuffle(self.dst_pages)
+        self.aux_src = int(rng.integers(0, STD.aux_rows))
+        self.aux_dst = rid
+        self.rooms = [room]
+
+
+def run_scheduler(c: Cluster, nreqs: int, abort_rid=None, timeout=30.0):
+    """Prefill and decode schedulers in one loop.  Returns (done, failures):
+    failures are (side, room, rank, code, is_from_another_rank, reason)."""
+    rng = np.random.default_rng(7)
+    reqs = [Req(i, 10_000 + i, rng) for i in range(nreqs)]
+    next_room = [20_000]
+    p_bootstrap, p_inflight = [], []  # [req, senders, chunks_sent]
+    d_prealloc, d_transfer = [], []  # [req, receivers]
+    done, failures = {}, []
+    aborted = [False]
+
+    def admit(req):
+        # the router hands the request (and its room) to both instances
+        p_bootstrap.append([req, [KVRecvSender(mgr=m, bootstrap_addr=c.addr, bootstrap_room=req.room,
+                                               dest_tp_ranks=[r], pp_rank=0)
+                                  for r, m in enumerate(c.prefill)], 0])
+        recvs = [KVRecvReceiver(mgr=m, bootstrap_addr=c.addr, bootstrap_room=req.room)
+                 for m in c.decode]
+        for rv in recvs:
+            rv.init(0)
+        d_prealloc.append([req, recvs])
+
+    def collect(side, pollers):
+        for rank, p in enumerate(pollers):
+            room = p.bootstrap_room
+            try:
+                p.failure_exception()
+            except KVTransferError as e:
+                failures.append((side, room, rank, e.code, e.is_from_another_rank, e.failure_reason))
+            else:  # pragma: no cover - failure_exception must raise
+                raise AssertionError("failure_exception() returned")
+            p.clear()
+
+    for req in reqs:
+        admit(req)
+    deadline = time.monotonic() + timeout
+    while len(done) < nreqs and time.monotonic() < deadline:
+        # ---- prefill: pop_bootstrapped
+        for entry in list(p_bootstrap):
+            req, senders, _ = entry
+            state = poll_and_all_reduce(senders)
+            if state == KVPoll.WaitingForInput:
+                for s in senders:
+                    s.init(PAGES, req.aux_src)
+                p_bootstrap.remove(entry)
+                p_inflight.append(entry)
+            elif state == KVPoll.Failed:
+                collect("prefill", senders)
+                p_bootstrap.remove(entry)
+        # ---- prefill: chunked prefill, then process_disagg_prefill_inflight_queue
+        for entry in list(p_inflight):
+            req, senders, sent = entry
+            hold = req.rid == abort_rid and len(req.rooms) == 1 and sent == 1
+            if sent < 2 and not hold:
+                half = PAGES // 2
+                chunk = req.src_pages[:half] if sent == 0 else req.src_pages[half:]
+                for s in senders:
+                    if s.should_send_kv_chunk(len(chunk), sent == 1):
+                        s.send(chunk, state_indices=None)
+                entry[2] = sent + 1
+            state = poll_and_all_reduce(senders)
+            if state == KVPoll.Success:
+                for s in senders:
+                    assert s.get_transfer_metric().transfer_total_bytes == STD.transfer_bytes(PAGES, True)
+                    s.clear()
+                p_inflight.remove(entry)
+            elif state == KVPoll.Failed:
+                collect("prefill", senders)
+                p_inflight.remove(entry)
+        # ---- decode: pop_preallocated
+        for entry in list(d_prealloc):
+            req, recvs = entry
+            state = poll_and_all_reduce(recvs)
+            if state == KVPoll.WaitingForInput:
+                for rv in recvs:
+                    rv.send_metadata(req.dst_pages, req.aux_dst, state_indices=None,
+                                     decode_prefix_len=0)
+                d_prealloc.remove(entry)
+                d_transfer.append(entry)
+            elif state == KVPoll.Failed:
+                collect("decode", recvs)
+                d_prealloc.remove(entry)
+        # an AbortReq reaches decode rank 0 while the victim is mid-transfer
+        if abort_rid is not None and not aborted[0]:
+            for req, recvs in d_transfer:
+                held = any(e[0] is req and e[2] == 1 for e in p_inflight)
+                if req.rid == abort_rid and held and recvs[0].poll() != KVPoll.Bootstrapping:
+                    recvs[0].abort()
+                    aborted[0] = True
+        # ---- decode: pop_transferred
+        for entry in list(d_transfer):
+            req, recvs = entry
+            state = poll_and_all_reduce(recvs)
+            if state == KVPoll.Success:
+                assert all(rv.conclude_state == KVPoll.Success for rv in recvs)
+                for rv in recvs:
+                    rv.clear()
+                d_transfer.remove(entry)
+                done[req.rid] = req
+            elif state == KVPoll.Failed:
+                collect("decode", recvs)
+                d_transfer.remove(entry)
+                # requeue under a new bootstrap room
+                req.room = next_room[0]
+                next_room[0] += 1
+                req.rooms.append(req.room)
+                admit(req)
+        time.sleep(0.0005)
+    return done, failures, reqs
+
+
+def check_bytes(c: Cluster, reqs):
+    for r in range(RANKS):
+        want = Side(STD, rank=r).snapshot()  # the destination started as canary
+        for req in reqs:
+            want.apply(c.src[r], req.src_pages, req.dst_pages, req.aux_src, req.aux_dst)
+        want.check(c.dst[r])
+
+
+def test_scheduler_loop_moves_every_byte(cluster):
+    done, failures, reqs = run_scheduler(cluster, 10)
+    assert failures == []
+    assert sorted(done) == list(range(10))
+    check_bytes(cluster, reqs)
+    st = cluster.decode[0].stats()
+    assert st["bytes_moved"] >= 10 * STD.transfer_bytes(PAGES, True)
+    assert sum(st["failures_by_code"].values()) == 0
+
+
+def test_abort_requeue_under_new_room_then_success(cluster):
+    victim = 3
+    done, failures, reqs = run_scheduler(cluster, 8, abort_rid=victim)
+    assert sorted(done) == list(range(8)), f"unfinished; failures: {failures}"
+    # only the victim failed, only once, and it finished under a new room
+    assert len(reqs[victim].rooms) == 2
+    old, new = reqs[victim].rooms
+    assert new != old
+    assert all(len(r.rooms) == 1 for r in reqs if r.rid != victim)
+    assert {f[1] for f in failures} == {old}, failures
+    dec = {f[2]: f for f in failures if f[0] == "decode"}
+    assert set(dec) == {0, 1}
+    # rank 0 is the origin; rank 1 raises the same root cause, marked as propagated
+    assert dec[0][3] == "ABORTED" and dec[0][4] is False
+    assert dec[1][3] == "ABORTED" and dec[1][4] is True, dec[1]
+    pre = [f for f in failures if f[0] == "prefill"]
+    assert len(pre) == RANKS and all(f[3] == "ABORTED" for f in pre), pre
+    check_bytes(cluster, reqs)
+    assert cluster.decode[0].stats()["failures_by_code"]["ABORTED"] >= 1
+
+
+def test_mode_name():
+    assert mode_name(DisaggregationMode.PREFILL) == "prefill"
+    assert mode_name(DisaggregationMode.DECODE) == "decode"
+    assert mode_name("decode") == "decode"
+    assert mode_name("DisaggregationMode.PREFILL") == "prefill"
+    with pytest.raises(ValueError):
+        mode_name(DisaggregationMode.NULL)
+
+
+def test_state_buffers_rejected():
+    a = sglang_kv_args(Side(STD, rank=0))
+    a.state_types = ["mamba"]
+    with pytest.raises(NotImplementedError, match="state"):
+        KVRecvManager(a, DisaggregationMode.DECODE, types.SimpleNamespace(), False)
+
+
+def test_decode_prefix_len_fails_room_cleanly(cluster):
+    recv = KVRecvReceiver(cluster.decode[0], cluster.addr, 77)
+    send = KVRecvSender(cluster.prefill[0], cluster.addr, 77, [0], 0)
+    send.init(4, 0)
+    recv.init(0)
+    deadline = time.monotonic() + 10
+    while recv.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert recv.poll() == KVPoll.WaitingForInput
+    assert recv.require_staging is False
+    recv.send_metadata(np.arange(4, dtype=np.int32), 0, None, decode_prefix_len=16)
+    assert recv.poll() == KVPoll.Failed
+    assert recv.conclude_state == KVPoll.Failed
+    with pytest.raises(KVTransferError, match="decode_prefix_len=16") as ei:
+        recv.failure_exception()
+    assert ei.value.bootstrap_room == 77
+    # the prefill side of the room is told (it would otherwise wait)
+    deadline = time.monotonic() + 10
+    while send.poll() not in (KVPoll.Failed, KVPoll.Success) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert send.poll() == KVPoll.Failed
+    # clear/abort twice is harmless, as sglang may do
+    recv.clear()
+    recv.clear()
+    recv.abort()
+    send.clear()
