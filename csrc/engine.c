@@ -550,10 +550,8 @@ static void kvr_peer_fail_locked(kvr_engine_t *e, kvr_peer_t *p, int code, const
     if (p->state == KVR_PEER_FAILED) {
         return;
     }
-    kvr_log_write(&e->log, KVR_LOG_WARNING, "%s rank %d: %s: %s %s", kvr_side(e), e->rank,
-                  kvr_status_name(code), p->name, what);
     int spare = p->kind == KVR_PEER_IS_PREFILL && (code == KVR_PEER_LOST || code == KVR_PEER_RESTARTED);
-    int waiting = 0;
+    int waiting = 0, failed = 0;
     for (size_t i = 0; i < e->rooms.capacity; i++) {
         kvr_room_t *r = e->rooms.slots[i].value;
         if (r == NULL || r->peer != p || kvr_room_terminal(r)) {
@@ -564,10 +562,16 @@ static void kvr_peer_fail_locked(kvr_engine_t *e, kvr_peer_t *p, int code, const
             continue;
         }
         kvr_room_failf_locked(e, r, code, 0, "%s %s", p->name, what);
+        failed++;
         if (p->kind == KVR_PEER_IS_PREFILL && (code == KVR_TRANSPORT || code == KVR_LAYOUT_MISMATCH)) {
             kvr_tell_room_failed(e, p, r, code);
         }
     }
+    /* A peer that goes away with no room of ours in flight is news, not a
+     * failure (a graceful shutdown of the other side). */
+    kvr_log_write(&e->log, failed ? KVR_LOG_WARNING : KVR_LOG_INFO,
+                  "%s rank %d: %s: %s %s (%d room(s) failed)", kvr_side(e), e->rank,
+                  kvr_status_name(code), p->name, what, failed);
     p->state = KVR_PEER_FAILED;
     kvr_peer_disconnect(e, p);
     if (waiting) {

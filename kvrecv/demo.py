@@ -5,6 +5,7 @@ synthetic KV cache for many rooms and verify every byte."""
 from __future__ import annotations
 
 import argparse
+import functools
 import multiprocessing as mp
 import sys
 import time
@@ -32,14 +33,21 @@ def _buffers(rank: int, seed: int, args):
 def _room_plan(room: int, args):
     """Source pages, destination pages and aux rows of a room; both sides
     derive the same plan from the room id."""
+    return _plan(room, args.pages, args.slots, args.pages_per_buffer, bool(args.contiguous))
+
+
+@functools.lru_cache(maxsize=8192)
+def _plan(room: int, pages: int, slots: int, pages_per_buffer: int, contiguous: bool):
+    # Cached: the loops ask for a room's plan on every iteration.  The
+    # arrays are shared, never written.
     rng = np.random.default_rng(room)
-    slot = room % args.slots
-    per_slot = args.pages_per_buffer // args.slots
-    dst = slot * per_slot + rng.choice(per_slot, size=args.pages, replace=False)
-    src = rng.choice(args.pages_per_buffer, size=args.pages, replace=False)
-    if args.contiguous:
+    slot = room % slots
+    per_slot = pages_per_buffer // slots
+    dst = slot * per_slot + rng.choice(per_slot, size=pages, replace=False)
+    src = rng.choice(pages_per_buffer, size=pages, replace=False)
+    if contiguous:
         dst = np.sort(dst)
-        src = np.arange(args.pages) + rng.integers(0, args.pages_per_buffer - args.pages)
+        src = np.arange(pages) + rng.integers(0, pages_per_buffer - pages)
     return src.astype(np.int32), dst.astype(np.int32), slot
 
 
