@@ -603,7 +603,8 @@ static int kvr_peer_resolve(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t er
     return 0;
 }
 
-static void kvr_peer_query(kvr_engine_t *e, kvr_peer_t *p)
+/* Asks the bootstrap server (on conn) which prefill instance serves our rank. */
+static void kvr_bs_query(kvr_engine_t *e, kvr_ctl_conn_t *conn)
 {
     kvr_msg_t m;
     memset(&m, 0, sizeof(m));
@@ -611,7 +612,7 @@ static void kvr_peer_query(kvr_engine_t *e, kvr_peer_t *p)
     m.epoch = e->epoch;
     m.rank = (uint32_t)e->rank;
     if (kvr_wire_encode(&e->wbuf, &m) == 0) {
-        kvr_ctl_send_conn(p->bs_conn, e->wbuf.data, e->wbuf.len);
+        kvr_ctl_send_conn(conn, e->wbuf.data, e->wbuf.len);
     }
 }
 
@@ -653,14 +654,7 @@ static void kvr_peer_verify_locked(kvr_engine_t *e, kvr_peer_t *p)
     }
     p->verifying = 1;
     p->verify_deadline_ns = now + KVR_VERIFY_TIMEOUT_MS * KVR_MS;
-    kvr_msg_t m;
-    memset(&m, 0, sizeof(m));
-    m.type = KVR_MSG_BS_QUERY;
-    m.epoch = e->epoch;
-    m.rank = (uint32_t)e->rank;
-    if (kvr_wire_encode(&e->wbuf, &m) == 0) {
-        kvr_ctl_send_conn(p->vconn, e->wbuf.data, e->wbuf.len);
-    }
+    kvr_bs_query(e, p->vconn);
 }
 
 static void kvr_service_peer_rooms_locked(kvr_engine_t *e, kvr_peer_t *p);
@@ -1569,7 +1563,7 @@ static void kvr_timers_locked(kvr_engine_t *e)
                              e->cfg.bootstrap_timeout_ms);
                     kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, what);
                 } else if (p->state == KVR_PEER_RESOLVING && now >= p->next_try_ns) {
-                    kvr_peer_query(e, p);
+                    kvr_bs_query(e, p->bs_conn);
                     p->next_try_ns = now + 200 * KVR_MS;
                 }
             } else if (p->state == KVR_PEER_READY) {

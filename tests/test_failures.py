@@ -14,15 +14,9 @@ measured value is in every assertion message.
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
 import pickle
-import select
-import signal
 import socket
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 
@@ -30,6 +24,7 @@ import numpy as np
 import pytest
 
 import kvrecv
+from peer_proc import PeerProcess
 from kvrecv import (
     BootstrapServer,
     KVAbortedError,
@@ -217,92 +212,7 @@ def _assert_no_rooms(*mgrs):
         assert st["rooms_draining"] == 0, f"{m.mode} manager still draining: {st}"
 
 
-class _Peer:
-    """A kvrecv manager in a child process (tests/failure_peer.py)."""
-
-    def __init__(self, role, bootstrap, seed=1, config=None, scale=64, startup_timeout=60):
-        spec = {"role": role, "bootstrap": bootstrap, "seed": seed, "config": config or {},
-                "scale": scale}
-        env = dict(os.environ)
-        env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
-        self._err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
-            [sys.executable, PEER_SCRIPT, json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=env, cwd=ROOT,
-        )
-        self._buf = b""
-        self._frozen = False
-        try:
-            self.hello = self._read(startup_timeout)
-        except BaseException:
-            self.proc.kill()
-            self.close()
-            raise
-        self.pid = self.hello["pid"]
-        self.endpoint = self.hello["endpoint"]
-        self.port = int(self.endpoint.rsplit(":", 1)[1])
-
-    def stderr(self) -> str:
-        self._err.seek(0)
-        return self._err.read().decode(errors="replace")[-2000:]
-
-    def _read(self, timeout):
-        fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"peer {self.proc.pid} silent for {timeout} s; stderr:\n{self.stderr()}")
-            ready, _, _ = select.select([fd], [], [], left)
-            if ready:
-                chunk = os.read(fd, 65536)
-                if not chunk:
-                    raise AssertionError(f"peer {self.proc.pid} exited ({self.proc.wait()}); "
-                                         f"stderr:\n{self.stderr()}")
-                self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        msg = json.loads(line)
-        if "error" in msg:
-            raise AssertionError(f"peer command failed: {msg['error']}")
-        return msg
-
-    def call(self, op, timeout=30, **kw):
-        self.proc.stdin.write((json.dumps(dict(op=op, **kw)) + "\n").encode())
-        self.proc.stdin.flush()
-        return self._read(timeout)
-
-    def freeze(self):
-        """SIGSTOP: the process keeps its sockets and memory but stops
-        making progress, so whatever it had in flight stays in flight."""
-        os.kill(self.proc.pid, signal.SIGSTOP)
-        self._frozen = True
-
-    def kill(self) -> float:
-        """SIGKILL; returns the monotonic time of the kill."""
-        t = time.monotonic()
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        assert self.proc.returncode == -signal.SIGKILL
-        return t
-
-    def close(self):
-        if self.proc.poll() is None and self._frozen:
-            self.proc.kill()
-        if self.proc.poll() is None:
-            try:
-                self.call("exit", timeout=10)
-                self.proc.wait(timeout=10)
-            except Exception:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        self.proc.wait(timeout=30)
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except Exception:
-                pass
-        self._err.close()
-
+_Peer = PeerProcess
 
 # --------------------------------------------------------------------------
 # Fixtures (self-contained: prefixed fail_)
@@ -1003,7 +913,10 @@ def test_abort_in_flight_no_late_writes(fail_bs, fail_closer, monkeypatch):
     src = np.arange(BIG_PAGES, dtype=np.int32)
 
     caught = None
-    for attempt, rid in enumerate((91, 92, 93)):
+    # The first attempts abort once bytes flow; later ones abort right after
+    # send() (the operations are posted and in flight either way), so a fast
+    # machine that finishes 32 MiB between two polls cannot dodge the test.
+    for attempt, rid in enumerate(range(91, 99)):
         for buf in dkv:
             buf.fill(CANARY)
         base = d.stats()["bytes_moved"]
@@ -1016,7 +929,7 @@ def test_abort_in_flight_no_late_writes(fail_bs, fail_closer, monkeypatch):
         s.init(BIG_PAGES)
         s.send(src)
         t0 = time.monotonic()
-        while d.stats()["bytes_moved"] == base and time.monotonic() - t0 < 10:
+        while attempt < 4 and d.stats()["bytes_moved"] == base and time.monotonic() - t0 < 10:
             pass
         r.abort()
         landed = d.stats()["bytes_moved"] - base
