@@ -2548,13 +2548,6 @@ int kvr_engine_set_siblings(kvr_engine_t *e, const char *const *endpoints, int n
     return 0;
 }
 
-int kvr_engine_siblings(kvr_engine_t *e)
-{
-    pthread_mutex_lock(&e->lock);
-    int n = e->nsib;
-    pthread_mutex_unlock(&e->lock);
-    return n;
-}
 
 int kvr_handle_abort(kvr_handle_t *h, char *err, size_t errlen)
 {
@@ -2586,12 +2579,7 @@ int kvr_handle_clear(kvr_handle_t *h, char *err, size_t errlen)
     return 0;
 }
 
-uint64_t kvr_handle_room(kvr_handle_t *h)
-{
-    return h->id;
-}
-
 int kvr_handle_role(kvr_handle_t *h)
 {
-    return h->role;
+    return h->role == KVR_ROLE_DECODE ? KVR_MODE_DECODE : KVR_MODE_PREFILL;
 }

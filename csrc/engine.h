@@ -109,8 +109,6 @@ const char *kvr_engine_transport(kvr_engine_t *e);
  */
 int kvr_engine_set_siblings(kvr_engine_t *e, const char *const *endpoints, int n, char *err,
                             size_t errlen);
-/* Number of siblings set. */
-int kvr_engine_siblings(kvr_engine_t *e);
 
 /* Opens a room of this manager's mode.  The handle holds a reference that
  * kvr_handle_release drops. */
@@ -137,7 +135,7 @@ int kvr_handle_failure(kvr_handle_t *h, kvr_failure_t *out, int pop, uint32_t wa
 uint32_t kvr_handle_sibling_wait_ms(kvr_handle_t *h);
 int kvr_handle_abort(kvr_handle_t *h, char *err, size_t errlen);
 int kvr_handle_clear(kvr_handle_t *h, char *err, size_t errlen);
-uint64_t kvr_handle_room(kvr_handle_t *h);
+/* KVR_MODE_PREFILL or KVR_MODE_DECODE. */
 int kvr_handle_role(kvr_handle_t *h);
 
 #endif

@@ -632,3 +632,20 @@ def test_max_rooms_from_the_environment(res, pair, monkeypatch):
     monkeypatch.setenv("KVRECV_MAX_ROOMS", "many")
     with pytest.raises(ValueError, match="KVRECV_MAX_ROOMS"):
         res.manager(Side(SMALL, 0), "decode")
+
+
+def test_calls_of_the_other_side_are_refused(pair):
+    r = KVReceiver(pair.decode, pair.addr, 31)
+    s = KVSender(pair.prefill, pair.addr, 31)
+    with pytest.raises(RuntimeError, match="send_init.. on a decode room"):
+        r.send_init(1)
+    with pytest.raises(RuntimeError, match="send.. on a decode room"):
+        r.send([1])
+    with pytest.raises(RuntimeError, match="send_metadata.. on a prefill room"):
+        s.send_metadata([1])
+    with pytest.raises(RuntimeError, match="recv_init.. on a prefill room"):
+        s.recv_init()
+    assert r.poll() == KVPoll.Bootstrapping and s.poll() == KVPoll.Bootstrapping
+    r.clear()
+    s.clear()
+    assert_all_canary(pair.dst)

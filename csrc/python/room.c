@@ -275,6 +275,17 @@ static int kvr_py_aux(PyObject *obj, int64_t *out)
         }                                                                                     \
     } while (0)
 
+/* The decode-side and prefill-side calls refuse a room of the other side. */
+static int kvr_room_role_check(kvr_handle_t *h, int mode, const char *what)
+{
+    if (kvr_handle_role(h) != mode) {
+        PyErr_Format(PyExc_RuntimeError, "%s() on a %s room", what,
+                     mode == KVR_MODE_DECODE ? "prefill" : "decode");
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *kvr_room_recv_init(PyObject *op, PyObject *args, PyObject *kwds)
 {
     static char *kwlist[] = {"prefill_dp_rank", NULL};
@@ -283,8 +294,7 @@ static PyObject *kvr_room_recv_init(PyObject *op, PyObject *args, PyObject *kwds
     if (h == NULL || !PyArg_ParseTupleAndKeywords(args, kwds, "|i", kwlist, &dp)) {
         return NULL;
     }
-    if (kvr_handle_role(h) != 1) {
-        PyErr_SetString(PyExc_RuntimeError, "recv_init() on a prefill room");
+    if (kvr_room_role_check(h, KVR_MODE_DECODE, "recv_init") < 0) {
         return NULL;
     }
     KVR_CALL(kvr_handle_recv_init(h, dp, err, errlen));
@@ -299,7 +309,8 @@ static PyObject *kvr_room_send_metadata(PyObject *op, PyObject *args, PyObject *
     int32_t *pages;
     size_t n;
     kvr_handle_t *h = kvr_room_handle((kvr_py_room_t *)op);
-    if (h == NULL || !PyArg_ParseTupleAndKeywords(args, kwds, "O|O", kwlist, &ind, &aux)) {
+    if (h == NULL || !PyArg_ParseTupleAndKeywords(args, kwds, "O|O", kwlist, &ind, &aux) ||
+        kvr_room_role_check(h, KVR_MODE_DECODE, "send_metadata") < 0) {
         return NULL;
     }
     if (kvr_py_aux(aux, &auxv) < 0 || kvr_py_indices(ind, "kv_indices", &pages, &n) < 0) {
@@ -323,7 +334,8 @@ static PyObject *kvr_room_send_init(PyObject *op, PyObject *args, PyObject *kwds
     PyObject *num, *aux = Py_None;
     int64_t auxv;
     kvr_handle_t *h = kvr_room_handle((kvr_py_room_t *)op);
-    if (h == NULL || !PyArg_ParseTupleAndKeywords(args, kwds, "O|O", kwlist, &num, &aux)) {
+    if (h == NULL || !PyArg_ParseTupleAndKeywords(args, kwds, "O|O", kwlist, &num, &aux) ||
+        kvr_room_role_check(h, KVR_MODE_PREFILL, "send_init") < 0) {
         return NULL;
     }
     if (PyBool_Check(num) || !PyIndex_Check(num)) {
@@ -356,7 +368,8 @@ static PyObject *kvr_room_send(PyObject *op, PyObject *args, PyObject *kwds)
     int32_t *pages;
     size_t n;
     kvr_handle_t *h = kvr_room_handle((kvr_py_room_t *)op);
-    if (h == NULL || !PyArg_ParseTupleAndKeywords(args, kwds, "O", kwlist, &ind)) {
+    if (h == NULL || !PyArg_ParseTupleAndKeywords(args, kwds, "O", kwlist, &ind) ||
+        kvr_room_role_check(h, KVR_MODE_PREFILL, "send") < 0) {
         return NULL;
     }
     if (kvr_py_indices(ind, "kv_indices", &pages, &n) < 0) {
