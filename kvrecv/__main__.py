@@ -1,11 +1,12 @@
-"""Command line: python -m kvrecv {demo,doctor}."""
+"""Command line: python -m kvrecv {demo,doctor,bench}."""
 
 from __future__ import annotations
 
 import sys
 
 USAGE = ("usage: python -m kvrecv demo [options]     (python -m kvrecv demo --help)\n"
-         "       python -m kvrecv doctor [options]   (python -m kvrecv doctor --help)")
+         "       python -m kvrecv doctor [options]   (python -m kvrecv doctor --help)\n"
+         "       python -m kvrecv bench [options]    (benchmarks/run.py of a source checkout)")
 
 
 def main(argv=None) -> int:
@@ -22,7 +23,18 @@ def main(argv=None) -> int:
         from .doctor import run
 
         return run(rest)
-    print(f"unknown command {cmd!r}; try: demo, doctor", file=sys.stderr)
+    if cmd == "bench":
+        import os
+        import subprocess
+
+        script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                              "benchmarks", "run.py")
+        if not os.path.exists(script):
+            print("the benchmark suite ships with the source checkout (benchmarks/run.py), "
+                  "not with an installed package", file=sys.stderr)
+            return 2
+        return subprocess.call([sys.executable, script, *rest])
+    print(f"unknown command {cmd!r}; try: demo, doctor, bench", file=sys.stderr)
     return 2
 
 
