@@ -51,6 +51,21 @@ def _plan(room: int, pages: int, slots: int, pages_per_buffer: int, contiguous: 
     return src.astype(np.int32), dst.astype(np.int32), slot
 
 
+def _open_senders(mgrs, bootstrap, room: int, args) -> list:
+    """One sender per prefill rank for room, its pages handed over in two
+    chunks (chunked prefill), the aux row with the last one."""
+    src, _, slot = _room_plan(room, args)
+    group = []
+    for mgr in mgrs:
+        s = KVSender(mgr, bootstrap, room)
+        s.init(len(src), aux_index=slot)
+        half = len(src) // 2
+        s.send(src[:half])
+        s.send(src[half:])
+        group.append(s)
+    return group
+
+
 def _prefill_main(bootstrap, args, rooms, conn):
     mgrs = []
     data = []
@@ -67,16 +82,7 @@ def _prefill_main(bootstrap, args, rooms, conn):
     while (pending or senders) and time.time() < deadline:
         while pending and len(senders) < args.slots * args.ranks:
             room = pending.pop(0)
-            src, dst, slot = _room_plan(room, args)
-            group = []
-            for rank in range(args.ranks):
-                s = KVSender(mgrs[rank], bootstrap, room)
-                s.init(len(src), aux_index=slot)
-                half = len(src) // 2
-                s.send(src[:half])
-                s.send(src[half:])
-                group.append(s)
-            senders[room] = group
+            senders[room] = _open_senders(mgrs, bootstrap, room, args)
         for room, group in list(senders.items()):
             states = [s.poll() for s in group]
             if min(states) in (KVPoll.Success, KVPoll.Failed) and all(
@@ -253,16 +259,7 @@ def _inject_prefill_main(bootstrap, args, conn):
                     m.close()
                 return
             for room in msg:
-                src, dst, slot = _room_plan(room, args)
-                group = []
-                for rank in range(args.ranks):
-                    s = KVSender(mgrs[rank], bootstrap, room)
-                    s.init(len(src), aux_index=slot)
-                    half = len(src) // 2
-                    s.send(src[:half])
-                    s.send(src[half:])
-                    group.append(s)
-                senders[room] = group
+                senders[room] = _open_senders(mgrs, bootstrap, room, args)
         for room, group in list(senders.items()):
             states = [s.poll() for s in group]
             if all(st in (KVPoll.Success, KVPoll.Failed) for st in states):

@@ -15,6 +15,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 PEER_SCRIPT = os.path.join(HERE, "failure_peer.py")
 
+# The child's module, loaded here too: it defines the buffers both
+# processes derive, so the tests can check every byte.
+import failure_peer as peer_mod  # noqa: E402
+
 
 class PeerProcess:
     """One kvrecv manager (a rank) in a child process (tests/failure_peer.py),

@@ -13,7 +13,6 @@ measured value is in every assertion message.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pickle
 import socket
@@ -24,7 +23,7 @@ import numpy as np
 import pytest
 
 import kvrecv
-from peer_proc import PeerProcess
+from peer_proc import PeerProcess, peer_mod
 from kvrecv import (
     BootstrapServer,
     KVAbortedError,
@@ -45,13 +44,6 @@ from kvrecv import (
     KVTransportError,
 )
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-PEER_SCRIPT = os.path.join(HERE, "failure_peer.py")
-
-_spec = importlib.util.spec_from_file_location("kvrecv_failure_peer", PEER_SCRIPT)
-peer_mod = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(peer_mod)
 
 NBUF = peer_mod.NBUF
 PAGES = peer_mod.PAGES

@@ -22,7 +22,6 @@ the measured value is printed and is in every assertion message.
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import threading
 import time
@@ -30,7 +29,7 @@ import time
 import numpy as np
 import pytest
 
-from peer_proc import PeerProcess
+from peer_proc import PeerProcess, peer_mod
 from kvrecv import (
     BootstrapServer,
     KVAbortedError,
@@ -46,13 +45,6 @@ from kvrecv import (
     KVTransferError,
 )
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
-PEER_SCRIPT = os.path.join(HERE, "failure_peer.py")
-
-_spec = importlib.util.spec_from_file_location("kvrecv_rank_peer", PEER_SCRIPT)
-peer_mod = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(peer_mod)
 
 PAGES = peer_mod.PAGES
 AUX_ROWS = peer_mod.AUX_ROWS
