@@ -62,7 +62,14 @@ typedef struct kvr_op {
     struct kvr_op *prev, *next; /* the room's operations in flight */
     /* UCX 1.13 reads an AM header until the send completes: it lives here. */
     unsigned char hdr[KVR_AM_HEADER_LEN];
+    uint32_t niov;
+    /* The pieces of the message: the sender's source runs, or the
+     * receiver's destination runs (UCX reads them until completion). */
+    kvr_tp_iov_t iov[];
 } kvr_op_t;
+
+/* Most pieces in one coalesced data message. */
+#define KVR_MAX_IOV 1024
 
 /* A decode request that reached the prefill before its KVSender. */
 typedef struct {
@@ -91,6 +98,7 @@ struct kvr_engine {
     uint32_t page_size;
     uint32_t nkv, naux;
     uint64_t *kv_ptrs, *kv_lens, *kv_item;
+    uint64_t kv_item_max; /* the widest KV item */
     uint64_t *aux_ptrs, *aux_lens, *aux_item;
     int64_t min_pages;   /* pages every KV buffer has */
     int64_t aux_rows;    /* rows every aux buffer has */
@@ -161,6 +169,8 @@ void kvr_config_default(kvr_config_t *cfg)
     cfg->ctrl_port = 0;
     cfg->sibling_wait_ms = 50;
     cfg->register_memory = 1;
+    cfg->coalesce_bytes = 1u << 20;
+    cfg->coalesce_run_bytes = 0; /* auto */
 }
 
 static int kvr_err(char *err, size_t errlen, int code, const char *fmt, ...)
@@ -699,13 +709,14 @@ static void kvr_peer_verified_locked(kvr_engine_t *e, kvr_peer_t *p, int found, 
 /* Data path                                                           */
 /* ------------------------------------------------------------------ */
 
-static kvr_op_t *kvr_op_new(kvr_room_t *r, uint64_t len)
+static kvr_op_t *kvr_op_new(kvr_room_t *r, uint64_t len, uint32_t niov)
 {
-    kvr_op_t *op = malloc(sizeof(*op));
+    kvr_op_t *op = malloc(sizeof(*op) + (size_t)niov * sizeof(kvr_tp_iov_t));
     if (op == NULL) {
         return NULL;
     }
     op->base.req = NULL;
+    op->niov = niov;
     op->room = r;
     op->len = len;
     op->prev = NULL;
@@ -822,43 +833,57 @@ static void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len,
         why = "room is not receiving";
         goto reject;
     }
-    char *dst;
+    /* The message covers positions [pos, pos + npages) of one buffer; the
+     * destination is what this room asked for there, never an address the
+     * sender names: one piece per run of consecutive destination pages. */
+    uint32_t niov = 1;
     if (h.kind == KVR_AM_KIND_KV) {
-        if (h.buf >= e->nkv || h.pos >= r->npages || h.npages > r->npages - h.pos) {
+        if (h.buf >= e->nkv || h.npages == 0 || h.pos >= r->npages ||
+            h.npages > r->npages - h.pos) {
             why = "run outside the room";
-            goto protocol;
-        }
-        if (kvr_run_length(NULL, r->pages, h.pos, h.pos + h.npages) != h.npages) {
-            why = "run is not contiguous in the room's pages";
             goto protocol;
         }
         if ((uint64_t)len != (uint64_t)h.npages * e->kv_item[h.buf]) {
             why = "run length does not match item_len";
             goto protocol;
         }
-        dst = (char *)(uintptr_t)e->kv_ptrs[h.buf] + (uint64_t)r->pages[h.pos] * e->kv_item[h.buf];
-    } else {
-        if (h.buf >= e->naux || r->aux_index < 0 || h.npages != 1 ||
-            (uint64_t)len != e->aux_item[h.buf]) {
-            why = "aux row does not match the room";
-            goto protocol;
+        niov = 0;
+        for (uint32_t at = h.pos, end = h.pos + h.npages; at < end; niov++) {
+            at += kvr_run_length(NULL, r->pages, at, end);
         }
-        dst = (char *)(uintptr_t)e->aux_ptrs[h.buf] + (uint64_t)r->aux_index * e->aux_item[h.buf];
+    } else if (h.buf >= e->naux || r->aux_index < 0 || h.npages != 1 ||
+               (uint64_t)len != e->aux_item[h.buf]) {
+        why = "aux row does not match the room";
+        goto protocol;
     }
     if (r->received + len > r->expected) {
         why = "more bytes than the room expects";
         goto protocol;
     }
-    kvr_op_t *op = kvr_op_new(r, len);
+    kvr_op_t *op = kvr_op_new(r, len, niov);
     if (op == NULL) {
         why = "out of memory";
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory receiving data");
         goto reject;
     }
-    if (kvr_room_advance(r, KVR_POLL_TRANSFERRING)) {
-        /* first byte */
+    if (h.kind == KVR_AM_KIND_KV) {
+        char *base = (char *)(uintptr_t)e->kv_ptrs[h.buf];
+        uint64_t item = e->kv_item[h.buf];
+        uint32_t i = 0;
+        for (uint32_t at = h.pos, end = h.pos + h.npages; at < end; i++) {
+            uint32_t n = kvr_run_length(NULL, r->pages, at, end);
+            op->iov[i].buf = base + (uint64_t)r->pages[at] * item;
+            op->iov[i].len = (size_t)n * item;
+            at += n;
+        }
+    } else {
+        op->iov[0].buf =
+            (char *)(uintptr_t)e->aux_ptrs[h.buf] + (uint64_t)r->aux_index * e->aux_item[h.buf];
+        op->iov[0].len = len;
     }
-    acc->dst = dst;
+    kvr_room_advance(r, KVR_POLL_TRANSFERRING); /* first byte */
+    acc->iov = op->iov;
+    acc->iovcnt = niov;
     acc->op = &op->base;
     return;
 
@@ -869,7 +894,7 @@ reject:
     e->stats.data_rejected++;
     kvr_log_write(&e->log, KVR_LOG_DEBUG, "decode rank %d: rejected a data message: %s", e->rank,
                   why);
-    acc->dst = NULL;
+    acc->iovcnt = 0;
     acc->reject_why = why;
 }
 
@@ -882,18 +907,46 @@ static void kvr_on_ep_error(void *arg, void *ep_ctx, const char *status_text)
     kvr_peer_fail_locked(e, p, KVR_PEER_LOST, what);
 }
 
-/* Prefill: posts one data message (a run of one buffer, or an aux row). */
+/*
+ * Prefill: posts one data message: positions [h->pos, h->pos + h->npages) of
+ * KV buffer h->buf (one piece per run of consecutive source pages), or one
+ * aux row (src given).
+ */
 static void kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_header_t *h,
                                 const char *src, uint64_t len)
 {
-    kvr_op_t *op = kvr_op_new(r, len);
+    uint32_t niov = 1;
+    uint32_t end = h->pos + h->npages;
+    if (src == NULL) {
+        niov = 0;
+        for (uint32_t at = h->pos; at < end; niov++) {
+            at += kvr_run_length(NULL, r->src_pages, at, end);
+        }
+        len = (uint64_t)h->npages * e->kv_item[h->buf];
+    }
+    kvr_op_t *op = kvr_op_new(r, len, niov);
     if (op == NULL) {
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory posting data");
         return;
     }
+    if (src == NULL) {
+        char *base = (char *)(uintptr_t)e->kv_ptrs[h->buf];
+        uint64_t item = e->kv_item[h->buf];
+        uint32_t i = 0;
+        for (uint32_t at = h->pos; at < end; i++) {
+            uint32_t n = kvr_run_length(NULL, r->src_pages, at, end);
+            op->iov[i].buf = base + (uint64_t)r->src_pages[at] * item;
+            op->iov[i].len = (size_t)n * item;
+            at += n;
+        }
+    } else {
+        op->iov[0].buf = (void *)(uintptr_t)src;
+        op->iov[0].len = len;
+    }
     kvr_am_header_encode(op->hdr, h);
     const char *st = NULL;
-    int rc = kvr_tp_send(e->tp, r->peer->ep, op->hdr, sizeof(op->hdr), src, len, &op->base, &st);
+    int rc = kvr_tp_send(e->tp, r->peer->ep, op->hdr, sizeof(op->hdr), op->iov, niov, &op->base,
+                         &st);
     e->stats.ops_posted++;
     r->ops_posted++;
     if (rc <= 0) {
@@ -941,23 +994,47 @@ static void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
     memset(&h, 0, sizeof(h));
     h.tag = r->dst_tag;
     h.epoch = e->epoch;
+    /*
+     * Messages: a run of pages consecutive on both sides that is at least
+     * coalesce_run_bytes long (in the widest buffer) goes alone, as one
+     * contiguous message per buffer (UCX moves it zero-copy); shorter runs
+     * in a row are coalesced into one scattered message per buffer of at
+     * most coalesce_bytes (one rendezvous instead of one per page).
+     */
+    uint64_t run_bytes = e->cfg.coalesce_run_bytes, cap = e->cfg.coalesce_bytes;
+    if (run_bytes == 0) {
+        /* auto: over shared memory UCX moves a scattered message at memory
+         * speed, so every run is coalesced; over tcp a scattered message
+         * costs more per byte than a contiguous rendezvous from 16 KiB up. */
+        run_bytes = kvr_tp_ep_is_shm(r->peer->ep) ? UINT64_MAX : 16u << 10;
+    }
     while (r->posted < r->given) {
-        uint32_t pos = r->posted;
-        uint32_t n = kvr_run_length(r->src_pages, r->dst_pages, pos, r->given);
+        uint32_t pos = r->posted, end = pos, runs = 0;
+        while (end < r->given && runs < KVR_MAX_IOV) {
+            uint32_t n = kvr_run_length(r->src_pages, r->dst_pages, end, r->given);
+            if ((uint64_t)n * e->kv_item_max >= run_bytes) {
+                if (runs == 0) {
+                    end += n;
+                }
+                break;
+            }
+            if (runs > 0 && (uint64_t)(end - pos + n) * e->kv_item_max > cap) {
+                break;
+            }
+            end += n;
+            runs++;
+        }
         h.kind = KVR_AM_KIND_KV;
         h.pos = pos;
-        h.npages = n;
+        h.npages = end - pos;
         for (uint32_t b = 0; b < e->nkv && !r->failing; b++) {
             h.buf = (uint16_t)b;
-            kvr_post_one_locked(e, r, &h,
-                                (const char *)(uintptr_t)e->kv_ptrs[b] +
-                                    (uint64_t)r->src_pages[pos] * e->kv_item[b],
-                                (uint64_t)n * e->kv_item[b]);
+            kvr_post_one_locked(e, r, &h, NULL, 0);
         }
         if (r->failing) {
             return;
         }
-        r->posted += n;
+        r->posted = end;
     }
     if (r->posted == r->total_pages && !r->aux_posted) {
         r->aux_posted = 1;
@@ -1915,6 +1992,11 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
         (e->layout_aux = kvr_le_array(p->aux_item_lens, p->naux)) == NULL) {
         rc = kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
         goto err_free;
+    }
+    for (uint32_t i = 0; i < e->nkv; i++) {
+        if (e->kv_item[i] > e->kv_item_max) {
+            e->kv_item_max = e->kv_item[i];
+        }
     }
 
     e->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);

@@ -39,6 +39,8 @@ typedef struct {
     int ctrl_port;                  /* control port; 0 picks a free one */
     uint32_t sibling_wait_ms;       /* failure_exception's wait for a sibling's record */
     int register_memory;            /* ucp_mem_map the buffers up front */
+    uint32_t coalesce_bytes;        /* most bytes per buffer in one coalesced message */
+    uint32_t coalesce_run_bytes;    /* runs shorter than this are coalesced */
 } kvr_config_t;
 
 /* The defaults documented in the README. */
@@ -65,7 +67,7 @@ typedef struct {
     uint64_t rooms_open;
     uint64_t rooms_draining;      /* failing, waiting for in-flight ops */
     uint64_t bytes_moved;         /* payload bytes landed (decode) or sent (prefill) */
-    uint64_t ops_posted;          /* data operations (one per run per buffer) */
+    uint64_t ops_posted;          /* data messages posted (one per run or coalesced runs, per buffer) */
     uint64_t ctrl_dropped;        /* malformed or unexpected control messages */
     uint64_t data_rejected;       /* data messages refused by the receiver */
     uint64_t heartbeats_missed;   /* peers declared lost for silence */

@@ -1,5 +1,6 @@
 #include "transport.h"
 
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -7,6 +8,12 @@
 #include <ucp/api/ucp.h>
 
 #define KVR_AM_ID_DATA 7
+
+/* kvr_tp_iov_t arrays are handed to UCX as they are. */
+_Static_assert(sizeof(kvr_tp_iov_t) == sizeof(ucp_dt_iov_t) &&
+                   offsetof(kvr_tp_iov_t, buf) == offsetof(ucp_dt_iov_t, buffer) &&
+                   offsetof(kvr_tp_iov_t, len) == offsetof(ucp_dt_iov_t, length),
+               "kvr_tp_iov_t must match ucp_dt_iov_t");
 
 typedef struct {
     void *addr;
@@ -32,6 +39,7 @@ struct kvr_tp_ep {
     ucp_ep_h ep;
     void *ep_ctx;
     int failed;
+    int no_peer_errors; /* created without peer-failure handling */
 };
 
 /* ---- completion callbacks ---- */
@@ -79,15 +87,21 @@ static ucs_status_t kvr_tp_am_cb(void *arg, const void *header, size_t header_le
                                  void *data, size_t length, const ucp_am_recv_param_t *param)
 {
     kvr_transport_t *tp = arg;
-    kvr_tp_accept_t acc = {NULL, NULL, NULL};
+    kvr_tp_accept_t acc = {NULL, 0, NULL, NULL};
     tp->cb.on_data(tp->cb.arg, header, header_length, length, &acc);
-    if (acc.dst == NULL) {
+    if (acc.iovcnt == 0) {
         /* Rejected: for rendezvous the sender's request completes with this
          * status, so it learns the receiver refused the data. */
         return (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) ? UCS_ERR_REJECTED : UCS_OK;
     }
     if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
-        memcpy(acc.dst, data, length);
+        /* The payload is here (eager): scatter it.  The engine checked that
+         * the pieces add up to length. */
+        const char *src = data;
+        for (size_t i = 0; i < acc.iovcnt; i++) {
+            memcpy(acc.iov[i].buf, src, acc.iov[i].len);
+            src += acc.iov[i].len;
+        }
         tp->cb.on_recv_done(tp->cb.arg, acc.op, length, KVR_TP_OK, NULL);
         return UCS_OK;
     }
@@ -101,7 +115,15 @@ static ucs_status_t kvr_tp_am_cb(void *arg, const void *header, size_t header_le
     rp.cb.recv_am = kvr_tp_recv_cb;
     rp.user_data = acc.op;
     rp.recv_info.length = &recv_len;
-    ucs_status_ptr_t req = ucp_am_recv_data_nbx(tp->worker, data, acc.dst, length, &rp);
+    void *buf = acc.iov[0].buf;
+    size_t count = length;
+    if (acc.iovcnt > 1) {
+        rp.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+        rp.datatype = ucp_dt_make_iov();
+        buf = acc.iov;
+        count = acc.iovcnt;
+    }
+    ucs_status_ptr_t req = ucp_am_recv_data_nbx(tp->worker, data, buf, count, &rp);
     if (req == NULL) {
         tp->cb.on_recv_done(tp->cb.arg, acc.op, length, KVR_TP_OK, NULL);
     } else if (UCS_PTR_IS_ERR(req)) {
@@ -301,7 +323,10 @@ int kvr_tp_ep_create(kvr_transport_t *tp, const void *addr, size_t len, void *ep
     ep.err_mode = UCP_ERR_HANDLING_MODE_PEER;
     ep.err_handler.cb = kvr_tp_ep_err_cb;
     ep.err_handler.arg = e;
-    ucs_status_t st = ucp_ep_create(tp->worker, &ep, &e->ep);
+    /* Once UCX said it cannot handle peer failures here (it logs an error
+     * line each time it is asked), do not ask again. */
+    ucs_status_t st = tp->eps_without_peer_errors ? UCS_ERR_UNREACHABLE
+                                                  : ucp_ep_create(tp->worker, &ep, &e->ep);
     if (st == UCS_ERR_UNREACHABLE) {
         /* UCX 1.13 offers peer-failure handling only on transports that
          * support it (tcp, not the shared-memory ones).  Without it the
@@ -311,6 +336,7 @@ int kvr_tp_ep_create(kvr_transport_t *tp, const void *addr, size_t len, void *ep
         st = ucp_ep_create(tp->worker, &ep, &e->ep);
         if (st == UCS_OK) {
             tp->eps_without_peer_errors++;
+            e->no_peer_errors = 1;
         }
     }
     if (st != UCS_OK) {
@@ -320,6 +346,11 @@ int kvr_tp_ep_create(kvr_transport_t *tp, const void *addr, size_t len, void *ep
     }
     *ep_p = e;
     return 0;
+}
+
+int kvr_tp_ep_is_shm(const kvr_tp_ep_t *e)
+{
+    return e->no_peer_errors;
 }
 
 void kvr_tp_ep_close(kvr_transport_t *tp, kvr_tp_ep_t *e, int force)
@@ -358,7 +389,8 @@ static ucp_mem_h kvr_tp_find_memh(kvr_transport_t *tp, const void *buf, size_t l
 }
 
 int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *e, const void *hdr, size_t hdr_len,
-                const void *buf, size_t len, kvr_tp_op_t *op, const char **status_text)
+                const kvr_tp_iov_t *iov, size_t iovcnt, kvr_tp_op_t *op,
+                const char **status_text)
 {
     op->tp = tp;
     ucp_request_param_t p;
@@ -368,12 +400,21 @@ int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *e, const void *hdr, size_t hdr
     p.cb.send = kvr_tp_send_cb;
     p.user_data = op;
     p.flags = UCP_AM_SEND_FLAG_REPLY;
-    ucp_mem_h memh = kvr_tp_find_memh(tp, buf, len);
-    if (memh != NULL) {
-        p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
-        p.memh = memh;
+    const void *buf = iov;
+    size_t count = iovcnt;
+    if (iovcnt == 1) {
+        buf = iov[0].buf;
+        count = iov[0].len;
+        ucp_mem_h memh = kvr_tp_find_memh(tp, buf, count);
+        if (memh != NULL) {
+            p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
+            p.memh = memh;
+        }
+    } else {
+        p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
+        p.datatype = ucp_dt_make_iov();
     }
-    ucs_status_ptr_t req = ucp_am_send_nbx(e->ep, KVR_AM_ID_DATA, hdr, hdr_len, buf, len, &p);
+    ucs_status_ptr_t req = ucp_am_send_nbx(e->ep, KVR_AM_ID_DATA, hdr, hdr_len, buf, count, &p);
     if (req == NULL) {
         return 0;
     }

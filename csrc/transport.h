@@ -39,11 +39,19 @@ enum {
     KVR_TP_PEER_GONE = 2, /* it failed because the peer or connection is gone */
 };
 
+/* One piece of a scattered buffer (laid out like UCX's ucp_dt_iov_t). */
+typedef struct {
+    void *buf;
+    size_t len;
+} kvr_tp_iov_t;
+
 /* How the receiver's handler answers an incoming data message. */
 typedef struct {
-    void *dst;        /* where the payload goes; NULL rejects the message */
-    kvr_tp_op_t *op;  /* passed back to on_recv_done */
-    const char *reject_why; /* set with dst == NULL, for the counters/log */
+    kvr_tp_iov_t *iov; /* where the payload goes, in order; must stay valid
+                        * until on_recv_done (it lives in the operation) */
+    size_t iovcnt;     /* 0 rejects the message */
+    kvr_tp_op_t *op;   /* passed back to on_recv_done */
+    const char *reject_why; /* set with iovcnt == 0, for the counters/log */
 } kvr_tp_accept_t;
 
 typedef struct {
@@ -86,18 +94,25 @@ int kvr_tp_address_check(kvr_transport_t *tp, const void *addr, size_t len, char
 /* Connects to a peer worker address.  ep_ctx is passed to on_ep_error. */
 int kvr_tp_ep_create(kvr_transport_t *tp, const void *addr, size_t len, void *ep_ctx,
                      kvr_tp_ep_t **ep_p, char *err, size_t errlen);
+/* 1 if the endpoint runs over shared memory.  UCX 1.13 cannot say which
+ * transport an endpoint uses; an endpoint that had to be created without
+ * peer-failure handling is one over shared memory (tcp offers it). */
+int kvr_tp_ep_is_shm(const kvr_tp_ep_t *ep);
 /* Closes (force: cancels outstanding operations with an error).  The
  * endpoint must not be used afterwards. */
 void kvr_tp_ep_close(kvr_transport_t *tp, kvr_tp_ep_t *ep, int force);
 
 /*
- * Sends one data message (hdr, then len bytes at buf).  Returns 0 if it
- * completed at once (no callback), 1 if on_send_done will be called with
- * op, -1 on an immediate error, -2 if the error means the peer is gone (text
- * in *status_text, static).
+ * Sends one data message: hdr, then the iovcnt pieces of iov as one payload
+ * (one piece: a contiguous send, which may use the registered regions).  hdr
+ * and iov must stay valid until the send completes.  Returns 0 if it
+ * completed at once (no callback), 1 if on_send_done will be called with op,
+ * -1 on an immediate error, -2 if the error means the peer is gone (text in
+ * *status_text, static).
  */
 int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *ep, const void *hdr, size_t hdr_len,
-                const void *buf, size_t len, kvr_tp_op_t *op, const char **status_text);
+                const kvr_tp_iov_t *iov, size_t iovcnt, kvr_tp_op_t *op,
+                const char **status_text);
 
 /* Asks UCX to cancel an operation in flight; its callback then reports
  * KVR_TP_PEER_GONE or KVR_TP_ERROR (or success, if it had finished). */

@@ -42,6 +42,8 @@ class KVConfig:
     ctrl_port: int = 0
     sibling_wait_ms: int = 50
     register_memory: bool = True
+    coalesce_bytes: int = 1 << 20
+    coalesce_run_bytes: int = 0  # 0: auto (see README)
 
     def resolved(self) -> dict:
         out = {}

@@ -169,6 +169,67 @@ def count_runs(src: Sequence[int], dst: Sequence[int]) -> int:
     return runs
 
 
+MAX_IOV = 1024  # pieces per coalesced message (KVR_MAX_IOV)
+COALESCE_BYTES = 1 << 20  # KVConfig.coalesce_bytes default
+
+
+def auto_run_bytes(transport: str) -> int:
+    """KVConfig.coalesce_run_bytes=0 (auto): every run over shared memory,
+    runs under 16 KiB over tcp."""
+    return 1 << 62 if transport == "shm" else 16 << 10
+
+
+def count_messages(src, dst, item_max: int, run_bytes: int, cap: int = COALESCE_BYTES) -> int:
+    """Data messages per buffer for pages handed over at once: the engine's
+    rule (engine.c, kvr_post_locked).  A run (consecutive on both sides) of
+    at least run_bytes goes alone; shorter runs in a row share a message of
+    at most cap bytes and MAX_IOV runs (the first run of a message always
+    fits)."""
+    runs = []
+    for i in range(len(src)):
+        if i == 0 or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
+            runs.append(1)
+        else:
+            runs[-1] += 1
+    msgs = 0
+    i = 0
+    while i < len(runs):
+        msgs += 1
+        if runs[i] * item_max >= run_bytes:
+            i += 1
+            continue
+        pages, k = runs[i], 1
+        i += 1
+        while (i < len(runs) and k < MAX_IOV and runs[i] * item_max < run_bytes
+               and (pages + runs[i]) * item_max <= cap):
+            pages += runs[i]
+            k += 1
+            i += 1
+    return msgs
+
+
+def min_messages(src, dst, item_max: int, cap: int = COALESCE_BYTES) -> int:
+    """The fewest messages per buffer any split of the pages into send()
+    chunks can give: greedy over positions, a message being a piece of one
+    run, or at most cap bytes in at most MAX_IOV pieces of runs."""
+    n = len(src)
+    msgs = a = 0
+    while a < n:
+        msgs += 1
+        run_end = a + 1
+        while run_end < n and src[run_end] == src[run_end - 1] + 1 and dst[run_end] == dst[run_end - 1] + 1:
+            run_end += 1
+        b, pieces = a + 1, 1
+        while b < n and (b + 1 - a) * item_max <= cap:
+            new_piece = src[b] != src[b - 1] + 1 or dst[b] != dst[b - 1] + 1
+            if new_piece and pieces == MAX_IOV:
+                break
+            pieces += new_piece
+            b += 1
+        a = max(b, run_end)
+    return msgs
+
+
 def split_chunks(rng: np.random.Generator, seq, nchunks: int) -> List:
     """Splits seq into nchunks non-empty consecutive chunks (nchunks <= len)."""
     n = len(seq)

@@ -17,8 +17,11 @@ from kvtest import (
     TRANSPORTS,
     WIDE,
     Side,
+    auto_run_bytes,
+    count_messages,
     count_runs,
     describe_failure,
+    min_messages,
     split_chunks,
     terminal,
     wait_all,
@@ -115,16 +118,19 @@ def make_plans(rng, layout, room0=1):
     return plans
 
 
-def ops_bounds(plans, nkv, naux):
-    """rma_ops_posted lies between the runs of whole rooms and the runs when
-    every chunk boundary also ends a run (posting races the send() calls)."""
+def ops_bounds(plans, layout, transport):
+    """rma_ops_posted lies between the fewest messages any split of a room
+    can give and the messages when every chunk is posted on its own
+    (posting races the send() calls)."""
+    nkv, naux, item = len(layout.kv_item_lens), len(layout.aux_item_lens), max(layout.kv_item_lens)
     lo = hi = 0
     for p in plans:
         aux = naux if p.with_aux else 0
-        lo += count_runs(p.src, p.dst) * nkv + aux
+        lo += min_messages(p.src, p.dst, item) * nkv + aux
         pos = 0
         for c in p.chunks:
-            hi += count_runs(p.src[pos:pos + len(c)], p.dst[pos:pos + len(c)]) * nkv
+            hi += count_messages(p.src[pos:pos + len(c)], p.dst[pos:pos + len(c)], item,
+                                 auto_run_bytes(transport)) * nkv
             pos += len(c)
         hi += aux
     return lo, hi
@@ -164,7 +170,7 @@ def test_byte_exact_transfer(transport, pair):
         assert zero_failures(st), (side, st)
         assert st["ctrl_dropped"] == 0 and st["data_rejected"] == 0, (side, st)
         assert st["pending_requests"] == 0, (side, st)
-    lo, hi = ops_bounds(plans, len(STD.kv_item_lens), len(STD.aux_item_lens))
+    lo, hi = ops_bounds(plans, STD, transport)
     assert lo <= pair.prefill.stats()["rma_ops_posted"] <= hi
     assert pair.decode.stats()["rma_ops_posted"] == 0
 
@@ -295,33 +301,88 @@ PATTERNS = {
     "descending": ([30, 29, 28], [60, 59, 58], 3),
 }
 
+# Coalescing settings: off (one message per run and buffer), every run
+# coalesced, runs under 3 pages of the widest item coalesced, and the
+# transport's automatic choice.
+COALESCE = {
+    "off": dict(coalesce_bytes=0),
+    "all": dict(coalesce_run_bytes=2**32 - 1),
+    "under3": dict(coalesce_run_bytes=3 * max(STD.kv_item_lens)),
+    "small_cap": dict(coalesce_run_bytes=2**32 - 1, coalesce_bytes=3 * max(STD.kv_item_lens)),
+    "auto": dict(),
+}
+
+
+def coalesce_model(name, transport):
+    cfg = COALESCE[name]
+    cap = cfg.get("coalesce_bytes", 1 << 20)
+    run_bytes = cfg.get("coalesce_run_bytes", 0) or auto_run_bytes(transport)
+    return run_bytes, cap
+
+
+def expect_messages(src, dst, name, transport):
+    run_bytes, cap = coalesce_model(name, transport)
+    if cap == 0:
+        return count_runs(src, dst)
+    return count_messages(src, dst, max(STD.kv_item_lens), run_bytes, cap)
+
+
+def coalesce_pair(res, bootstrap, name):
+    src = Side(STD, rank=0, seed=1234)
+    dst = Side(STD, rank=0)
+    prefill = res.manager(src, "prefill", bootstrap.address, **COALESCE[name])
+    decode = res.manager(dst, "decode")
+    return src, dst, prefill, decode
+
+
+def test_message_model_counts():
+    """The Python model of the engine's rule, on hand-counted cases."""
+    item = 4096
+    src, dst, _ = PATTERNS["mixed"]  # runs of 4, 1, 2, 2, 1 pages
+    assert count_messages(src, dst, item, 1 << 62) == 1
+    assert count_messages(src, dst, item, 1 << 62, cap=3 * item) == 3  # 4 | 1+2 | 2+1
+    assert count_messages(src, dst, item, 3 * item) == 2              # 4 alone | 1+2+2+1
+    assert count_messages(src, dst, item, 2 * item) == 5              # 4 | 1 | 2 | 2 | 1
+    assert count_messages(src, dst, item, 1 << 62, cap=0) == 5
+    assert min_messages(src, dst, item, cap=3 * item) == 3
+    assert count_messages(list(range(2000)), list(range(2000)), item, 1 << 62) == 1
+    scattered = list(range(0, 4000, 2))
+    assert count_messages(scattered, scattered, 8, 1 << 62) == 2      # 1024 pieces, then 976
+    assert min_messages(scattered, scattered, 8) == 2
+
 
 @pytest.mark.parametrize("with_aux", [True, False], ids=["aux", "noaux"])
+@pytest.mark.parametrize("mode", sorted(COALESCE))
 @pytest.mark.parametrize("name", sorted(PATTERNS))
-def test_contiguous_runs_are_coalesced(pair, name, with_aux):
+def test_runs_are_coalesced(transport, res, bootstrap, name, mode, with_aux):
     src, dst, runs = PATTERNS[name]
     assert count_runs(src, dst) == runs  # the pattern is what it claims
+    side_src, side_dst, prefill, decode = coalesce_pair(res, bootstrap, mode)
     plan = Plan(77, np.array(src), np.array(dst, dtype=np.int32), [np.array(src)],
                 3 if with_aux else None, 9 if with_aux else None)
-    run_in_process(pair.prefill, pair.decode, pair.addr, [plan])
+    run_in_process(prefill, decode, bootstrap.address, [plan])
     nkv, naux = len(STD.kv_item_lens), len(STD.aux_item_lens)
-    assert pair.prefill.stats()["rma_ops_posted"] == runs * nkv + (naux if with_aux else 0)
+    want = expect_messages(src, dst, mode, transport)
+    assert prefill.stats()["rma_ops_posted"] == want * nkv + (naux if with_aux else 0)
     expected = Side(STD, 0).snapshot()
-    expected.apply(pair.src, plan.src, plan.dst, plan.src_aux, plan.dst_aux)
-    expected.check(pair.dst)
+    expected.apply(side_src, plan.src, plan.dst, plan.src_aux, plan.dst_aux)
+    expected.check(side_dst)
 
 
-def test_chunks_split_at_run_boundaries_keep_the_run_count(pair):
+def test_chunks_split_at_run_boundaries_keep_the_run_count(res, bootstrap):
+    """With coalescing off, chunks that end where runs end cost no extra
+    message."""
     src, dst, runs = PATTERNS["mixed"]
     # Chunks that end where runs end: [10..13] [50] [70, 71, 3, 4] [5]
     chunks = [src[0:4], src[4:5], src[5:9], src[9:]]
     plan = Plan(78, np.array(src), np.array(dst, dtype=np.int32), [np.array(c) for c in chunks],
                 1, 2)
-    run_in_process(pair.prefill, pair.decode, pair.addr, [plan])
-    assert pair.prefill.stats()["rma_ops_posted"] == runs * len(STD.kv_item_lens) + 2
+    side_src, side_dst, prefill, decode = coalesce_pair(res, bootstrap, "off")
+    run_in_process(prefill, decode, bootstrap.address, [plan])
+    assert prefill.stats()["rma_ops_posted"] == runs * len(STD.kv_item_lens) + 2
     expected = Side(STD, 0).snapshot()
-    expected.apply(pair.src, plan.src, plan.dst, plan.src_aux, plan.dst_aux)
-    expected.check(pair.dst)
+    expected.apply(side_src, plan.src, plan.dst, plan.src_aux, plan.dst_aux)
+    expected.check(side_dst)
 
 
 def test_room_id_reused_after_clear(pair):

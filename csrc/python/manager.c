@@ -47,7 +47,7 @@ fail:
     return -1;
 }
 
-static int kvr_cfg_get(PyObject *cfg, const char *key, uint64_t *dst)
+static int kvr_cfg_get(PyObject *cfg, const char *key, uint64_t max, uint64_t *dst)
 {
     if (cfg == NULL || cfg == Py_None) {
         return 0;
@@ -65,6 +65,11 @@ static int kvr_cfg_get(PyObject *cfg, const char *key, uint64_t *dst)
     }
     if (d < 0) {
         PyErr_Format(PyExc_ValueError, "config[%s] must be >= 0", key);
+        return -1;
+    }
+    if (!(d <= (double)max)) {
+        PyErr_Format(PyExc_ValueError, "config[%s] must be at most %llu", key,
+                     (unsigned long long)max);
         return -1;
     }
     *dst = (uint64_t)d;
@@ -131,22 +136,24 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     p.aux_item_lens = bufs[5];
     kvr_config_default(&p.cfg);
     uint64_t v;
-#define KVR_CFG(field)                                                                        \
+#define KVR_CFG(field, max)                                                                   \
     v = p.cfg.field;                                                                          \
-    if (kvr_cfg_get(cfg, #field, &v) < 0) {                                                   \
+    if (kvr_cfg_get(cfg, #field, (max), &v) < 0) {                                            \
         goto out;                                                                             \
     }                                                                                         \
     p.cfg.field = (__typeof__(p.cfg.field))v;
-    KVR_CFG(bootstrap_timeout_ms)
-    KVR_CFG(heartbeat_interval_ms)
-    KVR_CFG(heartbeat_timeout_ms)
-    KVR_CFG(deadline_base_ms)
-    KVR_CFG(deadline_floor_bps)
-    KVR_CFG(max_rooms)
-    KVR_CFG(max_pending)
-    KVR_CFG(ctrl_port)
-    KVR_CFG(sibling_wait_ms)
-    KVR_CFG(register_memory)
+    KVR_CFG(bootstrap_timeout_ms, UINT32_MAX)
+    KVR_CFG(heartbeat_interval_ms, UINT32_MAX)
+    KVR_CFG(heartbeat_timeout_ms, UINT32_MAX)
+    KVR_CFG(deadline_base_ms, UINT32_MAX)
+    KVR_CFG(deadline_floor_bps, (uint64_t)1 << 62)
+    KVR_CFG(max_rooms, UINT32_MAX)
+    KVR_CFG(max_pending, UINT32_MAX)
+    KVR_CFG(ctrl_port, 65535)
+    KVR_CFG(sibling_wait_ms, UINT32_MAX)
+    KVR_CFG(register_memory, 1)
+    KVR_CFG(coalesce_bytes, UINT32_MAX)
+    KVR_CFG(coalesce_run_bytes, UINT32_MAX)
 #undef KVR_CFG
     char err[512] = "";
     int rc;
