@@ -29,6 +29,7 @@ enum { KVR_PEER_IS_PREFILL, KVR_PEER_IS_DECODE };
 
 #define KVR_MS ((uint64_t)1000000)
 #define KVR_MAX_DEAD 1024
+#define KVR_SCAN_NS (5 * KVR_MS) /* period of the timer scans over all rooms */
 
 typedef struct kvr_peer {
     int kind;
@@ -145,6 +146,7 @@ struct kvr_engine {
     int ndead_eps;
 
     kvr_log_t log;
+    uint64_t next_scan_ns; /* next timer scan over the rooms */
     uint64_t drop_log_ns;  /* last time dropped messages were logged */
     uint64_t drop_log_n;   /* dropped since then */
 
@@ -1675,6 +1677,13 @@ static void kvr_timers_locked(kvr_engine_t *e)
             kvr_peer_fail_locked(e, p, KVR_PEER_LOST, what);
         }
     }
+    /* The scans over every room run at most every KVR_SCAN_NS: with
+     * thousands of rooms in flight they would otherwise dominate a busy
+     * loop.  Deadlines and force-drains are coarse by nature. */
+    if (now < e->next_scan_ns) {
+        return;
+    }
+    e->next_scan_ns = now + KVR_SCAN_NS;
     /*
      * Failing rooms whose peer was declared dead (heartbeat silence, endpoint
      * error) but whose operations never completed: UCX endpoints without
@@ -2520,6 +2529,7 @@ out:
 int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, size_t errlen)
 {
     kvr_engine_t *e = kvr_handle_engine(h);
+    int wake = 0;
     int rc = kvr_handle_enter(h, err, errlen);
     if (rc) {
         return rc;
@@ -2548,10 +2558,22 @@ int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, 
         memcpy(h->src_pages + h->given, pages, n * sizeof(int32_t));
     }
     h->given += (uint32_t)n;
-    kvr_work_push_locked(e, h);
+    wake = 1;
+    if (h->bound && !h->on_work && h->peer != NULL && h->peer->state == KVR_PEER_READY) {
+        /* Post from the caller's thread: the worker is serialized by the
+         * engine lock, and a message that leaves at once (eager) then needs
+         * no hand-off to the engine thread.  Only what needs progress or a
+         * socket (rendezvous in flight, a notice, a sibling message) wakes
+         * it. */
+        kvr_post_locked(e, h);
+        kvr_check_prefill_done_locked(e, h);
+        wake = h->inflight > 0 || e->work_head != NULL || e->sib_pending;
+    } else {
+        kvr_work_push_locked(e, h);
+    }
 out:
     pthread_mutex_unlock(&e->lock);
-    if (rc == 0) {
+    if (rc == 0 && wake) {
         kvr_wake(e);
     }
     return rc;

@@ -181,7 +181,9 @@ int kvr_tp_create(const kvr_tp_callbacks_t *cb, kvr_transport_t **tp_p, char *er
     ucp_worker_params_t wp;
     memset(&wp, 0, sizeof(wp));
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_EVENTS;
-    wp.thread_mode = UCS_THREAD_MODE_SINGLE;
+    /* The engine lock serializes every call: the engine thread progresses,
+     * and the prefill's send() posts from the caller's thread. */
+    wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
     wp.events = UCP_WAKEUP_RMA | UCP_WAKEUP_TAG_SEND | UCP_WAKEUP_TAG_RECV | UCP_WAKEUP_TX |
                 UCP_WAKEUP_RX;
     st = ucp_worker_create(tp->context, &wp, &tp->worker);
@@ -266,8 +268,10 @@ int kvr_tp_fd(kvr_transport_t *tp)
 
 unsigned kvr_tp_progress(kvr_transport_t *tp)
 {
+    /* Bounded, so the engine lock is released between rounds even under a
+     * flood of completions (API calls wait for that lock). */
     unsigned total = 0, n;
-    while ((n = ucp_worker_progress(tp->worker)) != 0) {
+    for (int i = 0; i < 64 && (n = ucp_worker_progress(tp->worker)) != 0; i++) {
         total += n;
     }
     return total;

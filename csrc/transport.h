@@ -1,17 +1,19 @@
 /*
  * transport: everything that touches UCX.
  *
- * One UCP context and one worker per manager, driven by the engine thread
- * only (the worker runs in single-thread mode).  Data moves as UCX active
+ * One UCP context and one worker per manager, progressed by the engine
+ * thread.  Data moves as UCX active
  * messages: the sender posts (header, pages); the receiver's handler asks the
  * engine where the bytes may go and either copies eager data or starts a
  * rendezvous receive straight into the destination pages.  So the receiver
  * decides every byte it writes, in its own thread: completion and abort are
  * local facts on the decode side.
  *
- * All functions here are called on the engine thread, except create/destroy
- * (called before the thread starts / after it stopped).  None blocks, except
- * kvr_tp_destroy, which drains endpoint closes for a bounded time.
+ * All functions here are called with the engine lock held (the worker runs
+ * in serialized mode): on the engine thread, and kvr_tp_send/ep_create also
+ * from the prefill's send() caller; create/destroy before the thread starts
+ * / after it stopped.  None blocks, except kvr_tp_destroy and
+ * kvr_tp_ep_close, which drain for a bounded time.
  */
 #ifndef KVR_TRANSPORT_H
 #define KVR_TRANSPORT_H
@@ -81,7 +83,8 @@ void kvr_tp_destroy(kvr_transport_t *tp);
 void kvr_tp_address(kvr_transport_t *tp, const void **addr_p, size_t *len_p);
 /* The event fd to poll for readiness. */
 int kvr_tp_fd(kvr_transport_t *tp);
-/* Progresses until idle; returns the number of events handled. */
+/* Progresses until idle or for a bounded number of rounds; returns the
+ * number of events handled (0: idle). */
 unsigned kvr_tp_progress(kvr_transport_t *tp);
 /* Arms the event fd: 0 armed (safe to sleep), 1 busy (progress again). */
 int kvr_tp_arm(kvr_transport_t *tp);
