@@ -1,3 +1,4 @@
+#define _GNU_SOURCE /* pthread_setname_np */
 #include "engine.h"
 
 #include <errno.h>
@@ -30,6 +31,7 @@ enum { KVR_PEER_IS_PREFILL, KVR_PEER_IS_DECODE };
 #define KVR_MS ((uint64_t)1000000)
 #define KVR_MAX_DEAD 1024
 #define KVR_SCAN_NS (5 * KVR_MS) /* period of the timer scans over all rooms */
+#define KVR_BUSY_POLL_NS (100 * 1000) /* socket polls of a busy engine loop */
 
 typedef struct kvr_peer {
     int kind;
@@ -1802,6 +1804,7 @@ static void *kvr_engine_main(void *arg)
     kvr_engine_t *e = arg;
     int fds[2] = {e->wake_fd, kvr_tp_fd(e->tp)};
     int ready[2];
+    uint64_t last_sock_poll_ns = 0;
     long tick_ms = e->cfg.heartbeat_interval_ms / 2;
     if (tick_ms < 5) {
         tick_ms = 5;
@@ -1822,20 +1825,23 @@ static void *kvr_engine_main(void *arg)
             kvr_siblings_locked(e);
         }
         kvr_reap_locked(e);
-        if (kvr_tp_progress(e->tp) > 0 || e->work_head || e->sib_pending) {
-            /* Still busy: poll the sockets without sleeping. */
+        if (kvr_tp_progress(e->tp) > 0 || e->work_head || e->sib_pending || kvr_tp_arm(e->tp)) {
+            /* Still busy (or UCX has events the arm just found): go round
+             * again, letting API calls take the lock in between.  The
+             * sockets are polled (without sleeping) at most every
+             * KVR_BUSY_POLL_NS: a poll per pass was most of a busy
+             * sender's time. */
+            uint64_t now = kvr_now_ns();
             pthread_mutex_unlock(&e->lock);
-            kvr_ctl_poll(e->ctl, fds, 2, ready, 0);
-            pthread_mutex_lock(&e->lock);
-            continue;
-        }
-        if (kvr_tp_arm(e->tp)) {
-            pthread_mutex_unlock(&e->lock);
-            kvr_ctl_poll(e->ctl, fds, 2, ready, 0);
+            if (now - last_sock_poll_ns >= KVR_BUSY_POLL_NS) {
+                last_sock_poll_ns = now;
+                kvr_ctl_poll(e->ctl, fds, 2, ready, 0);
+            }
             pthread_mutex_lock(&e->lock);
             continue;
         }
         pthread_mutex_unlock(&e->lock);
+        last_sock_poll_ns = kvr_now_ns();
         /* The callbacks of kvr_ctl_poll run without the lock; they take it. */
         kvr_ctl_poll(e->ctl, fds, 2, ready, tick_ms);
         pthread_mutex_lock(&e->lock);
@@ -2051,6 +2057,10 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
         goto err_ctl;
     }
     e->thread_started = 1;
+    /* "kvr-prefill0" / "kvr-decode1": what top -H and perf show. */
+    char tname[16];
+    snprintf(tname, sizeof(tname), "kvr-%s%d", kvr_side(e), e->rank % 1000);
+    pthread_setname_np(e->thread, tname);
     *e_p = e;
     return 0;
 
