@@ -716,6 +716,7 @@ static kvr_op_t *kvr_op_new(kvr_room_t *r, uint64_t len)
     r->ops = op;
     kvr_room_ref(r);
     r->inflight++;
+    r->ops_posted++;
     return op;
 }
 
@@ -731,13 +732,27 @@ static void kvr_op_unlink(kvr_room_t *r, kvr_op_t *op)
     }
 }
 
+/* A room just became Success: the counter and the per-room histograms
+ * (what they measure is documented at kvr_stats_t). */
+static void kvr_room_succeeded_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    uint64_t now = kvr_now_ns();
+    uint64_t from = r->started_ns; /* decode: request sent; prefill: request bound */
+    if (e->mode == KVR_MODE_PREFILL && r->ready_ns > from) {
+        from = r->ready_ns;
+    }
+    e->stats.rooms_succeeded++;
+    kvr_hist_observe(&e->stats.transfer_latency, KVR_HIST_LATENCY, now > from ? now - from : 0);
+    kvr_hist_observe(&e->stats.room_ops, KVR_HIST_OPS, r->ops_posted);
+}
+
 static void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r)
 {
     if (r->failing || kvr_room_terminal(r) || !r->done_received || r->inflight > 0) {
         return;
     }
     if (kvr_room_advance(r, KVR_POLL_SUCCESS)) {
-        e->stats.rooms_succeeded++;
+        kvr_room_succeeded_locked(e, r);
     }
 }
 
@@ -770,7 +785,7 @@ static void kvr_op_end_locked(kvr_engine_t *e, kvr_op_t *op, int failed, const c
         kvr_room_settle(r);
     } else if (e->mode == KVR_MODE_DECODE) {
         if (kvr_room_complete(r) && kvr_room_advance(r, KVR_POLL_SUCCESS)) {
-            e->stats.rooms_succeeded++;
+            kvr_room_succeeded_locked(e, r);
             if (r->peer) {
                 kvr_msg_t m;
                 memset(&m, 0, sizeof(m));
@@ -895,7 +910,6 @@ static void kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_hea
     const char *st = NULL;
     int rc = kvr_tp_send(e->tp, r->peer->ep, op->hdr, sizeof(op->hdr), src, len, &op->base, &st);
     e->stats.ops_posted++;
-    r->ops_posted++;
     if (rc <= 0) {
         kvr_op_end_locked(e, op, rc == 0 ? KVR_TP_OK : rc == -2 ? KVR_TP_PEER_GONE : KVR_TP_ERROR,
                           st);
@@ -2420,6 +2434,9 @@ int kvr_handle_send_init(kvr_handle_t *h, int64_t num_pages, int64_t aux_index, 
     h->inited = 1;
     h->total_pages = (uint32_t)num_pages;
     h->src_aux = aux_index;
+    if (num_pages == 0) {
+        h->ready_ns = kvr_now_ns();
+    }
     if (h->bound && h->ndst != h->total_pages && !h->failing) {
         kvr_room_failf_locked(e, h, KVR_LAYOUT_MISMATCH, 1,
                               "decode asked for %u pages, prefill announced %u", h->ndst,
@@ -2466,6 +2483,9 @@ int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, 
         memcpy(h->src_pages + h->given, pages, n * sizeof(int32_t));
     }
     h->given += (uint32_t)n;
+    if (h->given == h->total_pages && n) {
+        h->ready_ns = kvr_now_ns();
+    }
     kvr_work_push_locked(e, h);
 out:
     pthread_mutex_unlock(&e->lock);

@@ -18,6 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "hist.h"
 #include "registry.h"
 #include "status.h"
 
@@ -72,9 +73,18 @@ typedef struct {
     uint64_t pending_requests;    /* prefill: requests waiting for a sender */
     uint64_t peers;
     uint64_t rooms_succeeded;
-    uint64_t rooms_force_drained;
-    uint64_t log_dropped;         /* log records lost because nobody read them */ /* declared drained with a dead peer's ops stuck */
+    uint64_t rooms_force_drained; /* declared drained with a dead peer's ops stuck */
+    uint64_t log_dropped;         /* log records lost because nobody read them */
     uint64_t failures_by_code[KVR_STATUS_LAST];
+    /* Per succeeded room (KVR_HIST_LATENCY, ns): decode, from sending the
+     * request to the prefill to the last byte landed; prefill, from the
+     * later of the decode's request arriving and the last page handed to
+     * send() (init() for a room of no pages) to the decode's completion
+     * notice.  Failed rooms are not observed. */
+    kvr_hist_t transfer_latency;
+    /* Per succeeded room (KVR_HIST_OPS): its data operations (prefill:
+     * posted; decode: data messages accepted). */
+    kvr_hist_t room_ops;
 } kvr_stats_t;
 
 /* Creates the manager and starts its thread.  Blocks only for local set-up. */

@@ -102,6 +102,9 @@ typedef struct kvr_room {
     int64_t dst_aux;
     uint64_t dst_tag;
     int done_received;
+    uint64_t ready_ns;      /* the last page was handed to send() (or init() of 0 pages) */
+
+    /* both: data operations (prefill: posted; decode: data messages accepted) */
     uint64_t ops_posted;
 
     /* the engine's work list */

@@ -39,6 +39,9 @@
     X(room_random_walk, 30, 0)                                                \
     X(room_run_length, 10, 0)                                                 \
     X(room_pages_check, 10, 0)                                                \
+    X(hist_bounds_tables, 10, 0)                                              \
+    X(hist_observe_edges, 10, 0)                                              \
+    X(hist_random_vs_reference, 30, 0)                                        \
     X(log_basic, 10, 0)                                                       \
     X(log_truncation, 10, 0)                                                  \
     X(log_min_level, 10, 0)                                                   \
