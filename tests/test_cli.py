@@ -79,6 +79,47 @@ def test_demo_inject_bad_layout_fails_every_request():
     assert "requeued under a new room id: 0" in r.stdout, r.stdout
 
 
+# In SMALL_DEMO (20 requests, 16 slots) the prefill holds back the first
+# attempt of requests 2, 7 and 12; the injection comes when only those are
+# in flight, so exactly those three fail, once each, and are requeued.
+
+
+def test_demo_inject_kill_prefill_fails_in_flight_rooms_then_recovers():
+    r = kvrecv_cli("demo", "--inject", "kill-prefill", *SMALL_DEMO)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "injected: prefill process killed with 3 requests in flight" in r.stdout, r.stdout
+    assert "injected: replacement prefill process started" in r.stdout, r.stdout
+    assert "requests: ok=20 failed=0\n" in r.stdout, r.stdout
+    assert "failed attempts by code: PEER_LOST=3\n" in r.stdout, r.stdout
+    assert "requeued under a new room id: 3\n" in r.stdout, r.stdout
+    # the decode logged the cause with the peer's name
+    assert re.search(r"PEER_LOST: room 10(02|07|12): prefill rank \d at 127\.0\.0\.1:\d+ lost", r.stderr), r.stderr
+
+
+def test_demo_inject_restart_prefill_fails_rooms_of_old_instance_then_recovers():
+    r = kvrecv_cli("demo", "--inject", "restart-prefill", *SMALL_DEMO)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "injected: a new prefill instance registered, with 3 requests in flight on the old one" \
+        in r.stdout, r.stdout
+    assert "injected: old prefill process killed" in r.stdout, r.stdout
+    assert "requests: ok=20 failed=0\n" in r.stdout, r.stdout
+    assert "failed attempts by code: PEER_RESTARTED=3\n" in r.stdout, r.stdout
+    assert "requeued under a new room id: 3\n" in r.stdout, r.stdout
+    assert "restarted: the bootstrap server lists a new instance" in r.stderr, r.stderr
+
+
+def test_demo_inject_restart_prefill_with_nothing_left_to_admit_is_peer_lost():
+    # 5 requests all fit the first wave: no later room can notice the new
+    # instance, so the old one is killed at once and its room is lost.
+    r = kvrecv_cli("demo", "--inject", "restart-prefill", "--ranks", "1", "--rooms", "5",
+                   *SMALL_DEMO[2:])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "injected: no request left to admit; old prefill process killed" in r.stdout, r.stdout
+    assert "requests: ok=5 failed=0\n" in r.stdout, r.stdout
+    assert "failed attempts by code: PEER_LOST=1\n" in r.stdout, r.stdout
+    assert "requeued under a new room id: 1\n" in r.stdout, r.stdout
+
+
 def test_cli_usage():
     r = kvrecv_cli("nope")
     assert r.returncode == 2
