@@ -71,6 +71,7 @@ typedef struct {
     int64_t aux_index;
     uint32_t npages;
     int32_t *pages;
+    uint32_t prefix_len;
     uint64_t arrived_ns;
 } kvr_pending_t;
 
@@ -1005,6 +1006,7 @@ static void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r)
     m.aux_index = r->aux_index;
     m.npages = r->npages;
     m.pages = (const unsigned char *)r->pages; /* little-endian host */
+    m.prefix_len = r->prefix_len;
     kvr_send_ctrl_to_peer(e, r->peer, &m);
     r->req_sent = 1;
     r->started_ns = kvr_now_ns();
@@ -1212,21 +1214,35 @@ static void kvr_handle_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_
     }
     kvr_room_t *r = kvr_table_get(&e->rooms, m->room);
     if (r != NULL && !r->bound && !kvr_room_terminal(r) && !r->failing) {
+        r->prefix_len = m->prefix_len;
         kvr_bind_request_locked(e, r, p, m->tag, m->aux_index, m->npages, pages);
         return;
     }
     if (r != NULL) {
-        /* A second request for a room already bound: the decode restarted
-         * the room, or a stale duplicate.  Refuse it explicitly. */
+        /* A request for a room that failed here before any decode asked
+         * for it (an abort on the prefill, say) gets that cause.  A second
+         * request for a room already bound (the decode restarted the room,
+         * or a stale duplicate) is refused explicitly. */
         kvr_msg_t f;
-        char reason[200];
-        snprintf(reason, sizeof(reason), "room %" PRIu64 ": prefill rank %d already serves it",
-                 m->room, e->rank);
+        kvr_failure_t rec;
+        char reason[KVR_REASON_MAX];
         memset(&f, 0, sizeof(f));
+        if (!r->bound && r->failing && r->fail_code) {
+            f.code = (uint16_t)r->fail_code;
+            if (kvr_registry_peek(&e->registry, r->id, &rec)) {
+                snprintf(reason, sizeof(reason), "%s", rec.reason);
+            } else {
+                snprintf(reason, sizeof(reason), "room %" PRIu64 ": %s on prefill rank %d",
+                         m->room, kvr_status_message(r->fail_code), e->rank);
+            }
+        } else {
+            f.code = KVR_PROTOCOL;
+            snprintf(reason, sizeof(reason), "room %" PRIu64 ": prefill rank %d already serves it",
+                     m->room, e->rank);
+        }
         f.type = KVR_MSG_ROOM_FAIL;
         f.room = m->room;
         f.tag = m->tag;
-        f.code = KVR_PROTOCOL;
         f.origin_rank = e->rank;
         f.str = reason;
         f.str_len = (uint16_t)strlen(reason);
@@ -1249,6 +1265,7 @@ static void kvr_handle_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_
     pd->aux_index = m->aux_index;
     pd->npages = m->npages;
     pd->pages = pages;
+    pd->prefix_len = m->prefix_len;
     pd->arrived_ns = kvr_now_ns();
     kvr_pending_t *old = kvr_table_get(&e->pending, m->room);
     if (old) {
@@ -2249,6 +2266,7 @@ int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
         kvr_pending_t *pd = kvr_table_remove(&e->pending, room);
         if (pd != NULL) {
             if (pd->peer != NULL && pd->peer->state == KVR_PEER_READY) {
+                r->prefix_len = pd->prefix_len;
                 kvr_bind_request_locked(e, r, pd->peer, pd->tag, pd->aux_index, pd->npages,
                                         pd->pages);
                 pd->pages = NULL;
@@ -2335,7 +2353,7 @@ out:
 }
 
 int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, int64_t aux_index,
-                             char *err, size_t errlen)
+                             uint32_t prefix_len, char *err, size_t errlen)
 {
     kvr_engine_t *e = kvr_handle_engine(h);
     int rc = kvr_handle_enter(h, err, errlen);
@@ -2391,6 +2409,7 @@ int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, in
     }
     h->npages = (uint32_t)n;
     h->aux_index = aux_index;
+    h->prefix_len = prefix_len;
     h->expected = (uint64_t)n * e->page_bytes + (aux_index >= 0 ? e->aux_bytes : 0);
     h->meta_set = 1;
     kvr_work_push_locked(e, h);
@@ -2493,6 +2512,15 @@ out:
         kvr_wake(e);
     }
     return rc;
+}
+
+uint32_t kvr_handle_prefix_len(kvr_handle_t *h)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    pthread_mutex_lock(&e->lock);
+    uint32_t n = h->prefix_len; /* prefill: set when the request is bound */
+    pthread_mutex_unlock(&e->lock);
+    return n;
 }
 
 int kvr_handle_poll(kvr_handle_t *h)

@@ -126,11 +126,16 @@ int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
                     kvr_handle_t **h_p, char *err, size_t errlen);
 void kvr_handle_release(kvr_handle_t *h);
 
-/* Decode side. */
+/* Decode side.  prefix_len: tokens of the request this decode already holds
+ * (0 for none); the pages are those of the rest.  It travels with the
+ * request for the prefill's scheduler (kvr_handle_prefix_len). */
 int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, char *err, size_t errlen);
 int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, int64_t aux_index,
-                             char *err, size_t errlen);
-/* Prefill side. */
+                             uint32_t prefix_len, char *err, size_t errlen);
+/* Prefill side.  kvr_handle_prefix_len: the decode's prefix_len, once its
+ * request arrived (poll() left Bootstrapping); 0 before.  (Decode: the one
+ * given to send_metadata.)  Takes the lock. */
+uint32_t kvr_handle_prefix_len(kvr_handle_t *h);
 int kvr_handle_send_init(kvr_handle_t *h, int64_t num_pages, int64_t aux_index, char *err,
                          size_t errlen);
 int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, size_t errlen);
