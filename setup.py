@@ -44,7 +44,7 @@ if os.environ.get("KVRECV_SANITIZE"):
     extra_compile += [f"-fsanitize={san}", "-fno-omit-frame-pointer", "-g", "-O1"]
     libs = libs + [f"-fsanitize={san}"]
 
-core_sources = ["status.c", "table.c", "registry.c", "log.c", "wire.c", "room.c",
+core_sources = ["status.c", "table.c", "registry.c", "log.c", "wire.c", "room.c", "hist.c",
                 "transport.c", "control.c", "engine.c"]
 py_sources = ["module.c", "manager.c", "room.c", "bootstrap.c"]
 

@@ -81,6 +81,7 @@ typedef struct {
     int64_t aux_index;
     uint32_t npages;
     int32_t *pages;
+    uint32_t prefix_len;
     uint64_t arrived_ns;
 } kvr_pending_t;
 
@@ -731,6 +732,7 @@ static kvr_op_t *kvr_op_new(kvr_room_t *r, uint64_t len, uint32_t niov)
     r->ops = op;
     kvr_room_ref(r);
     r->inflight++;
+    r->ops_posted++;
     return op;
 }
 
@@ -746,13 +748,27 @@ static void kvr_op_unlink(kvr_room_t *r, kvr_op_t *op)
     }
 }
 
+/* A room just became Success: the counter and the per-room histograms
+ * (what they measure is documented at kvr_stats_t). */
+static void kvr_room_succeeded_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    uint64_t now = kvr_now_ns();
+    uint64_t from = r->started_ns; /* decode: request sent; prefill: request bound */
+    if (e->mode == KVR_MODE_PREFILL && r->ready_ns > from) {
+        from = r->ready_ns;
+    }
+    e->stats.rooms_succeeded++;
+    kvr_hist_observe(&e->stats.transfer_latency, KVR_HIST_LATENCY, now > from ? now - from : 0);
+    kvr_hist_observe(&e->stats.room_ops, KVR_HIST_OPS, r->ops_posted);
+}
+
 static void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r)
 {
     if (r->failing || kvr_room_terminal(r) || !r->done_received || r->inflight > 0) {
         return;
     }
     if (kvr_room_advance(r, KVR_POLL_SUCCESS)) {
-        e->stats.rooms_succeeded++;
+        kvr_room_succeeded_locked(e, r);
     }
 }
 
@@ -785,7 +801,7 @@ static void kvr_op_end_locked(kvr_engine_t *e, kvr_op_t *op, int failed, const c
         kvr_room_settle(r);
     } else if (e->mode == KVR_MODE_DECODE) {
         if (kvr_room_complete(r) && kvr_room_advance(r, KVR_POLL_SUCCESS)) {
-            e->stats.rooms_succeeded++;
+            kvr_room_succeeded_locked(e, r);
             if (r->peer) {
                 kvr_msg_t m;
                 memset(&m, 0, sizeof(m));
@@ -952,7 +968,6 @@ static void kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_hea
     int rc = kvr_tp_send(e->tp, r->peer->ep, op->hdr, sizeof(op->hdr), op->iov, niov, &op->base,
                          &st);
     e->stats.ops_posted++;
-    r->ops_posted++;
     if (rc <= 0) {
         kvr_op_end_locked(e, op, rc == 0 ? KVR_TP_OK : rc == -2 ? KVR_TP_PEER_GONE : KVR_TP_ERROR,
                           st);
@@ -1072,6 +1087,7 @@ static void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r)
     m.aux_index = r->aux_index;
     m.npages = r->npages;
     m.pages = (const unsigned char *)r->pages; /* little-endian host */
+    m.prefix_len = r->prefix_len;
     kvr_send_ctrl_to_peer(e, r->peer, &m);
     r->req_sent = 1;
     r->started_ns = kvr_now_ns();
@@ -1279,21 +1295,35 @@ static void kvr_handle_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_
     }
     kvr_room_t *r = kvr_table_get(&e->rooms, m->room);
     if (r != NULL && !r->bound && !kvr_room_terminal(r) && !r->failing) {
+        r->prefix_len = m->prefix_len;
         kvr_bind_request_locked(e, r, p, m->tag, m->aux_index, m->npages, pages);
         return;
     }
     if (r != NULL) {
-        /* A second request for a room already bound: the decode restarted
-         * the room, or a stale duplicate.  Refuse it explicitly. */
+        /* A request for a room that failed here before any decode asked
+         * for it (an abort on the prefill, say) gets that cause.  A second
+         * request for a room already bound (the decode restarted the room,
+         * or a stale duplicate) is refused explicitly. */
         kvr_msg_t f;
-        char reason[200];
-        snprintf(reason, sizeof(reason), "room %" PRIu64 ": prefill rank %d already serves it",
-                 m->room, e->rank);
+        kvr_failure_t rec;
+        char reason[KVR_REASON_MAX];
         memset(&f, 0, sizeof(f));
+        if (!r->bound && r->failing && r->fail_code) {
+            f.code = (uint16_t)r->fail_code;
+            if (kvr_registry_peek(&e->registry, r->id, &rec)) {
+                snprintf(reason, sizeof(reason), "%s", rec.reason);
+            } else {
+                snprintf(reason, sizeof(reason), "room %" PRIu64 ": %s on prefill rank %d",
+                         m->room, kvr_status_message(r->fail_code), e->rank);
+            }
+        } else {
+            f.code = KVR_PROTOCOL;
+            snprintf(reason, sizeof(reason), "room %" PRIu64 ": prefill rank %d already serves it",
+                     m->room, e->rank);
+        }
         f.type = KVR_MSG_ROOM_FAIL;
         f.room = m->room;
         f.tag = m->tag;
-        f.code = KVR_PROTOCOL;
         f.origin_rank = e->rank;
         f.str = reason;
         f.str_len = (uint16_t)strlen(reason);
@@ -1316,6 +1346,7 @@ static void kvr_handle_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_
     pd->aux_index = m->aux_index;
     pd->npages = m->npages;
     pd->pages = pages;
+    pd->prefix_len = m->prefix_len;
     pd->arrived_ns = kvr_now_ns();
     kvr_pending_t *old = kvr_table_get(&e->pending, m->room);
     if (old) {
@@ -2336,6 +2367,7 @@ int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
         kvr_pending_t *pd = kvr_table_remove(&e->pending, room);
         if (pd != NULL) {
             if (pd->peer != NULL && pd->peer->state == KVR_PEER_READY) {
+                r->prefix_len = pd->prefix_len;
                 kvr_bind_request_locked(e, r, pd->peer, pd->tag, pd->aux_index, pd->npages,
                                         pd->pages);
                 pd->pages = NULL;
@@ -2422,7 +2454,7 @@ out:
 }
 
 int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, int64_t aux_index,
-                             char *err, size_t errlen)
+                             uint32_t prefix_len, char *err, size_t errlen)
 {
     kvr_engine_t *e = kvr_handle_engine(h);
     int rc = kvr_handle_enter(h, err, errlen);
@@ -2478,6 +2510,7 @@ int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, in
     }
     h->npages = (uint32_t)n;
     h->aux_index = aux_index;
+    h->prefix_len = prefix_len;
     h->expected = (uint64_t)n * e->page_bytes + (aux_index >= 0 ? e->aux_bytes : 0);
     h->meta_set = 1;
     kvr_work_push_locked(e, h);
@@ -2521,6 +2554,9 @@ int kvr_handle_send_init(kvr_handle_t *h, int64_t num_pages, int64_t aux_index, 
     h->inited = 1;
     h->total_pages = (uint32_t)num_pages;
     h->src_aux = aux_index;
+    if (num_pages == 0) {
+        h->ready_ns = kvr_now_ns();
+    }
     if (h->bound && h->ndst != h->total_pages && !h->failing) {
         kvr_room_failf_locked(e, h, KVR_LAYOUT_MISMATCH, 1,
                               "decode asked for %u pages, prefill announced %u", h->ndst,
@@ -2568,6 +2604,9 @@ int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, 
         memcpy(h->src_pages + h->given, pages, n * sizeof(int32_t));
     }
     h->given += (uint32_t)n;
+    if (h->given == h->total_pages && n) {
+        h->ready_ns = kvr_now_ns();
+    }
     wake = 1;
     if (h->bound && !h->on_work && h->peer != NULL && h->peer->state == KVR_PEER_READY) {
         /* Post from the caller's thread: the worker is serialized by the
@@ -2587,6 +2626,15 @@ out:
         kvr_wake(e);
     }
     return rc;
+}
+
+uint32_t kvr_handle_prefix_len(kvr_handle_t *h)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    pthread_mutex_lock(&e->lock);
+    uint32_t n = h->prefix_len; /* prefill: set when the request is bound */
+    pthread_mutex_unlock(&e->lock);
+    return n;
 }
 
 int kvr_handle_poll(kvr_handle_t *h)

@@ -18,6 +18,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "hist.h"
 #include "registry.h"
 #include "status.h"
 
@@ -74,9 +75,18 @@ typedef struct {
     uint64_t pending_requests;    /* prefill: requests waiting for a sender */
     uint64_t peers;
     uint64_t rooms_succeeded;
-    uint64_t rooms_force_drained;
-    uint64_t log_dropped;         /* log records lost because nobody read them */ /* declared drained with a dead peer's ops stuck */
+    uint64_t rooms_force_drained; /* declared drained with a dead peer's ops stuck */
+    uint64_t log_dropped;         /* log records lost because nobody read them */
     uint64_t failures_by_code[KVR_STATUS_LAST];
+    /* Per succeeded room (KVR_HIST_LATENCY, ns): decode, from sending the
+     * request to the prefill to the last byte landed; prefill, from the
+     * later of the decode's request arriving and the last page handed to
+     * send() (init() for a room of no pages) to the decode's completion
+     * notice.  Failed rooms are not observed. */
+    kvr_hist_t transfer_latency;
+    /* Per succeeded room (KVR_HIST_OPS): its data operations (prefill:
+     * posted; decode: data messages accepted). */
+    kvr_hist_t room_ops;
 } kvr_stats_t;
 
 /* Creates the manager and starts its thread.  Blocks only for local set-up. */
@@ -118,11 +128,16 @@ int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
                     kvr_handle_t **h_p, char *err, size_t errlen);
 void kvr_handle_release(kvr_handle_t *h);
 
-/* Decode side. */
+/* Decode side.  prefix_len: tokens of the request this decode already holds
+ * (0 for none); the pages are those of the rest.  It travels with the
+ * request for the prefill's scheduler (kvr_handle_prefix_len). */
 int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, char *err, size_t errlen);
 int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, int64_t aux_index,
-                             char *err, size_t errlen);
-/* Prefill side. */
+                             uint32_t prefix_len, char *err, size_t errlen);
+/* Prefill side.  kvr_handle_prefix_len: the decode's prefix_len, once its
+ * request arrived (poll() left Bootstrapping); 0 before.  (Decode: the one
+ * given to send_metadata.)  Takes the lock. */
+uint32_t kvr_handle_prefix_len(kvr_handle_t *h);
 int kvr_handle_send_init(kvr_handle_t *h, int64_t num_pages, int64_t aux_index, char *err,
                          size_t errlen);
 int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, size_t errlen);

@@ -102,7 +102,14 @@ typedef struct kvr_room {
     int64_t dst_aux;
     uint64_t dst_tag;
     int done_received;
+    uint64_t ready_ns;      /* the last page was handed to send() (or init() of 0 pages) */
+
+    /* both: data operations (prefill: posted; decode: data messages accepted) */
     uint64_t ops_posted;
+    /* both: tokens of the request the decode already holds (its radix cache
+     * prefix); decode: given to send_metadata, prefill: came with the
+     * request.  Only carried: the pages exchanged cover the rest. */
+    uint32_t prefix_len;
 
     /* the engine's work list */
     struct kvr_room *work_next;

@@ -138,6 +138,9 @@ int kvr_wire_encode(kvr_wbuf_t *b, const kvr_msg_t *m)
         kvr_put_u64(b, (uint64_t)m->aux_index);
         kvr_put_u32(b, m->npages);
         kvr_wbuf_put(b, m->pages, (size_t)m->npages * 4);
+        if (m->prefix_len) {
+            kvr_put_u32(b, m->prefix_len);
+        }
         break;
     case KVR_MSG_ROOM_DONE:
         kvr_put_u64(b, m->room);
@@ -294,6 +297,12 @@ int kvr_wire_decode(const void *buf, size_t len, kvr_msg_t *m, const char **why)
             r.why = "too many pages";
         }
         kvr_rd_take(&r, (size_t)m->npages * 4, &m->pages, "truncated page list");
+        if (!r.why && r.left >= 4) { /* the optional prefix length */
+            m->prefix_len = (uint32_t)kvr_rd_int(&r, 4, "truncated prefix length");
+            if (m->prefix_len == 0) {
+                r.why = "explicit zero prefix length";
+            }
+        }
         break;
     case KVR_MSG_ROOM_DONE:
         m->room = kvr_rd_int(&r, 8, "truncated room");

@@ -32,7 +32,7 @@ typedef enum {
     KVR_MSG_HELLO,            /* decode -> prefill: rank, layout, worker address */
     KVR_MSG_HELLO_OK,         /* prefill -> decode: rank, layout, worker address */
     KVR_MSG_HELLO_REJECT,     /* prefill -> decode: rank, code, reason */
-    KVR_MSG_ROOM_REQ,         /* decode -> prefill: room, tag, aux_index, pages */
+    KVR_MSG_ROOM_REQ,         /* decode -> prefill: room, tag, aux_index, pages[, prefix_len] */
     KVR_MSG_ROOM_DONE,        /* decode -> prefill: room, tag */
     KVR_MSG_ROOM_FAIL,        /* either way: room, tag, code, origin_rank, reason, peer */
     KVR_MSG_PING,             /* decode -> prefill: rank */
@@ -61,6 +61,11 @@ typedef struct {
     int64_t aux_index;
     uint32_t npages;
     const unsigned char *pages; /* npages x little-endian int32 */
+    /* ROOM_REQ: tokens of the request the decode already holds (a radix
+     * cache prefix), for the prefill's scheduler; the pages cover the rest.
+     * On the wire only when > 0 (so a request without one is encoded as
+     * before, and there is still one encoding per message). */
+    uint32_t prefix_len;
     uint8_t found;
     uint64_t peer_epoch;
     uint16_t code;

@@ -38,6 +38,7 @@ static void check_same(const kvr_msg_t *a, const kvr_msg_t *b)
     CHECK(a->tag == b->tag);
     CHECK(a->aux_index == b->aux_index);
     CHECK(a->npages == b->npages);
+    CHECK(a->prefix_len == b->prefix_len);
     CHECK(same_bytes(a->pages, b->pages, (size_t)a->npages * 4));
     CHECK(a->found == b->found);
     CHECK(a->peer_epoch == b->peer_epoch);

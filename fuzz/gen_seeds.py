@@ -45,6 +45,8 @@ def wire_seeds():
     out["room_req"] = (header(ROOM_REQ) + struct.pack("<QQqI", 42, 7, 3, 4)
                        + struct.pack("<4i", 0, 1, 2, 0x7FFFFFFF))
     out["room_req_noaux"] = header(ROOM_REQ) + struct.pack("<QQqI", 43, 8, -1, 0)
+    out["room_req_prefix"] = (header(ROOM_REQ) + struct.pack("<QQqI", 44, 9, 1, 2)
+                              + struct.pack("<2i", 5, 6) + struct.pack("<I", 4096))
     out["room_done"] = header(ROOM_DONE) + struct.pack("<QQ", 42, 7)
     out["room_fail"] = (header(ROOM_FAIL) + struct.pack("<QQHi", 42, 7, 3, -1) + s(b"peer lost")
                         + s(b"10.0.0.2:6000"))

@@ -51,17 +51,20 @@ def _plan(room: int, pages: int, slots: int, pages_per_buffer: int, contiguous: 
     return src.astype(np.int32), dst.astype(np.int32), slot
 
 
-def _open_senders(mgrs, bootstrap, room: int, args) -> list:
+def _open_senders(mgrs, bootstrap, room: int, args, hold: bool = False) -> list:
     """One sender per prefill rank for room, its pages handed over in two
-    chunks (chunked prefill), the aux row with the last one."""
+    chunks (chunked prefill), the aux row with the last one.  With hold, the
+    senders are created and init() is called, but send() never is: the
+    room stays in flight until the process dies or the decode gives up."""
     src, _, slot = _room_plan(room, args)
     group = []
     for mgr in mgrs:
         s = KVSender(mgr, bootstrap, room)
         s.init(len(src), aux_index=slot)
-        half = len(src) // 2
-        s.send(src[:half])
-        s.send(src[half:])
+        if not hold:
+            half = len(src) // 2
+            s.send(src[:half])
+            s.send(src[half:])
         group.append(s)
     return group
 
@@ -237,8 +240,9 @@ INJECT_CONFIG = dict(bootstrap_timeout_ms=3000)
 
 
 def _inject_prefill_main(bootstrap, args, conn):
-    """Prefill instance for --inject: rooms arrive over the pipe at any
-    time (requeued requests come under new room ids)."""
+    """Prefill instance for --inject: the router hands it each room when it
+    hands the request to the decode (requeued requests come under new room
+    ids), as [(room, hold), ...]; a held room's pages are never sent."""
     mgrs = []
     data = []
     for rank in range(args.ranks):
@@ -258,8 +262,8 @@ def _inject_prefill_main(bootstrap, args, conn):
                 for m in mgrs:
                     m.close()
                 return
-            for room in msg:
-                senders[room] = _open_senders(mgrs, bootstrap, room, args)
+            for room, hold in msg:
+                senders[room] = _open_senders(mgrs, bootstrap, room, args, hold)
         for room, group in list(senders.items()):
             states = [s.poll() for s in group]
             if all(st in (KVPoll.Success, KVPoll.Failed) for st in states):
@@ -269,13 +273,26 @@ def _inject_prefill_main(bootstrap, args, conn):
         time.sleep(0.0005)
 
 
-def _start_prefill(ctx, bootstrap, args):
+def _start_prefill(ctx, server, args):
+    """Starts a prefill instance (one process, all ranks) and returns once
+    every rank of it is registered with the bootstrap server."""
+    regs = server.stats()["registrations"]
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_inject_prefill_main, args=(bootstrap, args, child), daemon=True)
+    proc = ctx.Process(target=_inject_prefill_main, args=(server.address, args, child),
+                       daemon=True)
     proc.start()
     if not parent.poll(60) or parent.recv() != "ready":
         raise RuntimeError("prefill process did not start")
+    deadline = time.time() + 30
+    while server.stats()["registrations"] < regs + args.ranks:
+        if time.time() > deadline:
+            raise RuntimeError("the prefill process did not register with the bootstrap server")
+        time.sleep(0.005)
     return proc, parent
+
+
+def _n(count: int, noun: str) -> str:
+    return f"{count} {noun}" + ("" if count == 1 else "s")
 
 
 def _verify(decode, expect, args, room) -> bool:
@@ -292,15 +309,39 @@ def _verify(decode, expect, args, room) -> bool:
 
 
 def _run_inject(args) -> int:
+    """The scheduler-style loop.  Requests are admitted (a receiver per
+    decode rank, and the room handed to the prefill) while a slot is free;
+    a failed request is requeued under a new room id, up to --max-attempts.
+
+    kill-prefill and restart-prefill inject at a point where rooms are really
+    in flight: the prefill holds back the pages of the first attempt of every
+    fifth request of the first wave (the first --slots requests), and the
+    requests after the first wave wait until the injection.  Once only the
+    held rooms are left in flight:
+
+    - kill-prefill: the prefill process is killed.  The decode fails the held
+      rooms with PEER_LOST; no request is admitted while no prefill is up;
+      once every held room has failed, a replacement prefill process starts
+      (as an orchestrator would restart it) and the requeued requests go to
+      it.
+    - restart-prefill: a new prefill instance starts and registers with the
+      bootstrap server while the old one, alive, still holds the rooms.  The
+      next request the decode admits makes it re-check the registration:
+      the held rooms fail with PEER_RESTARTED and every room from then on
+      goes to the new instance.  The old process is then killed.  (With no
+      request left to admit, nothing would notice the new instance; the old
+      process is then killed at once and the rooms fail with PEER_LOST.)
+    """
     from ._core import KVTransferError
 
     server = BootstrapServer(port=0)
     bootstrap = server.address
     ctx = mp.get_context("spawn")
     try:
-        proc, pipe = _start_prefill(ctx, bootstrap, args)
+        proc, pipe = _start_prefill(ctx, server, args)
     except RuntimeError as e:
         print(e, file=sys.stderr)
+        server.close()
         return 1
     decode, expect = [], []
     for rank in range(args.ranks):
@@ -324,14 +365,21 @@ def _run_inject(args) -> int:
     attempts = {rid: 1 for rid in range(args.rooms)}
     next_room = [1000 + args.rooms + 100000]
     pending = list(range(args.rooms))
-    pipe.send([room_of[r] for r in pending])
     active: dict = {}
     result: dict = {}  # rid -> "ok" / "CORRUPT" / code
     attempt_failures: dict = {}
     requeued = 0
-    killed = False
     deadline = time.time() + args.timeout
     victims = {rid for rid in range(args.rooms) if rid % 5 == 2}
+    process_fault = args.inject in ("kill-prefill", "restart-prefill")
+    first_wave = min(args.rooms, args.slots)
+    if process_fault:
+        victims = {rid for rid in victims if rid < first_wave}
+    # phases of a process fault: "hold" (first wave only) -> "down" (kill:
+    # no prefill up) or "replaced" (restart: the old one still runs until
+    # its rooms failed) -> "done"
+    phase = "hold" if process_fault else "done"
+    old_proc = None
 
     def requeue(rid, code):
         nonlocal requeued
@@ -344,24 +392,56 @@ def _run_inject(args) -> int:
         room_of[rid] = next_room[0]
         next_room[0] += 1
         pending.append(rid)
-        if proc.is_alive():
-            pipe.send([room_of[rid]])
+
+    def start_prefill():
+        try:
+            return _start_prefill(ctx, server, args)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            return None, None
 
     while (pending or active) and time.time() < deadline:
-        # the injected process failures, once a third of the requests finished
-        if not killed and args.inject in ("kill-prefill", "restart-prefill") and \
-                len(result) >= args.rooms // 3:
-            killed = True
-            proc.kill()
-            proc.join(10)
-            print(f"injected: prefill process killed after {len(result)} requests")
-            if args.inject == "restart-prefill":
-                proc, pipe = _start_prefill(ctx, bootstrap, args)
-                print("injected: prefill process restarted")
-                pipe.send([room_of[r] for r in pending] + [room_of[r] for r in active])
+        if phase == "hold" and set(active) == victims and all(active[r][1] for r in victims) \
+                and len(result) + len(victims) >= first_wave:
+            # only the held rooms are in flight: inject
+            if args.inject == "kill-prefill":
+                proc.kill()
+                proc.join(10)
+                phase = "down"
+                print(f"injected: prefill process killed with {_n(len(active), 'request')} in flight")
+            else:
+                old_proc, old_pipe = proc, pipe
+                proc, pipe = start_prefill()
+                if proc is None:
+                    break
+                print(f"injected: a new prefill instance registered, with "
+                      f"{_n(len(active), 'request')} in flight on the old one")
+                phase = "replaced"
+                if not pending:
+                    old_proc.kill()
+                    old_proc.join(10)
+                    old_proc = None
+                    phase = "done"
+                    print("injected: no request left to admit; old prefill process killed")
+        elif phase == "down" and not active:
+            proc, pipe = start_prefill()
+            if proc is None:
+                break
+            print("injected: replacement prefill process started")
+            phase = "done"
+        elif phase == "replaced" and not any(r in victims and attempts[r] == 1 for r in active):
+            old_proc.kill()
+            old_proc.join(10)
+            old_proc = None
+            print("injected: old prefill process killed")
+            phase = "done"
+
         busy = {room_of[r] % args.slots for r in active}
+        handed = []
         for rid in list(pending):
-            if len(active) >= args.slots:
+            if len(active) >= args.slots or phase == "down":
+                break
+            if phase == "hold" and rid >= first_wave:
                 break
             if room_of[rid] % args.slots in busy:
                 continue
@@ -373,6 +453,9 @@ def _run_inject(args) -> int:
                 r.init()
                 group.append(r)
             active[rid] = [group, False]
+            handed.append((room_of[rid], process_fault and rid in victims and attempts[rid] == 1))
+        if handed:
+            pipe.send(handed)  # the router hands the request to the prefill too
         for rid, entry in list(active.items()):
             group, sent = entry
             room = room_of[rid]
@@ -404,7 +487,10 @@ def _run_inject(args) -> int:
             del active[rid]
         time.sleep(0.0005)
 
-    if proc.is_alive():
+    if old_proc is not None:
+        old_proc.kill()
+        old_proc.join(10)
+    if proc is not None and proc.is_alive():
         pipe.send("finish")
         proc.join(30)
         if proc.is_alive():

@@ -7,28 +7,38 @@ from any HTTP endpoint.  If prometheus_client is installed,
 (``KVRecvCollector(mgrs).register()``); prometheus_client is not required
 otherwise.
 
-Families:
+Families (every one labelled by mode and rank):
 
-    kvrecv_rooms{mode,rank,state}            gauge    open rooms by KVPoll state
-    kvrecv_rooms_draining{mode,rank}         gauge    failed rooms still draining
-    kvrecv_peers{mode,rank}                  gauge    known peers
-    kvrecv_pending_requests{mode,rank}       gauge    decode requests held for senders not yet created
-    kvrecv_rooms_succeeded_total{mode,rank}  counter
-    kvrecv_rooms_force_drained_total{mode,rank} counter
-    kvrecv_bytes_total{mode,rank}            counter  bytes moved
-    kvrecv_rma_ops_total{mode,rank}          counter  data operations posted
-    kvrecv_failures_total{mode,rank,code}    counter  failures by code
-    kvrecv_heartbeats_missed_total{mode,rank} counter
-    kvrecv_ctrl_dropped_total{mode,rank}     counter  malformed/unexpected control messages dropped
-    kvrecv_data_rejected_total{mode,rank}    counter  data messages refused by the decode's checks
-    kvrecv_log_dropped_total{mode,rank}      counter  log records dropped
+    kvrecv_rooms{state}                      gauge    open rooms by KVPoll state
+    kvrecv_rooms_draining                    gauge    failed rooms still draining
+    kvrecv_peers                             gauge    known peers
+    kvrecv_pending_requests                  gauge    decode requests held for senders not yet created
+    kvrecv_rooms_succeeded_total             counter
+    kvrecv_rooms_force_drained_total         counter
+    kvrecv_bytes_total                       counter  bytes moved
+    kvrecv_rma_ops_total                     counter  data operations posted (prefill)
+    kvrecv_failures_total{code}              counter  failures by code
+    kvrecv_heartbeats_missed_total           counter
+    kvrecv_ctrl_dropped_total                counter  malformed/unexpected control messages dropped
+    kvrecv_data_rejected_total               counter  data messages refused by the decode's checks
+    kvrecv_log_dropped_total                 counter  log records dropped
+    kvrecv_transfer_latency_seconds          histogram  per succeeded room (see below)
+    kvrecv_rma_ops_per_room                  histogram  data operations of each succeeded room
+
+The transfer latency of a room is measured by the C core.  On the decode it
+runs from sending the room's request (its page indices) to the prefill to the
+last byte landed, so it includes the prefill's wait for its own send() calls;
+on the prefill it runs from the later of the decode's request arriving and
+the last page handed to send() to the decode's completion notice.  Its
+buckets are fixed and log-spaced (1-2-5 per decade, 10 us to 100 s), the same
+in every process, so they aggregate across ranks and instances.
 """
 
 from __future__ import annotations
 
 from typing import Iterable, List, Tuple
 
-# (family, type, help, stats key or None for the labelled ones)
+# (family, type, help, stats key)
 _SCALARS = [
     ("kvrecv_rooms_draining", "gauge", "Failed rooms whose operations are still draining.", "rooms_draining"),
     ("kvrecv_peers", "gauge", "Peers this manager knows.", "peers"),
@@ -39,7 +49,9 @@ _SCALARS = [
      "Rooms declared drained after cancelling operations a dead peer left hanging.",
      "rooms_force_drained"),
     ("kvrecv_bytes_total", "counter", "Bytes moved (KV pages and aux rows).", "bytes_moved"),
-    ("kvrecv_rma_ops_total", "counter", "Data operations posted.", "rma_ops_posted"),
+    ("kvrecv_rma_ops_total", "counter",
+     "Data operations posted by the prefill (one per page run per buffer, one per aux row).",
+     "rma_ops_posted"),
     ("kvrecv_heartbeats_missed_total", "counter", "Heartbeats missed.", "heartbeats_missed"),
     ("kvrecv_ctrl_dropped_total", "counter", "Control messages dropped.", "ctrl_dropped"),
     ("kvrecv_data_rejected_total", "counter",
@@ -49,6 +61,15 @@ _SCALARS = [
 
 _ROOMS = ("kvrecv_rooms", "gauge", "Open rooms by KVPoll state.")
 _FAILURES = ("kvrecv_failures_total", "counter", "Room failures by code.")
+# (family, help, stats key)
+_HISTOGRAMS = [
+    ("kvrecv_transfer_latency_seconds",
+     "Transfer latency of succeeded rooms (decode: request sent to last byte landed; "
+     "prefill: request and last page both there to completion).", "transfer_latency"),
+    ("kvrecv_rma_ops_per_room", "Data operations of each succeeded room.", "room_ops"),
+]
+
+Labels = Tuple[Tuple[str, str], ...]
 
 
 def _escape(v: str) -> str:
@@ -59,9 +80,31 @@ def _labels(pairs) -> str:
     return "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in pairs) + "}"
 
 
+def _le(bound) -> str:
+    """A bucket bound as Prometheus writes it (Go float formatting)."""
+    return repr(float(bound))
+
+
+def _value(v) -> str:
+    if isinstance(v, int):
+        return str(v)
+    return repr(float(v))
+
+
+def histogram_buckets(hist: dict) -> List[Tuple[str, int]]:
+    """[(le, cumulative count), ..., ("+Inf", count)] of one stats()
+    histogram (stats() gives per-bucket counts)."""
+    out, total = [], 0
+    for bound, n in zip(list(hist["bounds"]) + [None], hist["counts"]):
+        total += n
+        out.append(("+Inf" if bound is None else _le(bound), total))
+    return out
+
+
 def samples(managers: Iterable) -> List[Tuple[str, str, str, list]]:
-    """[(family, type, help, [(labels, value), ...]), ...] for the managers
-    (closed ones are skipped)."""
+    """[(family, type, help, [(sample name, labels, value), ...]), ...] for the
+    managers (closed ones are skipped).  Histogram families have their
+    ``_bucket`` (with ``le``), ``_sum`` and ``_count`` samples."""
     per = []
     for m in managers:
         if getattr(m, "closed", False):
@@ -70,13 +113,21 @@ def samples(managers: Iterable) -> List[Tuple[str, str, str, list]]:
         per.append((base, m.stats()))
     out = []
     name, typ, hlp = _ROOMS
-    out.append((name, typ, hlp, [(base + (("state", st),), n)
+    out.append((name, typ, hlp, [(name, base + (("state", st),), n)
                                  for base, s in per for st, n in s["rooms_by_state"].items()]))
     name, typ, hlp = _FAILURES
-    out.append((name, typ, hlp, [(base + (("code", code),), n)
+    out.append((name, typ, hlp, [(name, base + (("code", code),), n)
                                  for base, s in per for code, n in s["failures_by_code"].items()]))
     for name, typ, hlp, key in _SCALARS:
-        out.append((name, typ, hlp, [(base, s[key]) for base, s in per]))
+        out.append((name, typ, hlp, [(name, base, s[key]) for base, s in per]))
+    for name, hlp, key in _HISTOGRAMS:
+        rows = []
+        for base, s in per:
+            h = s[key]
+            rows += [(name + "_bucket", base + (("le", le),), n) for le, n in histogram_buckets(h)]
+            rows.append((name + "_sum", base, h["sum"]))
+            rows.append((name + "_count", base, h["count"]))
+        out.append((name, "histogram", hlp, rows))
     return out
 
 
@@ -86,13 +137,20 @@ def prometheus_text(managers: Iterable) -> str:
     for name, typ, hlp, rows in samples(managers):
         lines.append(f"# HELP {name} {hlp}")
         lines.append(f"# TYPE {name} {typ}")
-        for labels, value in rows:
-            lines.append(f"{name}{_labels(labels)} {int(value)}")
+        for sample, labels, value in rows:
+            lines.append(f"{sample}{_labels(labels)} {_value(value)}")
     return "\n".join(lines) + "\n"
 
 
 try:  # optional
-    from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily  # type: ignore
+    from prometheus_client.core import (  # type: ignore
+        CounterMetricFamily,
+        GaugeMetricFamily,
+        HistogramMetricFamily,
+    )
+except ImportError:  # pragma: no cover - depends on the environment
+    KVRecvCollector = None  # type: ignore
+else:
 
     class KVRecvCollector:
         """A prometheus_client collector over a list of managers (the list
@@ -103,12 +161,15 @@ try:  # optional
 
         def collect(self):
             for name, typ, hlp, rows in samples(self.managers):
-                keys = [k for k, _ in rows[0][0]] if rows else ["mode", "rank"]
+                if typ == "histogram":
+                    yield _histogram_family(name, hlp, rows)
+                    continue
+                keys = [k for k, _ in rows[0][1]] if rows else ["mode", "rank"]
                 if typ == "counter":
                     fam = CounterMetricFamily(name[: -len("_total")], hlp, labels=keys)
                 else:
                     fam = GaugeMetricFamily(name, hlp, labels=keys)
-                for labels, value in rows:
+                for _, labels, value in rows:
                     fam.add_metric([v for _, v in labels], value)
                 yield fam
 
@@ -121,5 +182,15 @@ try:  # optional
             (registry or REGISTRY).register(self)
             return self
 
-except ImportError:  # pragma: no cover - depends on the environment
-    KVRecvCollector = None  # type: ignore
+    def _histogram_family(name, hlp, rows):
+        fam = HistogramMetricFamily(name, hlp, labels=["mode", "rank"])
+        per: dict = {}  # base labels -> (buckets, sum)
+        for sample, labels, value in rows:
+            if sample.endswith("_bucket"):
+                base = tuple(v for k, v in labels if k != "le")
+                per.setdefault(base, [[], 0])[0].append((dict(labels)["le"], value))
+            elif sample.endswith("_sum"):
+                per.setdefault(tuple(v for _, v in labels), [[], 0])[1] = value
+        for base, (buckets, total) in per.items():
+            fam.add_metric(list(base), buckets, total)
+        return fam

@@ -10,10 +10,17 @@ BootstrapServer.  Nothing from sglang is imported: the scheduler's objects
 are read through their attributes only.  See docs/sglang.md for how to
 register the backend.
 
+A decode radix-cache prefix is supported: the decode's
+``send_metadata(..., decode_prefix_len=N)`` names only the pages after the N
+tokens it already holds, N travels with its request, and the prefill's
+``pop_decode_prefix_len()`` returns it so the prefill scheduler sends from
+token N on (``init()`` with the remaining page count).
+
 What is not supported (rejected cleanly rather than moving wrong bytes):
-hybrid-model state buffers (a non-empty ``state_types`` or
-``state_indices``), and a decode radix-cache prefix (``decode_prefix_len`` >
-0): both sides would disagree on the page count.
+hybrid-model state buffers.  A manager whose ``kv_args.state_types`` is
+non-empty is refused; with none registered, ``state_indices`` may be None or
+empty, and a room given non-empty ``state_indices`` fails with a reason that
+says so.
 """
 
 from __future__ import annotations
@@ -85,6 +92,24 @@ def _seq(value) -> list:
     if value is None:
         return []
     return [int(v) for v in value]
+
+
+def _has_state(state_indices) -> bool:
+    """True if state_indices names any state slot.  sglang passes None, a
+    list with one entry per state type (each None, a list or an array), or a
+    flat list of slots."""
+    if state_indices is None:
+        return False
+    for entry in state_indices:
+        if entry is None:
+            continue
+        if not hasattr(entry, "__len__") or len(entry):
+            return True
+    return False
+
+
+_NO_STATE = ("kvrecv registered no state buffers (it moves dense KV caches only; a manager "
+             "with state_types is refused), so state_indices={!r} cannot be transferred")
 
 
 class KVRecvManager(KVManager):
@@ -204,14 +229,19 @@ class KVRecvSender(_RoomMixin, KVSender):
 
     def send(self, kv_indices, state_indices: Optional[list] = None, num_kv_tokens=None,
              token_position_offset: int = 0) -> None:
-        if state_indices is not None and len(state_indices) and any(
-                s is not None and len(s) for s in state_indices):
-            self._fail_local("kvrecv does not transfer hybrid-model state (state_indices given)")
+        if _has_state(state_indices):
+            self._fail_local(_NO_STATE.format(state_indices))
             return
         super().send(kv_indices)
 
     def pop_decode_prefix_len(self) -> int:
-        return 0
+        """Tokens of the request the decode already holds (its radix-cache
+        prefix), from the decode's request: valid once poll() has left
+        Bootstrapping, 0 before.  The scheduler sends from that token on."""
+        try:
+            return self.decode_prefix_len
+        except RuntimeError:  # cleared
+            return 0
 
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
         return num_pages > 0
@@ -242,16 +272,12 @@ class KVRecvReceiver(_RoomMixin, KVReceiver):
     def send_metadata(self, kv_indices, aux_index: Optional[int] = None,
                       state_indices: Optional[list] = None,
                       decode_prefix_len: Optional[int] = None, **_ignored) -> None:
-        if decode_prefix_len:
-            self._fail_local(
-                f"kvrecv does not support a decode radix-cache prefix (decode_prefix_len="
-                f"{decode_prefix_len}); disable the decode radix cache")
+        """kv_indices: the decode pages after the decode_prefix_len tokens it
+        already holds (sglang passes the pages of that delta)."""
+        if _has_state(state_indices):
+            self._fail_local(_NO_STATE.format(state_indices))
             return
-        if state_indices is not None and len(state_indices) and any(
-                s is not None and len(s) for s in state_indices):
-            self._fail_local("kvrecv does not transfer hybrid-model state (state_indices given)")
-            return
-        KVReceiver.send_metadata(self, kv_indices, aux_index)
+        KVReceiver.send_metadata(self, kv_indices, aux_index, decode_prefix_len or 0)
 
 
 class KVRecvBootstrapServer(BootstrapServer):

@@ -17,7 +17,8 @@ if [ "$need_apt" = 1 ]; then
 fi
 
 PY=${PYTHON:-python3}
-$PY -m pip install -q --disable-pip-version-check setuptools wheel numpy pytest pytest-timeout
+$PY -m pip install -q --disable-pip-version-check setuptools wheel numpy pytest pytest-timeout \
+    prometheus_client
 # Editable install (the console script `kvrecv`), then the extension in place.
 $PY -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e . >/dev/null
 $PY setup.py -q build_ext --inplace 2>&1 | grep -v -i "warn" || true

@@ -1,4 +1,4 @@
-"""python -m kvrecv doctor / demo --inject, and the Prometheus metrics."""
+"""python -m kvrecv doctor / demo --inject."""
 
 from __future__ import annotations
 
@@ -9,12 +9,7 @@ import socket
 import subprocess
 import sys
 
-import numpy as np
-
-from kvtest import STD, wait_for
-
-from kvrecv import KVPoll, KVReceiver, KVSender
-from kvrecv.metrics import prometheus_text
+from kvtest import STD
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_DEMO = ["--rooms", "20", "--pages", "4", "--buffers", "4", "--item-len", "256"]
@@ -84,76 +79,48 @@ def test_demo_inject_bad_layout_fails_every_request():
     assert "requeued under a new room id: 0" in r.stdout, r.stdout
 
 
+# In SMALL_DEMO (20 requests, 16 slots) the prefill holds back the first
+# attempt of requests 2, 7 and 12; the injection comes when only those are
+# in flight, so exactly those three fail, once each, and are requeued.
+
+
+def test_demo_inject_kill_prefill_fails_in_flight_rooms_then_recovers():
+    r = kvrecv_cli("demo", "--inject", "kill-prefill", *SMALL_DEMO)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "injected: prefill process killed with 3 requests in flight" in r.stdout, r.stdout
+    assert "injected: replacement prefill process started" in r.stdout, r.stdout
+    assert "requests: ok=20 failed=0\n" in r.stdout, r.stdout
+    assert "failed attempts by code: PEER_LOST=3\n" in r.stdout, r.stdout
+    assert "requeued under a new room id: 3\n" in r.stdout, r.stdout
+    # the decode logged the cause with the peer's name
+    assert re.search(r"PEER_LOST: room 10(02|07|12): prefill rank \d at 127\.0\.0\.1:\d+ lost", r.stderr), r.stderr
+
+
+def test_demo_inject_restart_prefill_fails_rooms_of_old_instance_then_recovers():
+    r = kvrecv_cli("demo", "--inject", "restart-prefill", *SMALL_DEMO)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "injected: a new prefill instance registered, with 3 requests in flight on the old one" \
+        in r.stdout, r.stdout
+    assert "injected: old prefill process killed" in r.stdout, r.stdout
+    assert "requests: ok=20 failed=0\n" in r.stdout, r.stdout
+    assert "failed attempts by code: PEER_RESTARTED=3\n" in r.stdout, r.stdout
+    assert "requeued under a new room id: 3\n" in r.stdout, r.stdout
+    assert "restarted: the bootstrap server lists a new instance" in r.stderr, r.stderr
+
+
+def test_demo_inject_restart_prefill_with_nothing_left_to_admit_is_peer_lost():
+    # 5 requests all fit the first wave: no later room can notice the new
+    # instance, so the old one is killed at once and its room is lost.
+    r = kvrecv_cli("demo", "--inject", "restart-prefill", "--ranks", "1", "--rooms", "5",
+                   *SMALL_DEMO[2:])
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "injected: no request left to admit; old prefill process killed" in r.stdout, r.stdout
+    assert "requests: ok=5 failed=0\n" in r.stdout, r.stdout
+    assert "failed attempts by code: PEER_LOST=1\n" in r.stdout, r.stdout
+    assert "requeued under a new room id: 1\n" in r.stdout, r.stdout
+
+
 def test_cli_usage():
     r = kvrecv_cli("nope")
     assert r.returncode == 2
     assert "doctor" in r.stderr
-
-
-LINE = re.compile(r'^([a-zA-Z_:][a-zA-Z0-9_:]*)\{((?:[a-zA-Z_][a-zA-Z0-9_]*="(?:[^"\\]|\\.)*",?)*)\} (\d+)$')
-
-
-def parse_prometheus(text):
-    samples, types = {}, {}
-    assert text.endswith("\n")
-    for line in text.splitlines():
-        if line.startswith("# HELP "):
-            continue
-        if line.startswith("# TYPE "):
-            _, _, name, typ = line.split(" ")
-            assert typ in ("counter", "gauge")
-            types[name] = typ
-            continue
-        m = LINE.match(line)
-        assert m, f"malformed line: {line!r}"
-        name, labels, value = m.groups()
-        assert name in types, f"{name} has no TYPE line before it"
-        lab = tuple(sorted(re.findall(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"', labels)))
-        key = (name, lab)
-        assert key not in samples, f"duplicate sample {key}"
-        samples[key] = int(value)
-    return samples, types
-
-
-def test_prometheus_text_matches_stats(pair):
-    # one successful room and one aborted one, so counters are not all zero
-    recv = KVReceiver(pair.decode, pair.addr, 5)
-    send = KVSender(pair.prefill, pair.addr, 5)
-    send.init(4, 1)
-    recv.init()
-    assert wait_for(recv, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
-    recv.send_metadata(np.arange(4, dtype=np.int32), aux_index=2)
-    send.send(np.array([9, 8, 7, 6], dtype=np.int32))
-    assert wait_for(recv, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success
-    bad = KVReceiver(pair.decode, pair.addr, 6)
-    bad.init()
-    bad.abort()
-    assert wait_for(bad, KVPoll.Failed) == KVPoll.Failed
-    recv.clear()
-    send.clear()
-
-    mgrs = [pair.prefill, pair.decode]
-    stats = {m.mode: m.stats() for m in mgrs}
-    samples, types = parse_prometheus(prometheus_text(mgrs))
-    assert types["kvrecv_bytes_total"] == "counter" and types["kvrecv_rooms"] == "gauge"
-    for mode, st in stats.items():
-        base = (("mode", mode), ("rank", "0"))
-
-        def get(name, *extra):
-            return samples[(name, tuple(sorted(base + extra)))]
-
-        assert get("kvrecv_bytes_total") == st["bytes_moved"]
-        assert get("kvrecv_rma_ops_total") == st["rma_ops_posted"]
-        assert get("kvrecv_heartbeats_missed_total") == st["heartbeats_missed"]
-        assert get("kvrecv_ctrl_dropped_total") == st["ctrl_dropped"]
-        for state, n in st["rooms_by_state"].items():
-            assert get("kvrecv_rooms", ("state", state)) == n
-        for code, n in st["failures_by_code"].items():
-            assert get("kvrecv_failures_total", ("code", code)) == n
-    assert stats["decode"]["bytes_moved"] == STD.transfer_bytes(4, True)
-    assert samples[("kvrecv_bytes_total", (("mode", "decode"), ("rank", "0")))] == STD.transfer_bytes(4, True)
-    assert samples[("kvrecv_failures_total", (("code", "ABORTED"), ("mode", "decode"), ("rank", "0")))] >= 1
-    # a closed manager is left out
-    pair.prefill.close()
-    samples, _ = parse_prometheus(prometheus_text(mgrs))
-    assert all(dict(lab)["mode"] == "decode" for _, lab in samples)

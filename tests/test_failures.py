@@ -782,6 +782,32 @@ def test_abort_mid_transfer(fail_bs, fail_closer, side):
     _assert_no_rooms(p, d)
 
 
+def test_request_for_room_aborted_on_prefill_before_it_came(fail_bs, fail_closer):
+    # The prefill aborts its sender before the decode's request arrives: the
+    # request is answered with that cause (not as a duplicate request).
+    p, pkv, paux = _prefill(fail_bs.address, seed=15)
+    fail_closer(p)
+    d, dkv, daux = _decode()
+    fail_closer(d)
+    s = KVSender(p, fail_bs.address, 63)
+    s.init(4, aux_index=0)
+    s.abort()
+    st, _ = _wait_state(s, TERMINAL, 10)
+    assert st == KVPoll.Failed
+    r = _open_receiver(d, fail_bs.address, 63, [0, 1, 2, 3], aux=0)
+    st, el = _wait_state(r, TERMINAL, 10)
+    assert st == KVPoll.Failed, f"decode after the prefill's abort: {st} after {el:.3f} s"
+    e = _exc(r)
+    assert type(e) is KVAbortedError and e.code == "ABORTED", (type(e), e.code, e.failure_reason)
+    assert e.bootstrap_room == 63
+    assert "aborted by prefill rank 0" in e.failure_reason, e.failure_reason
+    assert d.stats()["failures_by_code"]["PROTOCOL"] == 0
+    assert _pages_canary(dkv, [0, 1, 2, 3])
+    r.clear()
+    s.clear()
+    _assert_no_rooms(p, d)
+
+
 # --------------------------------------------------------------------------
 # 7. Deadline
 # --------------------------------------------------------------------------

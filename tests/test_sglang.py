@@ -92,22 +92,30 @@ def poll_and_all_reduce(pollers) -> int:
 
 
 class Req:
-    def __init__(self, rid, room, rng):
+    """A request of PAGES pages (page_size 1: a page is a token).  With a
+    prefix, the decode's radix cache already holds the first `prefix` tokens:
+    it asks only for the pages of the rest (dst_pages), and the prefill must
+    learn the prefix from the backend to send src_pages[prefix:]."""
+
+    def __init__(self, rid, room, rng, prefix=0):
         self.rid = rid
         self.room = room
+        self.prefix = prefix
         self.src_pages = rng.choice(STD.num_pages, size=PAGES, replace=False).astype(np.int32)
-        self.dst_pages = (rid * PAGES + np.arange(PAGES)).astype(np.int32)
+        self.dst_pages = (rid * PAGES + np.arange(PAGES - prefix)).astype(np.int32)
         rng.shuffle(self.dst_pages)
         self.aux_src = int(rng.integers(0, STD.aux_rows))
         self.aux_dst = rid
         self.rooms = [room]
+        self.seen_prefix = []  # what each prefill rank's pop_decode_prefix_len() said
 
 
-def run_scheduler(c: Cluster, nreqs: int, abort_rid=None, timeout=30.0):
+def run_scheduler(c: Cluster, nreqs: int, abort_rid=None, timeout=30.0, prefixes=None):
     """Prefill and decode schedulers in one loop.  Returns (done, failures):
-    failures are (side, room, rank, code, is_from_another_rank, reason)."""
+    failures are (side, room, rank, code, is_from_another_rank, reason).
+    prefixes: {rid: tokens the decode already holds}."""
     rng = np.random.default_rng(7)
-    reqs = [Req(i, 10_000 + i, rng) for i in range(nreqs)]
+    reqs = [Req(i, 10_000 + i, rng, (prefixes or {}).get(i, 0)) for i in range(nreqs)]
     next_room = [20_000]
     p_bootstrap, p_inflight = [], []  # [req, senders, chunks_sent]
     d_prealloc, d_transfer = [], []  # [req, receivers]
@@ -145,8 +153,13 @@ def run_scheduler(c: Cluster, nreqs: int, abort_rid=None, timeout=30.0):
             req, senders, _ = entry
             state = poll_and_all_reduce(senders)
             if state == KVPoll.WaitingForInput:
+                # sglang: req.start_send_idx = sender.pop_decode_prefix_len(),
+                # then init() with the pages from there on
+                req.seen_prefix = [s.pop_decode_prefix_len() for s in senders]
+                start = req.seen_prefix[0]
                 for s in senders:
-                    s.init(PAGES, req.aux_src)
+                    s.init(PAGES - start, req.aux_src)
+                entry.append(start)
                 p_bootstrap.remove(entry)
                 p_inflight.append(entry)
             elif state == KVPoll.Failed:
@@ -154,11 +167,12 @@ def run_scheduler(c: Cluster, nreqs: int, abort_rid=None, timeout=30.0):
                 p_bootstrap.remove(entry)
         # ---- prefill: chunked prefill, then process_disagg_prefill_inflight_queue
         for entry in list(p_inflight):
-            req, senders, sent = entry
+            req, senders, sent, start = entry
             hold = req.rid == abort_rid and len(req.rooms) == 1 and sent == 1
             if sent < 2 and not hold:
-                half = PAGES // 2
-                chunk = req.src_pages[:half] if sent == 0 else req.src_pages[half:]
+                todo = req.src_pages[start:]
+                half = len(todo) // 2
+                chunk = todo[:half] if sent == 0 else todo[half:]
                 for s in senders:
                     if s.should_send_kv_chunk(len(chunk), sent == 1):
                         s.send(chunk, state_indices=None)
@@ -166,7 +180,8 @@ def run_scheduler(c: Cluster, nreqs: int, abort_rid=None, timeout=30.0):
             state = poll_and_all_reduce(senders)
             if state == KVPoll.Success:
                 for s in senders:
-                    assert s.get_transfer_metric().transfer_total_bytes == STD.transfer_bytes(PAGES, True)
+                    assert s.get_transfer_metric().transfer_total_bytes == \
+                        STD.transfer_bytes(PAGES - start, True)
                     s.clear()
                 p_inflight.remove(entry)
             elif state == KVPoll.Failed:
@@ -179,7 +194,7 @@ def run_scheduler(c: Cluster, nreqs: int, abort_rid=None, timeout=30.0):
             if state == KVPoll.WaitingForInput:
                 for rv in recvs:
                     rv.send_metadata(req.dst_pages, req.aux_dst, state_indices=None,
-                                     decode_prefix_len=0)
+                                     decode_prefix_len=req.prefix)
                 d_prealloc.remove(entry)
                 d_transfer.append(entry)
             elif state == KVPoll.Failed:
@@ -218,7 +233,7 @@ def check_bytes(c: Cluster, reqs):
     for r in range(RANKS):
         want = Side(STD, rank=r).snapshot()  # the destination started as canary
         for req in reqs:
-            want.apply(c.src[r], req.src_pages, req.dst_pages, req.aux_src, req.aux_dst)
+            want.apply(c.src[r], req.src_pages[req.prefix:], req.dst_pages, req.aux_src, req.aux_dst)
         want.check(c.dst[r])
 
 
@@ -269,29 +284,93 @@ def test_state_buffers_rejected():
         KVRecvManager(a, DisaggregationMode.DECODE, types.SimpleNamespace(), False)
 
 
-def test_decode_prefix_len_fails_room_cleanly(cluster):
-    recv = KVRecvReceiver(cluster.decode[0], cluster.addr, 77)
-    send = KVRecvSender(cluster.prefill[0], cluster.addr, 77, [0], 0)
+def test_decode_prefix_len_moves_only_the_rest(cluster):
+    # the decode's radix cache holds 3, 7, all 8 (aux row only) or no tokens
+    prefixes = {0: 3, 1: PAGES - 1, 2: PAGES, 4: 0}
+    done, failures, reqs = run_scheduler(cluster, 5, prefixes=prefixes)
+    assert failures == []
+    assert sorted(done) == list(range(5))
+    for req in reqs:
+        # every prefill rank learnt the prefix from the decode's request
+        assert req.seen_prefix == [req.prefix] * RANKS, (req.rid, req.seen_prefix)
+    # the pages after the prefix landed (and nothing else: the rest of the
+    # decode memory keeps its canary, the prefix pages are not overwritten)
+    check_bytes(cluster, reqs)
+    moved = sum(STD.transfer_bytes(PAGES - r.prefix, True) for r in reqs)
+    assert cluster.decode[0].stats()["bytes_moved"] == moved
+    assert cluster.prefill[1].stats()["bytes_moved"] == moved
+
+
+def test_decode_prefix_len_checked():
+    side = Side(STD, rank=0)
+    c = Cluster()
+    try:
+        recv = KVRecvReceiver(c.decode[0], c.addr, 78)
+        recv.init(0)
+        for bad, exc in ((-1, ValueError), (2**32, ValueError), (1.5, TypeError), ("3", TypeError)):
+            with pytest.raises(exc, match="decode_prefix_len"):
+                recv.send_metadata(np.arange(2, dtype=np.int32), 0, None, decode_prefix_len=bad)
+        recv.clear()
+    finally:
+        c.close()
+    del side
+
+
+def _open_pair(cluster, room):
+    recv = KVRecvReceiver(cluster.decode[0], cluster.addr, room)
+    send = KVRecvSender(cluster.prefill[0], cluster.addr, room, [0], 0)
     send.init(4, 0)
     recv.init(0)
     deadline = time.monotonic() + 10
     while recv.poll() == KVPoll.Bootstrapping and time.monotonic() < deadline:
         time.sleep(0.001)
     assert recv.poll() == KVPoll.WaitingForInput
-    assert recv.require_staging is False
-    recv.send_metadata(np.arange(4, dtype=np.int32), 0, None, decode_prefix_len=16)
-    assert recv.poll() == KVPoll.Failed
-    assert recv.conclude_state == KVPoll.Failed
-    with pytest.raises(KVTransferError, match="decode_prefix_len=16") as ei:
-        recv.failure_exception()
-    assert ei.value.bootstrap_room == 77
-    # the prefill side of the room is told (it would otherwise wait)
-    deadline = time.monotonic() + 10
-    while send.poll() not in (KVPoll.Failed, KVPoll.Success) and time.monotonic() < deadline:
+    return recv, send
+
+
+def _wait_terminal(room, timeout=10):
+    deadline = time.monotonic() + timeout
+    while room.poll() not in (KVPoll.Failed, KVPoll.Success) and time.monotonic() < deadline:
         time.sleep(0.001)
-    assert send.poll() == KVPoll.Failed
-    # clear/abort twice is harmless, as sglang may do
+    return room.poll()
+
+
+@pytest.mark.parametrize("state_indices", [None, [], [None], [[]], [np.zeros(0, dtype=np.int32)]],
+                         ids=["none", "empty", "none-entry", "empty-list", "empty-array"])
+def test_empty_state_indices_accepted(cluster, state_indices):
+    recv, send = _open_pair(cluster, 79)
+    assert recv.require_staging is False
+    recv.send_metadata(np.arange(4, dtype=np.int32), 0, state_indices, decode_prefix_len=0)
+    send.send(np.array([9, 8, 7, 6], dtype=np.int32), state_indices=state_indices)
+    assert _wait_terminal(recv) == KVPoll.Success
+    assert _wait_terminal(send) == KVPoll.Success
     recv.clear()
-    recv.clear()
-    recv.abort()
     send.clear()
+
+
+@pytest.mark.parametrize("side", ["decode", "prefill"])
+def test_state_indices_fail_room_cleanly(cluster, side):
+    recv, send = _open_pair(cluster, 77)
+    state = [[3, 4]]
+    if side == "decode":
+        recv.send_metadata(np.arange(4, dtype=np.int32), 0, state, decode_prefix_len=0)
+        mine, peer = recv, send
+    else:
+        recv.send_metadata(np.arange(4, dtype=np.int32), 0, None, decode_prefix_len=0)
+        send.send(np.arange(4, dtype=np.int32), state_indices=state)
+        mine, peer = send, recv
+    assert mine.poll() == KVPoll.Failed
+    assert mine.conclude_state == KVPoll.Failed
+    with pytest.raises(KVTransferError, match=r"registered no state buffers.*state_indices=\[\[3, 4\]\]") as ei:
+        mine.failure_exception()
+    assert ei.value.bootstrap_room == 77
+    # the other side of the room is told (it would otherwise wait)
+    assert _wait_terminal(peer) == KVPoll.Failed
+    with pytest.raises(KVTransferError) as ei:
+        peer.failure_exception()
+    assert ei.value.code == "ABORTED"
+    # clear/abort twice is harmless, as sglang may do
+    mine.clear()
+    mine.clear()
+    mine.abort()
+    peer.clear()

@@ -476,3 +476,37 @@ def test_aux_only_room_completes_after_init_without_send(pair):
     assert wait_for(s, KVPoll.WaitingForInput) == KVPoll.WaitingForInput  # request bound
     s.init(0, aux_index=11)  # nothing left to hand over: no send() needed
     assert wait_for(r, terminal(), timeout=3) == KVPoll.Success
+
+
+def test_decode_prefix_len_travels_with_the_request(pair):
+    """The decode's radix-cache prefix (tokens it already holds) reaches the
+    prefill with the request, whether the sender existed before the request
+    (bound at once) or was created after it (the request waited)."""
+    # room 31: the sender first; room 32: the decode's request first
+    send31 = KVSender(pair.prefill, pair.addr, 31)
+    assert send31.decode_prefix_len == 0
+    recvs = {}
+    for room, prefix, dst in ((31, 4096, [0, 1]), (32, 7, [2, 3, 4])):
+        r = KVReceiver(pair.decode, pair.addr, room)
+        r.init()
+        assert wait_for(r, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+        r.send_metadata(np.array(dst, dtype=np.int32), aux_index=None, decode_prefix_len=prefix)
+        assert r.decode_prefix_len == prefix
+        recvs[room] = (r, dst)
+    assert wait_for(send31, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+    assert send31.decode_prefix_len == 4096
+    assert wait_until(lambda: pair.prefill.stats()["pending_requests"] == 1)
+    send32 = KVSender(pair.prefill, pair.addr, 32)
+    assert wait_for(send32, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+    assert send32.decode_prefix_len == 7
+    want = pair.dst.snapshot()
+    for s, (r, dst), src in ((send31, recvs[31], [5, 6]), (send32, recvs[32], [7, 8, 9])):
+        s.init(len(src))
+        s.send(np.array(src, dtype=np.int32))
+        assert wait_for(r, (KVPoll.Success, KVPoll.Failed)) == KVPoll.Success
+        want.apply(pair.src, src, dst)
+    want.check(pair.dst)
+    for s in (send31, send32):
+        s.clear()
+    for r, _ in recvs.values():
+        r.clear()

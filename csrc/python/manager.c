@@ -224,6 +224,69 @@ static int kvr_dict_set_u64(PyObject *d, const char *k, uint64_t v)
     return rc;
 }
 
+/*
+ * A histogram as a dict: "bounds" (the finite upper bounds, divided by
+ * scale), "counts" (per bucket, not cumulative; one more than bounds, the
+ * last is +Inf), "count" and "sum" (divided by scale).  Scale 1 gives ints.
+ */
+static PyObject *kvr_hist_dict(const kvr_hist_t *h, int kind, double scale)
+{
+    int n;
+    const uint64_t *b = kvr_hist_bounds(kind, &n);
+    PyObject *d = PyDict_New(), *bounds = PyTuple_New(n), *counts = PyList_New(n + 1), *o;
+    if (d == NULL || bounds == NULL || counts == NULL) {
+        goto fail;
+    }
+    for (int i = 0; i < n; i++) {
+        o = scale == 1.0 ? PyLong_FromUnsignedLongLong(b[i])
+                         : PyFloat_FromDouble((double)b[i] / scale);
+        if (o == NULL) {
+            goto fail;
+        }
+        PyTuple_SET_ITEM(bounds, i, o);
+    }
+    for (int i = 0; i <= n; i++) {
+        if ((o = PyLong_FromUnsignedLongLong(h->counts[i])) == NULL) {
+            goto fail;
+        }
+        PyList_SET_ITEM(counts, i, o);
+    }
+    o = scale == 1.0 ? PyLong_FromUnsignedLongLong(h->sum)
+                     : PyFloat_FromDouble((double)h->sum / scale);
+    if (o == NULL) {
+        goto fail;
+    }
+    if (PyDict_SetItemString(d, "sum", o) < 0) {
+        Py_DECREF(o);
+        goto fail;
+    }
+    Py_DECREF(o);
+    if (PyDict_SetItemString(d, "bounds", bounds) < 0 ||
+        PyDict_SetItemString(d, "counts", counts) < 0 || kvr_dict_set_u64(d, "count", h->count) < 0) {
+        goto fail;
+    }
+    Py_DECREF(bounds);
+    Py_DECREF(counts);
+    return d;
+fail:
+    Py_XDECREF(d);
+    Py_XDECREF(bounds);
+    Py_XDECREF(counts);
+    return NULL;
+}
+
+static int kvr_dict_set_hist(PyObject *d, const char *k, const kvr_hist_t *h, int kind,
+                             double scale)
+{
+    PyObject *o = kvr_hist_dict(h, kind, scale);
+    if (o == NULL) {
+        return -1;
+    }
+    int rc = PyDict_SetItemString(d, k, o);
+    Py_DECREF(o);
+    return rc;
+}
+
 static PyObject *kvr_manager_stats(PyObject *op, PyObject *unused)
 {
     (void)unused;
@@ -264,7 +327,9 @@ static PyObject *kvr_manager_stats(PyObject *op, PyObject *unused)
         kvr_dict_set_u64(d, "heartbeats_missed", s.heartbeats_missed) < 0 ||
         kvr_dict_set_u64(d, "pending_requests", s.pending_requests) < 0 ||
         kvr_dict_set_u64(d, "peers", s.peers) < 0 ||
-        kvr_dict_set_u64(d, "log_dropped", s.log_dropped) < 0) {
+        kvr_dict_set_u64(d, "log_dropped", s.log_dropped) < 0 ||
+        kvr_dict_set_hist(d, "transfer_latency", &s.transfer_latency, KVR_HIST_LATENCY, 1e9) < 0 ||
+        kvr_dict_set_hist(d, "room_ops", &s.room_ops, KVR_HIST_OPS, 1.0) < 0) {
         goto fail;
     }
     Py_DECREF(byst);

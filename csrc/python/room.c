@@ -303,15 +303,37 @@ static PyObject *kvr_room_recv_init(PyObject *op, PyObject *args, PyObject *kwds
 
 static PyObject *kvr_room_send_metadata(PyObject *op, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"kv_indices", "aux_index", NULL};
-    PyObject *ind, *aux = Py_None;
+    static char *kwlist[] = {"kv_indices", "aux_index", "decode_prefix_len", NULL};
+    PyObject *ind, *aux = Py_None, *prefix = Py_None;
     int64_t auxv;
+    uint32_t prefix_len = 0;
     int32_t *pages;
     size_t n;
     kvr_handle_t *h = kvr_room_handle((kvr_py_room_t *)op);
-    if (h == NULL || !PyArg_ParseTupleAndKeywords(args, kwds, "O|O", kwlist, &ind, &aux) ||
+    if (h == NULL ||
+        !PyArg_ParseTupleAndKeywords(args, kwds, "O|OO", kwlist, &ind, &aux, &prefix) ||
         kvr_room_role_check(h, KVR_MODE_DECODE, "send_metadata") < 0) {
         return NULL;
+    }
+    if (prefix != Py_None) {
+        if (PyBool_Check(prefix) || !PyIndex_Check(prefix)) {
+            PyErr_Format(PyExc_TypeError, "decode_prefix_len must be an integer, not %s",
+                         Py_TYPE(prefix)->tp_name);
+            return NULL;
+        }
+        long long v = PyLong_AsLongLong(prefix);
+        if (v == -1 && PyErr_Occurred()) {
+            if (!PyErr_ExceptionMatches(PyExc_OverflowError)) {
+                return NULL;
+            }
+            PyErr_Clear();
+            v = -1;
+        }
+        if (v < 0 || v > (long long)UINT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "decode_prefix_len=%S must be in [0, 2**32)", prefix);
+            return NULL;
+        }
+        prefix_len = (uint32_t)v;
     }
     if (kvr_py_aux(aux, &auxv) < 0 || kvr_py_indices(ind, "kv_indices", &pages, &n) < 0) {
         return NULL;
@@ -319,7 +341,7 @@ static PyObject *kvr_room_send_metadata(PyObject *op, PyObject *args, PyObject *
     char errbuf[512] = "";
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = kvr_handle_send_metadata(h, pages, n, auxv, errbuf, sizeof(errbuf));
+    rc = kvr_handle_send_metadata(h, pages, n, auxv, prefix_len, errbuf, sizeof(errbuf));
     Py_END_ALLOW_THREADS
     PyMem_Free(pages);
     if (rc != 0) {
@@ -518,8 +540,26 @@ static PyMethodDef kvr_room_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *kvr_room_get_prefix_len(PyObject *op, void *unused)
+{
+    (void)unused;
+    kvr_handle_t *h = kvr_room_handle((kvr_py_room_t *)op);
+    if (h == NULL) {
+        return NULL;
+    }
+    uint32_t n;
+    Py_BEGIN_ALLOW_THREADS
+    n = kvr_handle_prefix_len(h);
+    Py_END_ALLOW_THREADS
+    return PyLong_FromUnsignedLong(n);
+}
+
 static PyGetSetDef kvr_room_getset[] = {
     {"bootstrap_room", kvr_room_get_room, NULL, "The room id.", NULL},
+    {"decode_prefix_len", kvr_room_get_prefix_len, NULL,
+     "Tokens of the request the decode already holds: given to send_metadata() on the decode, "
+     "received with its request on the prefill (0 until then).",
+     NULL},
     {NULL, NULL, NULL, NULL, NULL},
 };
 

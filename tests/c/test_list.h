@@ -23,6 +23,7 @@
     X(wire_golden_bytes, 10, 0)                                               \
     X(wire_every_truncation_rejected, 60, 0)                                  \
     X(wire_trailing_bytes_rejected, 10, 0)                                    \
+    X(wire_room_req_prefix, 10, 0)                                    \
     X(wire_bad_header, 10, 0)                                                 \
     X(wire_limits, 30, 0)                                                     \
     X(wire_encoder_edges, 10, 0)                                              \
@@ -39,6 +40,9 @@
     X(room_random_walk, 30, 0)                                                \
     X(room_run_length, 10, 0)                                                 \
     X(room_pages_check, 10, 0)                                                \
+    X(hist_bounds_tables, 10, 0)                                              \
+    X(hist_observe_edges, 10, 0)                                              \
+    X(hist_random_vs_reference, 30, 0)                                        \
     X(log_basic, 10, 0)                                                       \
     X(log_truncation, 10, 0)                                                  \
     X(log_min_level, 10, 0)                                                   \

@@ -603,3 +603,49 @@ TEST_IMPL(am_header_rejects)
     ASSERT_EQ(kvr_am_header_decode(x, KVR_AM_HEADER_LEN, &d, &why), -1);
     ASSERT(strcmp(why, "data header names no pages") == 0);
 }
+
+TEST_IMPL(wire_room_req_prefix)
+{
+    kvr_wbuf_t b, b0;
+    kvr_wbuf_init(&b);
+    kvr_wbuf_init(&b0);
+    kvr_msg_t m = sample(KVR_MSG_ROOM_REQ), d;
+    const char *why = NULL;
+    ASSERT_EQ(kvr_wire_encode(&b0, &m), 0); /* no prefix: as before */
+    ASSERT_EQ(decode_exact(b0.data, b0.len, &d, &why), 0);
+    ASSERT_EQ(d.prefix_len, 0);
+    m.prefix_len = 0x01020304;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    ASSERT_EQ(b.len, b0.len + 4); /* appended, little-endian */
+    ASSERT(memcmp(b.data, b0.data, b0.len) == 0);
+    ASSERT(b.data[b0.len] == 4 && b.data[b0.len + 3] == 1);
+    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
+    ASSERT_U64_EQ(d.prefix_len, 0x01020304);
+    ASSERT_EQ(d.npages, m.npages);
+    unsigned char x[256];
+    ASSERT(b.len + 1 <= sizeof(x));
+    /* 1..3 bytes after the page list are not a prefix length */
+    for (size_t extra = 1; extra < 4; extra++) {
+        why = NULL;
+        ASSERT_EQ(decode_exact(b.data, b0.len + extra, &d, &why), -1);
+        ASSERT(why != NULL && strcmp(why, "trailing bytes") == 0);
+    }
+    /* nor is anything after it */
+    memcpy(x, b.data, b.len);
+    x[b.len] = 0;
+    ASSERT_EQ(decode_exact(x, b.len + 1, &d, &why), -1);
+    ASSERT(strcmp(why, "trailing bytes") == 0);
+    /* an explicit zero would be a second encoding of "no prefix" */
+    memcpy(x, b.data, b.len);
+    memset(x + b0.len, 0, 4);
+    ASSERT_EQ(decode_exact(x, b.len, &d, &why), -1);
+    ASSERT(strcmp(why, "explicit zero prefix length") == 0);
+    /* other types ignore the field */
+    kvr_msg_t done = sample(KVR_MSG_ROOM_DONE);
+    done.prefix_len = 9;
+    ASSERT_EQ(kvr_wire_encode(&b, &done), 0);
+    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
+    ASSERT_EQ(d.prefix_len, 0);
+    kvr_wbuf_free(&b);
+    kvr_wbuf_free(&b0);
+}
