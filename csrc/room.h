@@ -103,6 +103,7 @@ typedef struct kvr_room {
     uint64_t dst_tag;
     int done_received;
     uint64_t ops_posted;
+    int peer_counted;       /* counted in its decode peer's rooms (max_rooms_per_peer) */
 
     /* the engine's work list */
     struct kvr_room *work_next;
