@@ -16,14 +16,11 @@ from kvrecv import (
     BootstrapServer,
     KVBootstrapError,
     KVPoll,
-    KVProtocolError,
     KVReceiver,
     KVRefusedError,
     KVSender,
-    KVTransportError,
 )
 from kvtest import (
-    MAGIC,
     MSG_BS_QUERY_REPLY,
     MSG_BS_REGISTER,
     MSG_BS_REGISTER_OK,
@@ -307,3 +304,87 @@ def test_rooms_over_max_rooms_per_peer_are_refused_with_the_reason(res, bootstra
     # ... and clearing rooms frees the peer's quota.
     transfer_ok(prefill, decode, bootstrap.address, src, dst, 300)
     assert prefill.stats()["requests_refused"] == 3
+
+
+# --------------------------------------------------------------------------
+# B: a room's pages are written only by the prefill it is bound to
+# --------------------------------------------------------------------------
+
+
+def recv_type(dealer, mtype, tries=50):
+    """The next message of type mtype (PINGs and others in between skipped)."""
+    for _ in range(tries):
+        m = dealer.recv()
+        assert m is not None, f"no message of type {mtype}"
+        if parse_header(m)[2] == mtype:
+            return m
+    raise AssertionError(f"no message of type {mtype} in {tries}")
+
+
+def test_data_from_a_prefill_the_room_is_not_bound_to_is_refused(res, bootstrap, caplog):
+    """A relay registers itself for rank 0 under its own epoch, so the decode
+    binds its room to the relay; it hands the decode's HELLO and request to
+    the real prefill, which then sends the room's data with its own epoch.
+    The decode refuses every byte: the sender is not the room's peer."""
+    caplog.set_level(logging.WARNING, logger="kvrecv")
+    src, dst = Side(SMALL, 0, seed=9), Side(SMALL, 0)
+    prefill = res.manager(src, "prefill", bootstrap.address)
+    decode = res.manager(dst, "decode")
+    assert wait_until(lambda: bootstrap.stats()["registrations"] == 1)
+    relay = res.dealer("tcp://127.0.0.1:*", bind=True, recv_timeout_ms=5000)
+    relay_epoch = 0x7777
+    reg = res.dealer("tcp://" + bootstrap.address)
+    reg.send(header(MSG_BS_REGISTER, epoch=relay_epoch) + struct.pack("<I", 0)
+             + wire_str(relay.endpoint.encode()))
+    assert parse_header(reg.recv())[2] == MSG_BS_REGISTER_OK
+
+    r = KVReceiver(decode, bootstrap.address, 41)
+    r.init()
+    hello_msg = recv_type(relay, MSG_HELLO)
+    decode_epoch = parse_header(hello_msg)[3]
+    to_prefill = res.dealer(prefill.endpoint)
+    to_prefill.send(hello_msg)
+    ok = recv_type(to_prefill, MSG_HELLO_OK)
+    relay.send(ok[:8] + struct.pack("<Q", relay_epoch) + ok[16:])
+    assert wait_for(r, (KVPoll.WaitingForInput, KVPoll.Failed)) == KVPoll.WaitingForInput, \
+        describe_failure(r)
+    r.send_metadata([5, 6])
+    req = recv_type(relay, MSG_ROOM_REQ)
+    room, tag = struct.unpack_from("<QQ", req, 16)
+    assert room == 41
+
+    # Room tags are random 64-bit values, not a counter.
+    r2 = KVReceiver(decode, bootstrap.address, 42)
+    r2.init()
+    assert wait_for(r2, (KVPoll.WaitingForInput, KVPoll.Failed)) == KVPoll.WaitingForInput
+    r2.send_metadata([7])
+    tag2 = struct.unpack_from("<QQ", recv_type(relay, MSG_ROOM_REQ), 16)[1]
+    assert tag != tag2 and abs(tag - tag2) > 1 << 20 and max(tag, tag2) > 1 << 40
+
+    to_prefill.send(req)
+    s = KVSender(prefill, bootstrap.address, 41)
+    s.init(2)
+    s.send([1, 2])
+    assert wait_until(lambda: decode.stats()["data_foreign"] >= 1), decode.stats()
+    time.sleep(0.2)
+    assert r.poll() != KVPoll.Success
+    assert decode.stats()["bytes_moved"] == 0
+    assert decode.stats()["data_rejected"] >= decode.stats()["data_foreign"]
+    assert_all_canary(dst)
+    assert wait_until(lambda: warnings_with(caplog, "refused a data message",
+                                            "sender is not the room's prefill"))
+
+    # C: indices a decode's registration cannot have are refused by the
+    # prefill with a reason the decode sees.
+    to_prefill.send(room_req(43, 99, -1, [0, -5], epoch=decode_epoch))
+    fail = recv_type(to_prefill, MSG_ROOM_FAIL)
+    froom, ftag, code = struct.unpack_from("<QQH", fail, 16)
+    (n,) = struct.unpack_from("<H", fail, 16 + 22)
+    reason = fail[16 + 24:16 + 24 + n].decode()
+    assert (froom, ftag, code) == (43, 99, 9), reason  # PROTOCOL
+    assert "kv_indices[1]=-5 is negative" in reason
+    to_prefill.send(room_req(44, 98, -7, [0], epoch=decode_epoch))
+    fail = recv_type(to_prefill, MSG_ROOM_FAIL)
+    assert struct.unpack_from("<QQH", fail, 16) == (44, 98, 9)
+    assert prefill.stats()["requests_refused"] == 2
+    assert prefill.stats()["pending_requests"] == 0
