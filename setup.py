@@ -1,4 +1,5 @@
-"""Build of the kvrecv._core extension against the system UCX and libzmq."""
+"""Build of the kvrecv._core extension against the system UCX, libzmq and
+libcrypto (OpenSSL: HMAC-SHA256 of control messages)."""
 
 import os
 import shlex
@@ -9,11 +10,12 @@ from setuptools import Extension, setup
 
 def pkg_config(*args):
     try:
-        out = subprocess.check_output(["pkg-config", *args, "ucx", "libzmq"], text=True)
+        out = subprocess.check_output(["pkg-config", *args, "ucx", "libzmq", "libcrypto"],
+                                      text=True)
     except (OSError, subprocess.CalledProcessError) as exc:
         raise SystemExit(
-            "kvrecv needs UCX and libzmq development files (Debian: apt-get install "
-            f"libucx-dev libzmq3-dev pkg-config): {exc}"
+            "kvrecv needs UCX, libzmq and OpenSSL libcrypto development files (Debian: "
+            f"apt-get install libucx-dev libzmq3-dev libssl-dev pkg-config): {exc}"
         )
     return shlex.split(out)
 
@@ -44,7 +46,7 @@ if os.environ.get("KVRECV_SANITIZE"):
     extra_compile += [f"-fsanitize={san}", "-fno-omit-frame-pointer", "-g", "-O1"]
     libs = libs + [f"-fsanitize={san}"]
 
-core_sources = ["status.c", "table.c", "registry.c", "log.c", "wire.c", "room.c", "hist.c",
+core_sources = ["status.c", "table.c", "registry.c", "log.c", "wire.c", "auth.c", "room.c", "hist.c",
                 "transport.c", "control.c", "engine.c"]
 py_sources = ["module.c", "manager.c", "room.c", "bootstrap.c"]
 

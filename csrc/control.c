@@ -8,16 +8,34 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/eventfd.h>
+#include <sys/random.h>
+#include <time.h>
 #include <unistd.h>
 
 #include <zmq.h>
 
+#include "auth.h"
 #include "table.h"
 #include "wire.h"
+
+/* Seals outgoing messages (when a secret is configured) into its buffer. */
+typedef struct {
+    kvr_auth_t *auth;
+    unsigned char *buf;
+    size_t cap;
+    uint64_t epoch;      /* of our messages (AUTH_REJECT replies) */
+    uint64_t reject_ns;  /* start of the current one-second window of replies */
+    int rejects;         /* AUTH_REJECT replies sent in it */
+    char who[200];       /* "bootstrap server tcp://..." for reasons */
+} kvr_sealer_t;
+
+/* AUTH_REJECT replies per second, all senders together. */
+#define KVR_REJECT_REPLIES_PER_S 20
 
 struct kvr_ctl_conn {
     void *sock;
     void *ctx;
+    kvr_ctl_t *ctl;
     kvr_ctl_conn_t *next;
 };
 
@@ -30,7 +48,151 @@ struct kvr_ctl {
     zmq_pollitem_t *items;
     int nitems_cap;
     zmq_msg_t frames[2];
+    int64_t max_msg;
+    kvr_sealer_t sealer;
 };
+
+static uint64_t kvr_ctl_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+static int kvr_sealer_init(kvr_sealer_t *s, const void *secret, size_t secret_len,
+                           uint64_t epoch, char *err, size_t errlen)
+{
+    memset(s, 0, sizeof(*s));
+    s->epoch = epoch;
+    if (secret_len == 0) {
+        return 0;
+    }
+    if (secret_len > KVR_AUTH_SECRET_MAX) {
+        snprintf(err, errlen, "the secret is longer than %d bytes", KVR_AUTH_SECRET_MAX);
+        return -1;
+    }
+    if (kvr_auth_create(secret, secret_len, epoch, &s->auth) != 0) {
+        snprintf(err, errlen, "cannot set up HMAC-SHA256 (libcrypto)");
+        return -1;
+    }
+    return 0;
+}
+
+static void kvr_sealer_destroy(kvr_sealer_t *s)
+{
+    kvr_auth_destroy(s->auth);
+    free(s->buf);
+    s->auth = NULL;
+    s->buf = NULL;
+}
+
+/* Points (*data, *len) at the sealed form of the message (unchanged without a
+ * secret).  Returns 0, or -1 if it cannot be sealed (dropped). */
+static int kvr_sealer_out(kvr_sealer_t *s, const void **data, size_t *len)
+{
+    if (s->auth == NULL) {
+        return 0;
+    }
+    size_t need = *len + KVR_AUTH_TRAILER_LEN;
+    if (need > s->cap) {
+        unsigned char *nb = realloc(s->buf, need * 2);
+        if (nb == NULL) {
+            return -1;
+        }
+        s->buf = nb;
+        s->cap = need * 2;
+    }
+    if (kvr_auth_seal(s->auth, *data, *len, s->buf) != 0) {
+        return -1;
+    }
+    *data = s->buf;
+    *len = need;
+    return 0;
+}
+
+/*
+ * Admission of one received message, before anything decodes it: the size
+ * limit, then authentication.  inbound: it came to our ROUTER (a connection
+ * someone else opened).  Returns 1 to dispatch buf[0..*len), or 0 with
+ * *kind and *why set; *reply says whether the sender should get an
+ * AUTH_REJECT.
+ */
+static int kvr_admit(kvr_sealer_t *s, int64_t max_msg, int inbound, unsigned char *buf,
+                     size_t *len, int *kind, const char **why, int *reply)
+{
+    *reply = 0;
+    if (max_msg > 0 && *len > (size_t)max_msg) {
+        *kind = KVR_CTL_REFUSED_OVERSIZED;
+        *why = "message longer than this socket accepts";
+        return 0;
+    }
+    int type = kvr_auth_peek_type(buf, *len);
+    int sealed = kvr_auth_is_sealed(buf, *len);
+    if (!inbound && !sealed && type == KVR_MSG_AUTH_REJECT) {
+        /* The server we connected to cannot authenticate us: it cannot
+         * seal its answer either.  Only accepted from servers we chose. */
+        return 1;
+    }
+    if (s->auth == NULL) {
+        if (sealed) {
+            *kind = KVR_CTL_REFUSED_AUTH;
+            *why = "authenticated message, but no secret is configured here";
+            *reply = inbound && *len >= KVR_WIRE_HEADER_LEN + KVR_AUTH_TRAILER_LEN;
+            return 0;
+        }
+        return 1;
+    }
+    size_t body = 0;
+    int rc = kvr_auth_open(s->auth, buf, *len, &body, why);
+    if (rc == KVR_AUTH_OK) {
+        *len = body;
+        return 1;
+    }
+    *kind = rc == KVR_AUTH_REPLAY ? KVR_CTL_REFUSED_REPLAY : KVR_CTL_REFUSED_AUTH;
+    *reply = inbound && rc != KVR_AUTH_REPLAY && type != KVR_MSG_AUTH_REJECT;
+    return 0;
+}
+
+/* Answers a sender we could not authenticate (rate limited), unsealed. */
+static void kvr_reject_reply(kvr_sealer_t *s, void *router, const void *ident, size_t ident_len,
+                             const char *why)
+{
+    uint64_t now = kvr_ctl_now_ns();
+    if (now - s->reject_ns >= 1000000000u) {
+        s->reject_ns = now;
+        s->rejects = 0;
+    }
+    if (s->rejects >= KVR_REJECT_REPLIES_PER_S) {
+        return;
+    }
+    s->rejects++;
+    char reason[KVR_WIRE_MAX_STR];
+    snprintf(reason, sizeof(reason),
+             "authentication failed at the %s: %s; the secret (KVRECV_SECRET, KVConfig.secret, "
+             "BootstrapServer(secret=)) must be the same on every decode, prefill and bootstrap "
+             "server",
+             s->who, why);
+    kvr_msg_t m;
+    memset(&m, 0, sizeof(m));
+    m.type = KVR_MSG_AUTH_REJECT;
+    m.epoch = s->epoch;
+    m.str = reason;
+    m.str_len = (uint16_t)strlen(reason);
+    kvr_wbuf_t b;
+    kvr_wbuf_init(&b);
+    if (kvr_wire_encode(&b, &m) == 0 &&
+        zmq_send(router, ident, ident_len, ZMQ_DONTWAIT | ZMQ_SNDMORE) >= 0) {
+        zmq_send(router, b.data, b.len, ZMQ_DONTWAIT);
+    }
+    kvr_wbuf_free(&b);
+}
+
+/* The sender's address of a received frame, "" if ZMQ does not say. */
+static const char *kvr_peer_address(zmq_msg_t *msg)
+{
+    const char *a = zmq_msg_gets(msg, "Peer-Address");
+    return a ? a : "";
+}
 
 static void kvr_ctl_common_opts(void *sock)
 {
@@ -60,7 +222,15 @@ static int kvr_ctl_bind(void *sock, const char *host, int port, char *endpoint, 
     return 0;
 }
 
-int kvr_ctl_create(const char *host, int port, int64_t max_msg, const kvr_ctl_callbacks_t *cb,
+/* ZMQ cuts a connection whose message exceeds this; between max_msg and it,
+ * messages are read and refused (counted). */
+static int64_t kvr_zmq_cap(int64_t max_msg)
+{
+    return 2 * max_msg + (2 << 20) + KVR_AUTH_TRAILER_LEN;
+}
+
+int kvr_ctl_create(const char *host, int port, int64_t max_msg, const void *secret,
+                   size_t secret_len, uint64_t self_epoch, const kvr_ctl_callbacks_t *cb,
                    kvr_ctl_t **ctl_p, char *err, size_t errlen)
 {
     kvr_ctl_t *ctl = calloc(1, sizeof(*ctl));
@@ -69,6 +239,11 @@ int kvr_ctl_create(const char *host, int port, int64_t max_msg, const kvr_ctl_ca
         return -1;
     }
     ctl->cb = *cb;
+    ctl->max_msg = max_msg;
+    if (kvr_sealer_init(&ctl->sealer, secret, secret_len, self_epoch, err, errlen) != 0) {
+        free(ctl);
+        return -1;
+    }
     ctl->zctx = zmq_ctx_new();
     if (ctl->zctx == NULL) {
         snprintf(err, errlen, "zmq_ctx_new: %s", zmq_strerror(zmq_errno()));
@@ -82,11 +257,13 @@ int kvr_ctl_create(const char *host, int port, int64_t max_msg, const kvr_ctl_ca
     kvr_ctl_common_opts(ctl->router);
     int one = 1;
     zmq_setsockopt(ctl->router, ZMQ_ROUTER_MANDATORY, &one, sizeof(one));
-    zmq_setsockopt(ctl->router, ZMQ_MAXMSGSIZE, &max_msg, sizeof(max_msg));
+    int64_t cap = kvr_zmq_cap(max_msg);
+    zmq_setsockopt(ctl->router, ZMQ_MAXMSGSIZE, &cap, sizeof(cap));
     if (kvr_ctl_bind(ctl->router, host, port, ctl->endpoint, sizeof(ctl->endpoint), err,
                      errlen) != 0) {
         goto err_close;
     }
+    snprintf(ctl->sealer.who, sizeof(ctl->sealer.who), "kvrecv manager %s", ctl->endpoint);
     zmq_msg_init(&ctl->frames[0]);
     zmq_msg_init(&ctl->frames[1]);
     *ctl_p = ctl;
@@ -97,6 +274,7 @@ err_close:
 err_term:
     zmq_ctx_term(ctl->zctx);
 err_free:
+    kvr_sealer_destroy(&ctl->sealer);
     free(ctl);
     return -1;
 }
@@ -114,6 +292,7 @@ void kvr_ctl_destroy(kvr_ctl_t *ctl)
     zmq_close(ctl->router);
     zmq_ctx_term(ctl->zctx);
     free(ctl->items);
+    kvr_sealer_destroy(&ctl->sealer);
     free(ctl);
 }
 
@@ -137,6 +316,8 @@ int kvr_ctl_connect(kvr_ctl_t *ctl, const char *endpoint, const void *ident, siz
         return -1;
     }
     kvr_ctl_common_opts(c->sock);
+    int64_t cap = kvr_zmq_cap(KVR_CTL_CONN_MAX_MSG);
+    zmq_setsockopt(c->sock, ZMQ_MAXMSGSIZE, &cap, sizeof(cap));
     if (ident_len > 0) {
         zmq_setsockopt(c->sock, ZMQ_ROUTING_ID, ident, ident_len);
     }
@@ -147,6 +328,7 @@ int kvr_ctl_connect(kvr_ctl_t *ctl, const char *endpoint, const void *ident, siz
         return -1;
     }
     c->ctx = conn_ctx;
+    c->ctl = ctl;
     c->next = ctl->conns;
     ctl->conns = c;
     *conn_p = c;
@@ -167,12 +349,18 @@ void kvr_ctl_conn_close(kvr_ctl_t *ctl, kvr_ctl_conn_t *conn)
 
 int kvr_ctl_send_conn(kvr_ctl_conn_t *conn, const void *data, size_t len)
 {
+    if (kvr_sealer_out(&conn->ctl->sealer, &data, &len) != 0) {
+        return -1;
+    }
     return zmq_send(conn->sock, data, len, ZMQ_DONTWAIT) < 0 ? -1 : 0;
 }
 
 int kvr_ctl_send_router(kvr_ctl_t *ctl, const void *ident, size_t ident_len, const void *data,
                         size_t len)
 {
+    if (kvr_sealer_out(&ctl->sealer, &data, &len) != 0) {
+        return -1;
+    }
     if (zmq_send(ctl->router, ident, ident_len, ZMQ_DONTWAIT | ZMQ_SNDMORE) < 0) {
         return -1;
     }
@@ -253,9 +441,24 @@ int kvr_ctl_poll(kvr_ctl_t *ctl, const int *fds, int nfds, int *fd_ready, long t
         }
         dispatched++;
         if (nf == 2) {
+            size_t len = zmq_msg_size(&ctl->frames[1]);
+            int kind, reply;
+            const char *why;
+            if (!kvr_admit(&ctl->sealer, ctl->max_msg, 1, zmq_msg_data(&ctl->frames[1]), &len,
+                           &kind, &why, &reply)) {
+                if (reply) {
+                    kvr_reject_reply(&ctl->sealer, ctl->router, zmq_msg_data(&ctl->frames[0]),
+                                     zmq_msg_size(&ctl->frames[0]), why);
+                }
+                ctl->cb.on_refused(ctl->cb.arg, kind, NULL, NULL, zmq_msg_data(&ctl->frames[0]),
+                                   zmq_msg_size(&ctl->frames[0]),
+                                   kvr_peer_address(&ctl->frames[1]),
+                                   zmq_msg_size(&ctl->frames[1]), why);
+                continue;
+            }
             ctl->cb.on_router_msg(ctl->cb.arg, zmq_msg_data(&ctl->frames[0]),
                                   zmq_msg_size(&ctl->frames[0]), zmq_msg_data(&ctl->frames[1]),
-                                  zmq_msg_size(&ctl->frames[1]));
+                                  len);
         } else {
             /* A frame count the protocol never sends: let the engine count
              * it as malformed through an empty message. */
@@ -269,8 +472,17 @@ int kvr_ctl_poll(kvr_ctl_t *ctl, const int *fds, int nfds, int *fd_ready, long t
         int nf;
         while ((nf = kvr_ctl_recv(c->sock, ctl->frames)) > 0) {
             dispatched++;
-            ctl->cb.on_conn_msg(ctl->cb.arg, c, c->ctx, zmq_msg_data(&ctl->frames[0]),
-                                nf == 1 ? zmq_msg_size(&ctl->frames[0]) : 0);
+            size_t len = nf == 1 ? zmq_msg_size(&ctl->frames[0]) : 0;
+            int kind, reply;
+            const char *why;
+            if (nf == 1 && !kvr_admit(&ctl->sealer, KVR_CTL_CONN_MAX_MSG, 0,
+                                      zmq_msg_data(&ctl->frames[0]), &len, &kind, &why, &reply)) {
+                ctl->cb.on_refused(ctl->cb.arg, kind, c, c->ctx, NULL, 0,
+                                   kvr_peer_address(&ctl->frames[0]),
+                                   zmq_msg_size(&ctl->frames[0]), why);
+                continue;
+            }
+            ctl->cb.on_conn_msg(ctl->cb.arg, c, c->ctx, zmq_msg_data(&ctl->frames[0]), len);
         }
     }
     return dispatched;
@@ -292,16 +504,25 @@ struct kvr_bootstrap {
     kvr_table_t ranks; /* rank -> kvr_bs_entry_t* */
     atomic_ullong registered;
     atomic_ullong dropped;
+    atomic_ullong auth_rejected;
+    pthread_mutex_t last_lock;
+    char last_rejected[160];
+    kvr_sealer_t sealer;
 };
 
 static void kvr_bs_reply(kvr_bootstrap_t *bs, zmq_msg_t *ident, kvr_msg_t *reply)
 {
     kvr_wbuf_t b;
     kvr_wbuf_init(&b);
+    reply->epoch = bs->sealer.epoch;
     if (kvr_wire_encode(&b, reply) == 0) {
-        zmq_send(bs->router, zmq_msg_data(ident), zmq_msg_size(ident),
-                 ZMQ_DONTWAIT | ZMQ_SNDMORE);
-        zmq_send(bs->router, b.data, b.len, ZMQ_DONTWAIT);
+        const void *data = b.data;
+        size_t len = b.len;
+        if (kvr_sealer_out(&bs->sealer, &data, &len) == 0) {
+            zmq_send(bs->router, zmq_msg_data(ident), zmq_msg_size(ident),
+                     ZMQ_DONTWAIT | ZMQ_SNDMORE);
+            zmq_send(bs->router, data, len, ZMQ_DONTWAIT);
+        }
     }
     kvr_wbuf_free(&b);
 }
@@ -310,8 +531,26 @@ static void kvr_bs_handle(kvr_bootstrap_t *bs, zmq_msg_t frames[2], int nf)
 {
     kvr_msg_t m, reply;
     const char *why = NULL;
-    if (nf != 2 || kvr_wire_decode(zmq_msg_data(&frames[1]), zmq_msg_size(&frames[1]), &m,
-                                   &why) != 0) {
+    if (nf != 2) {
+        bs->dropped++;
+        return;
+    }
+    size_t len = zmq_msg_size(&frames[1]);
+    int kind, answer;
+    if (!kvr_admit(&bs->sealer, 0, 1, zmq_msg_data(&frames[1]), &len, &kind, &why, &answer)) {
+        bs->dropped++;
+        bs->auth_rejected++;
+        if (answer) {
+            kvr_reject_reply(&bs->sealer, bs->router, zmq_msg_data(&frames[0]),
+                             zmq_msg_size(&frames[0]), why);
+        }
+        pthread_mutex_lock(&bs->last_lock);
+        snprintf(bs->last_rejected, sizeof(bs->last_rejected), "%s (%s)",
+                 kvr_peer_address(&frames[1]), why);
+        pthread_mutex_unlock(&bs->last_lock);
+        return;
+    }
+    if (kvr_wire_decode(zmq_msg_data(&frames[1]), len, &m, &why) != 0) {
         bs->dropped++;
         return;
     }
@@ -378,8 +617,8 @@ static void *kvr_bs_main(void *arg)
     return NULL;
 }
 
-int kvr_bootstrap_start(const char *host, int port, kvr_bootstrap_t **bs_p, char *err,
-                        size_t errlen)
+int kvr_bootstrap_start(const char *host, int port, const void *secret, size_t secret_len,
+                        kvr_bootstrap_t **bs_p, char *err, size_t errlen)
 {
     char endpoint[128];
     kvr_bootstrap_t *bs = calloc(1, sizeof(*bs));
@@ -387,6 +626,17 @@ int kvr_bootstrap_start(const char *host, int port, kvr_bootstrap_t **bs_p, char
         snprintf(err, errlen, "out of memory");
         return -1;
     }
+    uint64_t epoch = 0;
+    while (epoch == 0) {
+        if (getrandom(&epoch, sizeof(epoch), 0) != sizeof(epoch)) {
+            epoch = kvr_ctl_now_ns() ^ ((uint64_t)getpid() << 32);
+        }
+    }
+    if (kvr_sealer_init(&bs->sealer, secret, secret_len, epoch, err, errlen) != 0) {
+        free(bs);
+        return -1;
+    }
+    pthread_mutex_init(&bs->last_lock, NULL);
     kvr_table_init(&bs->ranks);
     bs->stop_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (bs->stop_fd < 0) {
@@ -404,13 +654,14 @@ int kvr_bootstrap_start(const char *host, int port, kvr_bootstrap_t **bs_p, char
         goto err_term;
     }
     kvr_ctl_common_opts(bs->router);
-    int64_t max_msg = 1 << 16;
+    int64_t max_msg = (1 << 16) + KVR_AUTH_TRAILER_LEN;
     zmq_setsockopt(bs->router, ZMQ_MAXMSGSIZE, &max_msg, sizeof(max_msg));
     if (kvr_ctl_bind(bs->router, host, port, endpoint, sizeof(endpoint), err, errlen) != 0) {
         goto err_close_sock;
     }
     const char *colon = strrchr(endpoint, ':');
     bs->port = colon ? atoi(colon + 1) : port;
+    snprintf(bs->sealer.who, sizeof(bs->sealer.who), "bootstrap server %s", endpoint);
     if (pthread_create(&bs->thread, NULL, kvr_bs_main, bs) != 0) {
         snprintf(err, errlen, "pthread_create failed");
         goto err_close_sock;
@@ -425,6 +676,8 @@ err_term:
 err_close_fd:
     close(bs->stop_fd);
 err_free:
+    kvr_sealer_destroy(&bs->sealer);
+    pthread_mutex_destroy(&bs->last_lock);
     free(bs);
     return -1;
 }
@@ -434,10 +687,14 @@ int kvr_bootstrap_port(kvr_bootstrap_t *bs)
     return bs->port;
 }
 
-void kvr_bootstrap_counts(kvr_bootstrap_t *bs, uint64_t *registered, uint64_t *dropped)
+void kvr_bootstrap_counts(kvr_bootstrap_t *bs, kvr_bootstrap_counts_t *out)
 {
-    *registered = bs->registered;
-    *dropped = bs->dropped;
+    out->registered = bs->registered;
+    out->dropped = bs->dropped;
+    out->auth_rejected = bs->auth_rejected;
+    pthread_mutex_lock(&bs->last_lock);
+    memcpy(out->last_rejected, bs->last_rejected, sizeof(out->last_rejected));
+    pthread_mutex_unlock(&bs->last_lock);
 }
 
 void kvr_bootstrap_stop(kvr_bootstrap_t *bs)
@@ -455,5 +712,7 @@ void kvr_bootstrap_stop(kvr_bootstrap_t *bs)
         free(bs->ranks.slots[i].value);
     }
     kvr_table_destroy(&bs->ranks);
+    kvr_sealer_destroy(&bs->sealer);
+    pthread_mutex_destroy(&bs->last_lock);
     free(bs);
 }

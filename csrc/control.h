@@ -19,6 +19,19 @@ typedef struct kvr_ctl_conn kvr_ctl_conn_t;
 
 #define KVR_IDENT_MAX 32
 
+/* Messages refused by the control layer before any decoding (see
+ * on_refused).  Every refused message is also a dropped one. */
+enum {
+    KVR_CTL_REFUSED_AUTH = 1,  /* unauthenticated, bad tag, or sealed without our secret */
+    KVR_CTL_REFUSED_REPLAY,    /* authentic, but seen before, too old or reflected */
+    KVR_CTL_REFUSED_OVERSIZED, /* longer than the socket's limit */
+};
+
+/* Limit on messages received on DEALER connections (the largest legitimate
+ * one, a HELLO_OK with 2 x 4096 buffers and a 64 KiB worker address, is
+ * about 128 KiB). */
+#define KVR_CTL_CONN_MAX_MSG (256 * 1024)
+
 typedef struct {
     void *arg;
     /* A message on the ROUTER from the peer with routing id ident. */
@@ -27,11 +40,24 @@ typedef struct {
     /* A message on a DEALER connection. */
     void (*on_conn_msg)(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void *data,
                         size_t len);
+    /* A message refused before decoding: kind is KVR_CTL_REFUSED_*.  From
+     * the ROUTER: conn is NULL, ident and from (the sender's address, "" if
+     * unknown) say who sent it.  From a DEALER: conn and conn_ctx do. */
+    void (*on_refused)(void *arg, int kind, kvr_ctl_conn_t *conn, void *conn_ctx,
+                       const void *ident, size_t ident_len, const char *from, size_t len,
+                       const char *why);
 } kvr_ctl_callbacks_t;
 
-/* Creates the context and binds the ROUTER on tcp://host:port (port 0: any).
- * max_msg bounds incoming messages.  Returns 0, or -1 with err filled. */
-int kvr_ctl_create(const char *host, int port, int64_t max_msg, const kvr_ctl_callbacks_t *cb,
+/*
+ * Creates the context and binds the ROUTER on tcp://host:port (port 0: any).
+ * max_msg bounds messages received on the ROUTER: longer ones are refused
+ * (KVR_CTL_REFUSED_OVERSIZED) unread, and ZMQ cuts the connection of a
+ * sender of more than twice that.  With secret_len > 0 every message sent is
+ * sealed and every message received must verify (auth.h); self_epoch is the
+ * epoch our own messages carry.  Returns 0, or -1 with err filled.
+ */
+int kvr_ctl_create(const char *host, int port, int64_t max_msg, const void *secret,
+                   size_t secret_len, uint64_t self_epoch, const kvr_ctl_callbacks_t *cb,
                    kvr_ctl_t **ctl_p, char *err, size_t errlen);
 void kvr_ctl_destroy(kvr_ctl_t *ctl);
 /* "tcp://host:port" of the bound ROUTER. */
@@ -58,13 +84,19 @@ int kvr_ctl_send_router(kvr_ctl_t *ctl, const void *ident, size_t ident_len, con
 int kvr_ctl_poll(kvr_ctl_t *ctl, const int *fds, int nfds, int *fd_ready, long timeout_ms);
 
 /* Bootstrap service: a ROUTER on its own thread where prefill ranks register
- * (rank -> epoch, endpoint) and decode ranks look them up. */
+ * (rank -> epoch, endpoint) and decode ranks look them up.  With
+ * secret_len > 0 it authenticates every message as the managers do. */
 typedef struct kvr_bootstrap kvr_bootstrap_t;
-int kvr_bootstrap_start(const char *host, int port, kvr_bootstrap_t **bs_p, char *err,
-                        size_t errlen);
+int kvr_bootstrap_start(const char *host, int port, const void *secret, size_t secret_len,
+                        kvr_bootstrap_t **bs_p, char *err, size_t errlen);
 int kvr_bootstrap_port(kvr_bootstrap_t *bs);
-/* Number of prefill ranks registered, and messages dropped as malformed. */
-void kvr_bootstrap_counts(kvr_bootstrap_t *bs, uint64_t *registered, uint64_t *dropped);
+typedef struct {
+    uint64_t registered;   /* prefill instances registered */
+    uint64_t dropped;      /* messages dropped: malformed, unexpected or refused */
+    uint64_t auth_rejected; /* of those, refused by authentication */
+    char last_rejected[160]; /* the sender of the last one refused ("" if none) */
+} kvr_bootstrap_counts_t;
+void kvr_bootstrap_counts(kvr_bootstrap_t *bs, kvr_bootstrap_counts_t *out);
 /* Stops the thread (blocks until it has exited) and frees everything. */
 void kvr_bootstrap_stop(kvr_bootstrap_t *bs);
 

@@ -55,6 +55,7 @@ typedef struct kvr_peer {
     uint64_t next_ping_ns;
     uint64_t next_try_ns;
     uint64_t resolve_deadline_ns;
+    uint32_t nrooms;            /* prefill: requests of this decode pending or bound */
     struct kvr_peer *next;
 } kvr_peer_t;
 
@@ -86,6 +87,12 @@ typedef struct {
 } kvr_pending_t;
 
 /* A root cause waiting to be published to the siblings. */
+/* Rate limit of one kind of WARNING. */
+typedef struct {
+    uint64_t last_ns;
+    uint64_t held;
+} kvr_ratelog_t;
+
 typedef struct kvr_sib_out {
     uint64_t room;
     kvr_failure_t f;
@@ -124,7 +131,6 @@ struct kvr_engine {
     kvr_table_t rooms;   /* id -> room (open rooms) */
     kvr_table_t tags;    /* tag -> room (rooms alive, for data lookup) */
     kvr_table_t pending; /* room id -> kvr_pending_t* (prefill) */
-    uint64_t next_tag;
     kvr_room_t *work_head;
     kvr_peer_t *peers;
 
@@ -152,6 +158,14 @@ struct kvr_engine {
     uint64_t next_scan_ns; /* next timer scan over the rooms */
     uint64_t drop_log_ns;  /* last time dropped messages were logged */
     uint64_t drop_log_n;   /* dropped since then */
+    kvr_ratelog_t auth_log;    /* refused by authentication */
+    kvr_ratelog_t size_log;    /* oversized */
+    kvr_ratelog_t data_log;    /* foreign data messages */
+    kvr_ratelog_t refuse_log;  /* refused requests */
+    char reg_auth_error[KVR_WIRE_MAX_STR + 1]; /* prefill: why the bootstrap server refused us */
+
+    uint64_t tag_pool[64]; /* random room tags, drawn in batches */
+    int tag_pool_n;
 
     kvr_wbuf_t wbuf;
     kvr_stats_t stats; /* counters (room gauges are computed on demand) */
@@ -161,6 +175,57 @@ struct kvr_engine {
 /* ------------------------------------------------------------------ */
 /* Small helpers                                                       */
 /* ------------------------------------------------------------------ */
+
+/*
+ * Logs a WARNING at most once a second per kind; the lines held back in
+ * between are counted and reported with the next one.
+ */
+static void kvr_warn_limited(kvr_engine_t *e, kvr_ratelog_t *rl, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+
+static void kvr_warn_limited(kvr_engine_t *e, kvr_ratelog_t *rl, const char *fmt, ...)
+{
+    uint64_t now = kvr_now_ns();
+    if (rl->last_ns != 0 && now - rl->last_ns < 1000 * KVR_MS) {
+        rl->held++;
+        return;
+    }
+    char text[KVR_LOG_TEXT];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof(text), fmt, ap);
+    va_end(ap);
+    if (rl->held) {
+        kvr_log_write(&e->log, KVR_LOG_WARNING, "%s (and %" PRIu64 " more like it in the last %" PRIu64 " ms)",
+                      text, rl->held, (now - rl->last_ns) / KVR_MS);
+    } else {
+        kvr_log_write(&e->log, KVR_LOG_WARNING, "%s", text);
+    }
+    rl->last_ns = now;
+    rl->held = 0;
+}
+
+/* A fresh room tag: random, non-zero, not in use here.  Tags name rooms on
+ * the data path, so a peer must not be able to guess another room's tag. */
+static uint64_t kvr_new_tag_locked(kvr_engine_t *e)
+{
+    for (;;) {
+        if (e->tag_pool_n == 0) {
+            if (getrandom(e->tag_pool, sizeof(e->tag_pool), 0) != (ssize_t)sizeof(e->tag_pool)) {
+                /* getrandom on Linux >= 3.17 does not fail for 512 bytes; a
+                 * counter mixed with the epoch keeps tags unique regardless. */
+                for (int i = 0; i < 64; i++) {
+                    e->tag_pool[i] = (e->epoch * 0x9E3779B97F4A7C15ULL) ^ kvr_now_ns() ^ (uint64_t)i;
+                }
+            }
+            e->tag_pool_n = 64;
+        }
+        uint64_t t = e->tag_pool[--e->tag_pool_n];
+        if (t != 0 && kvr_table_get(&e->tags, t) == NULL) {
+            return t;
+        }
+    }
+}
 
 void kvr_config_default(kvr_config_t *cfg)
 {
@@ -176,6 +241,8 @@ void kvr_config_default(kvr_config_t *cfg)
     cfg->register_memory = 1;
     cfg->coalesce_bytes = 1u << 20;
     cfg->coalesce_run_bytes = 0; /* auto */
+    cfg->max_rooms_per_peer = 16384;
+    cfg->secret_len = 0;
 }
 
 static int kvr_err(char *err, size_t errlen, int code, const char *fmt, ...)
@@ -843,11 +910,11 @@ static void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len,
     kvr_room_t *r = kvr_table_get(&e->tags, h.tag);
     if (r == NULL || r->role != KVR_ROLE_DECODE) {
         why = "no such room";
-        goto reject;
+        goto foreign;
     }
     if (r->peer == NULL || r->peer->epoch != h.epoch) {
         why = "sender is not the room's prefill";
-        goto reject;
+        goto foreign;
     }
     if (r->failing || kvr_room_terminal(r) || !r->meta_set) {
         why = "room is not receiving";
@@ -910,6 +977,13 @@ static void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len,
 protocol:
     kvr_room_failf_locked(e, r, KVR_PROTOCOL, 1, "%s sent a bad data message: %s",
                           r->peer ? r->peer->name : "?", why);
+    goto reject;
+foreign:
+    e->stats.data_foreign++;
+    kvr_warn_limited(e, &e->data_log,
+                     "decode rank %d: refused a data message (%zu bytes, room tag %016" PRIx64
+                     ", sender epoch %016" PRIx64 "): %s",
+                     e->rank, len, h.tag, h.epoch, why);
 reject:
     e->stats.data_rejected++;
     kvr_log_write(&e->log, KVR_LOG_DEBUG, "decode rank %d: rejected a data message: %s", e->rank,
@@ -1167,6 +1241,8 @@ static void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *
 {
     r->bound = 1;
     r->peer = p;
+    r->peer_counted = 1;
+    p->nrooms++;
     r->dst_tag = tag;
     r->dst_aux = aux_index;
     r->ndst = npages;
@@ -1187,6 +1263,9 @@ static void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *
 
 static void kvr_pending_free(kvr_pending_t *pd)
 {
+    if (pd->peer != NULL && pd->peer->nrooms > 0) {
+        pd->peer->nrooms--;
+    }
     free(pd->pages);
     free(pd);
 }
@@ -1246,6 +1325,7 @@ static void kvr_handle_hello_locked(kvr_engine_t *e, const void *ident, size_t i
         for (size_t i = 0; i < e->pending.capacity; i++) {
             kvr_pending_t *pd = e->pending.slots[i].value;
             if (pd && pd->peer == p) {
+                p->nrooms--;
                 pd->peer = NULL;
             }
         }
@@ -1281,25 +1361,64 @@ static void kvr_handle_hello_locked(kvr_engine_t *e, const void *ident, size_t i
     kvr_send_ctrl_to_peer(e, p, &reply);
 }
 
-static void kvr_handle_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
+/*
+ * Prefill: refuses a decode's request: tells the decode (a ROOM_FAIL with
+ * code and reason, which its room fails with), fails our own room of that
+ * id if it waits unbound, counts and logs.
+ */
+static void kvr_refuse_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m, int code,
+                                  const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+
+static void kvr_refuse_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m, int code,
+                                  const char *fmt, ...)
 {
-    int32_t *pages = NULL;
-    if (m->npages) {
-        pages = malloc((size_t)m->npages * sizeof(int32_t));
-        if (pages == NULL) {
-            return;
-        }
-        for (uint32_t i = 0; i < m->npages; i++) {
-            pages[i] = kvr_wire_i32_at(m->pages, i);
-        }
-    }
+    char text[200], reason[KVR_REASON_MAX];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(text, sizeof(text), fmt, ap);
+    va_end(ap);
+    snprintf(reason, sizeof(reason),
+             "room %" PRIu64 ": prefill rank %d refused the request of %.100s: %.180s", m->room,
+             e->rank, p->name, text);
+    e->stats.requests_refused++;
+    kvr_warn_limited(e, &e->refuse_log, "%s", reason);
+    kvr_msg_t f;
+    memset(&f, 0, sizeof(f));
+    f.type = KVR_MSG_ROOM_FAIL;
+    f.room = m->room;
+    f.tag = m->tag;
+    f.code = (uint16_t)code;
+    f.origin_rank = e->rank;
+    f.str = reason;
+    f.str_len = (uint16_t)strlen(reason);
+    kvr_send_ctrl_to_peer(e, p, &f);
     kvr_room_t *r = kvr_table_get(&e->rooms, m->room);
     if (r != NULL && !r->bound && !kvr_room_terminal(r) && !r->failing) {
-        r->prefix_len = m->prefix_len;
-        kvr_bind_request_locked(e, r, p, m->tag, m->aux_index, m->npages, pages);
+        kvr_failure_t fl;
+        kvr_failure_fill(&fl, code, e->rank, p->name, "%s", reason);
+        kvr_room_fail_locked(e, r, &fl, 0);
+    }
+}
+
+static void kvr_handle_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
+{
+    /* Indices are the decode's own pages: the prefill cannot check them
+     * against the decode's registration, only that they are page numbers. */
+    for (uint32_t i = 0; i < m->npages; i++) {
+        int32_t v = kvr_wire_i32_at(m->pages, i);
+        if (v < 0) {
+            kvr_refuse_req_locked(e, p, m, KVR_PROTOCOL, "kv_indices[%u]=%d is negative", i, v);
+            return;
+        }
+    }
+    if (m->aux_index < -1) {
+        kvr_refuse_req_locked(e, p, m, KVR_PROTOCOL, "aux_index=%" PRId64 " is negative",
+                              m->aux_index);
         return;
     }
-    if (r != NULL) {
+    kvr_room_t *r = kvr_table_get(&e->rooms, m->room);
+    int fresh = r != NULL && !r->bound && !kvr_room_terminal(r) && !r->failing;
+    if (r != NULL && !fresh) {
         /* A request for a room that failed here before any decode asked
          * for it (an abort on the prefill, say) gets that cause.  A second
          * request for a room already bound (the decode restarted the room,
@@ -1328,12 +1447,37 @@ static void kvr_handle_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_
         f.str = reason;
         f.str_len = (uint16_t)strlen(reason);
         kvr_send_ctrl_to_peer(e, p, &f);
-        free(pages);
         return;
     }
-    if (e->pending.count >= e->cfg.max_pending) {
-        e->stats.ctrl_dropped++;
-        free(pages);
+    kvr_pending_t *old = r == NULL ? kvr_table_get(&e->pending, m->room) : NULL;
+    int replaces = old != NULL && old->peer == p;
+    if (!replaces && p->nrooms >= e->cfg.max_rooms_per_peer) {
+        kvr_refuse_req_locked(e, p, m, KVR_REFUSED,
+                              "it already has %u rooms pending or open here "
+                              "(max_rooms_per_peer=%u)",
+                              p->nrooms, e->cfg.max_rooms_per_peer);
+        return;
+    }
+    if (r == NULL && old == NULL && e->pending.count >= e->cfg.max_pending) {
+        kvr_refuse_req_locked(e, p, m, KVR_REFUSED,
+                              "%u requests already wait for senders not created yet "
+                              "(max_pending=%u)",
+                              (unsigned)e->pending.count, e->cfg.max_pending);
+        return;
+    }
+    int32_t *pages = NULL;
+    if (m->npages) {
+        pages = malloc((size_t)m->npages * sizeof(int32_t));
+        if (pages == NULL) {
+            return;
+        }
+        for (uint32_t i = 0; i < m->npages; i++) {
+            pages[i] = kvr_wire_i32_at(m->pages, i);
+        }
+    }
+    if (fresh) {
+        r->prefix_len = m->prefix_len;
+        kvr_bind_request_locked(e, r, p, m->tag, m->aux_index, m->npages, pages);
         return;
     }
     kvr_pending_t *pd = calloc(1, sizeof(*pd));
@@ -1342,17 +1486,20 @@ static void kvr_handle_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_
         return;
     }
     pd->peer = p;
+    p->nrooms++;
     pd->tag = m->tag;
     pd->aux_index = m->aux_index;
     pd->npages = m->npages;
     pd->pages = pages;
     pd->prefix_len = m->prefix_len;
     pd->arrived_ns = kvr_now_ns();
-    kvr_pending_t *old = kvr_table_get(&e->pending, m->room);
+    if (kvr_table_put(&e->pending, m->room, pd) != 0) {
+        kvr_pending_free(pd);
+        return;
+    }
     if (old) {
         kvr_pending_free(old);
     }
-    kvr_table_put(&e->pending, m->room, pd);
 }
 
 /* A ROOM_FAIL from a peer: the peer's root cause becomes ours (unless we
@@ -1408,6 +1555,66 @@ static void kvr_drop_locked(kvr_engine_t *e, size_t len, const char *why)
         e->drop_log_ns = now;
         e->drop_log_n = 0;
     }
+}
+
+/* Who sent a refused message, for the log: a known peer's name, or the
+ * address and routing id of a connection to our ROUTER. */
+static void kvr_describe_sender(kvr_engine_t *e, kvr_ctl_conn_t *conn, void *conn_ctx,
+                                const void *ident, size_t ident_len, const char *from, char *out,
+                                size_t n)
+{
+    if (conn != NULL) {
+        kvr_peer_t *p = conn_ctx;
+        if (p != NULL) {
+            snprintf(out, n, "%s%s", conn == p->conn ? "" : "the bootstrap server for ", p->name);
+        } else if (conn == e->bs_conn) {
+            snprintf(out, n, "the bootstrap server %s", e->bootstrap_addr);
+        } else {
+            snprintf(out, n, "a sibling rank's control socket");
+        }
+        return;
+    }
+    kvr_peer_t *p = kvr_decode_peer_by_ident(e, ident, ident_len);
+    char id[80] = "";
+    const unsigned char *b = ident;
+    if (ident_len == 12) {
+        uint64_t ep;
+        uint32_t rk;
+        memcpy(&ep, b, 8);
+        memcpy(&rk, b + 8, 4);
+        snprintf(id, sizeof(id), "routing id: epoch %016" PRIx64 " rank %u", ep, rk);
+    } else {
+        size_t k = snprintf(id, sizeof(id), "routing id 0x");
+        for (size_t i = 0; i < ident_len && i < 16 && k + 3 < sizeof(id); i++) {
+            k += (size_t)snprintf(id + k, sizeof(id) - k, "%02x", b[i]);
+        }
+    }
+    snprintf(out, n, "%s%s%.64s (%s)", p ? p->name : "", p ? " at " : "",
+             from[0] ? from : "an unknown address", id);
+}
+
+/* A message the control layer refused before decoding it. */
+static void kvr_on_refused(kvr_engine_t *e, int kind, kvr_ctl_conn_t *conn, void *conn_ctx,
+                           const void *ident, size_t ident_len, const char *from, size_t len,
+                           const char *why)
+{
+    char who[240];
+    kvr_describe_sender(e, conn, conn_ctx, ident, ident_len, from, who, sizeof(who));
+    e->stats.ctrl_dropped++;
+    if (kind == KVR_CTL_REFUSED_OVERSIZED) {
+        e->stats.ctrl_oversized++;
+        kvr_warn_limited(e, &e->size_log,
+                         "%s rank %d: refused an oversized control message (%zu bytes) from %s",
+                         kvr_side(e), e->rank, len, who);
+        return;
+    }
+    e->stats.auth_rejected++;
+    kvr_warn_limited(e, &e->auth_log,
+                     "%s rank %d: refused a control message (%zu bytes) from %s: %s%s",
+                     kvr_side(e), e->rank, len, who, why,
+                     kind == KVR_CTL_REFUSED_AUTH
+                         ? "; check that KVRECV_SECRET is the same on both sides"
+                         : "");
 }
 
 static void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, const void *data,
@@ -1489,6 +1696,59 @@ static void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, co
     }
 }
 
+/*
+ * A server we connected to could not authenticate our messages (its secret
+ * differs from ours, or one side has none).  Rooms that depend on it fail
+ * now with BOOTSTRAP and the server's reason, rather than at the bootstrap
+ * timeout.
+ */
+static void kvr_handle_auth_reject_locked(kvr_engine_t *e, kvr_ctl_conn_t *conn, kvr_peer_t *p,
+                                          const kvr_msg_t *m)
+{
+    char reason[KVR_WIRE_MAX_STR + 1];
+    snprintf(reason, sizeof(reason), "%.*s", (int)m->str_len, m->str);
+    e->stats.auth_refused_by_peer++;
+    if (e->mode == KVR_MODE_PREFILL) {
+        if (conn != e->bs_conn) {
+            kvr_warn_limited(e, &e->auth_log, "prefill rank %d: a sibling rank refused our "
+                             "messages: %s", e->rank, reason);
+            return;
+        }
+        snprintf(e->reg_auth_error, sizeof(e->reg_auth_error), "%s", reason);
+        kvr_warn_limited(e, &e->auth_log,
+                         "prefill rank %d cannot register with the bootstrap server %s: %s",
+                         e->rank, e->bootstrap_addr, reason);
+        for (size_t i = 0; i < e->rooms.capacity; i++) {
+            kvr_room_t *r = e->rooms.slots[i].value;
+            if (r != NULL && !r->bound && !r->failing && !kvr_room_terminal(r)) {
+                kvr_room_failf_locked(e, r, KVR_BOOTSTRAP, 0,
+                                      "this rank cannot register with the bootstrap server %s: %s",
+                                      e->bootstrap_addr, reason);
+            }
+        }
+        return;
+    }
+    if (p == NULL) {
+        kvr_warn_limited(e, &e->auth_log, "decode rank %d: a sibling rank refused our messages: %s",
+                         e->rank, reason);
+        return;
+    }
+    if (conn == p->vconn) {
+        kvr_warn_limited(e, &e->auth_log, "decode rank %d: the bootstrap server %s refused our "
+                         "check of %s: %s", e->rank, p->key, p->name, reason);
+        if (p->verifying) {
+            kvr_peer_verified_locked(e, p, 0, 0);
+        }
+        return;
+    }
+    if (conn != p->bs_conn && conn != p->conn) {
+        return;
+    }
+    char what[KVR_WIRE_MAX_STR + 64];
+    snprintf(what, sizeof(what), "refused our control messages: %s", reason);
+    kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, what);
+}
+
 /* Decode: a message from the bootstrap server or a prefill. */
 static void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void *data,
                             size_t len)
@@ -1502,9 +1762,14 @@ static void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, con
         kvr_drop_locked(e, len, why);
         return;
     }
+    if (m.type == KVR_MSG_AUTH_REJECT) {
+        kvr_handle_auth_reject_locked(e, conn, p, &m);
+        return;
+    }
     if (e->mode == KVR_MODE_PREFILL) {
         /* Our registration with the bootstrap server. */
         if (m.type == KVR_MSG_BS_REGISTER_OK) {
+            e->reg_auth_error[0] = '\0';
             if (!e->registered) {
                 kvr_log_write(&e->log, KVR_LOG_INFO,
                               "prefill rank %d registered with the bootstrap server %s as %s",
@@ -1776,9 +2041,10 @@ static void kvr_timers_locked(kvr_engine_t *e)
                 kvr_room_failf_locked(e, r, KVR_BOOTSTRAP, 0,
                                       "no decode asked for the room within the bootstrap "
                                       "timeout (%u ms); this rank is %sregistered with the "
-                                      "bootstrap server %s",
+                                      "bootstrap server %s%s%.600s",
                                       e->cfg.bootstrap_timeout_ms, e->registered ? "" : "NOT ",
-                                      e->bootstrap_addr);
+                                      e->bootstrap_addr,
+                                      e->reg_auth_error[0] ? ": " : "", e->reg_auth_error);
             } else {
                 kvr_room_failf_locked(e, r, KVR_TIMEOUT, 1,
                                       "no completion within its deadline of %" PRIu64
@@ -1907,6 +2173,16 @@ static void kvr_on_conn_msg_entry(void *arg, kvr_ctl_conn_t *conn, void *conn_ct
     pthread_mutex_unlock(&e->lock);
 }
 
+static void kvr_on_refused_entry(void *arg, int kind, kvr_ctl_conn_t *conn, void *conn_ctx,
+                                 const void *ident, size_t ident_len, const char *from,
+                                 size_t len, const char *why)
+{
+    kvr_engine_t *e = arg;
+    pthread_mutex_lock(&e->lock);
+    kvr_on_refused(e, kind, conn, conn_ctx, ident, ident_len, from, len, why);
+    pthread_mutex_unlock(&e->lock);
+}
+
 /* ------------------------------------------------------------------ */
 /* Create / close                                                      */
 /* ------------------------------------------------------------------ */
@@ -2018,7 +2294,6 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
             e->epoch = kvr_now_ns() ^ ((uint64_t)getpid() << 32);
         }
     }
-    e->next_tag = 1;
 
     rc = kvr_validate_buffers("kv", p->nkv, p->kv_ptrs, p->kv_lens, p->kv_item_lens,
                               &e->min_pages, &e->page_bytes, err, errlen);
@@ -2065,9 +2340,17 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
             }
         }
     }
-    kvr_ctl_callbacks_t ccb = {e, kvr_on_router_msg_entry, kvr_on_conn_msg_entry};
-    int64_t max_msg = 16 + 64 + (int64_t)KVR_WIRE_MAX_PAGES * 4;
-    if (kvr_ctl_create(e->host, e->cfg.ctrl_port, max_msg, &ccb, &e->ctl, err, errlen) != 0) {
+    kvr_ctl_callbacks_t ccb = {e, kvr_on_router_msg_entry, kvr_on_conn_msg_entry,
+                               kvr_on_refused_entry};
+    /* What our ROUTER may legitimately receive: on a prefill, a ROOM_REQ of
+     * the most pages a room can have; on a decode, only a sibling's
+     * SIB_FAIL (two strings of at most 1 KiB). */
+    int64_t max_msg = e->mode == KVR_MODE_PREFILL
+                          ? KVR_WIRE_HEADER_LEN + 28 + (int64_t)KVR_WIRE_MAX_PAGES * 4
+                          : 65536;
+    max_msg += e->cfg.secret_len ? KVR_AUTH_TRAILER_LEN : 0;
+    if (kvr_ctl_create(e->host, e->cfg.ctrl_port, max_msg, e->cfg.secret, e->cfg.secret_len,
+                       e->epoch, &ccb, &e->ctl, err, errlen) != 0) {
         rc = KVR_ESYSTEM;
         goto err_tp;
     }
@@ -2337,7 +2620,7 @@ int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
                      e->cfg.max_rooms);
         goto out;
     }
-    kvr_room_t *r = kvr_room_new(room, e->next_tag++,
+    kvr_room_t *r = kvr_room_new(room, kvr_new_tag_locked(e),
                                  e->mode == KVR_MODE_PREFILL ? KVR_ROLE_PREFILL : KVR_ROLE_DECODE);
     if (r == NULL) {
         rc = kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
@@ -2391,6 +2674,10 @@ static void kvr_handle_drop_locked(kvr_engine_t *e, kvr_room_t *r, const char *w
     }
     kvr_table_remove(&e->rooms, r->id);
     r->in_table = 0;
+    if (r->peer_counted && r->peer != NULL && r->peer->nrooms > 0) {
+        r->peer->nrooms--;
+    }
+    r->peer_counted = 0;
     kvr_registry_drop(&e->registry, r->id);
     kvr_work_push_locked(e, r);
     kvr_room_unref_locked(e, r);

@@ -19,6 +19,7 @@
 #include <stdint.h>
 
 #include "hist.h"
+#include "auth.h"
 #include "registry.h"
 #include "status.h"
 
@@ -42,6 +43,11 @@ typedef struct {
     int register_memory;            /* ucp_mem_map the buffers up front */
     uint32_t coalesce_bytes;        /* most bytes per buffer in one coalesced message */
     uint32_t coalesce_run_bytes;    /* runs shorter than this are coalesced */
+    uint32_t max_rooms_per_peer;    /* prefill: rooms one decode may have pending or bound */
+    /* Shared secret authenticating every control message (auth.h); none if
+     * secret_len is 0. */
+    unsigned char secret[KVR_AUTH_SECRET_MAX];
+    size_t secret_len;
 } kvr_config_t;
 
 /* The defaults documented in the README. */
@@ -77,6 +83,12 @@ typedef struct {
     uint64_t rooms_succeeded;
     uint64_t rooms_force_drained; /* declared drained with a dead peer's ops stuck */
     uint64_t log_dropped;         /* log records lost because nobody read them */
+    uint64_t auth_rejected;       /* control messages refused by authentication (also in ctrl_dropped) */
+    uint64_t auth_refused_by_peer; /* AUTH_REJECT answers: a peer could not authenticate us */
+    uint64_t ctrl_oversized;      /* control messages over the size limit (also in ctrl_dropped) */
+    uint64_t data_foreign;        /* data messages for no room of ours, or from a sender that is
+                                     not the room's peer (also in data_rejected) */
+    uint64_t requests_refused;    /* prefill: decode requests refused (bad indices, room caps) */
     uint64_t failures_by_code[KVR_STATUS_LAST];
     /* Per succeeded room (KVR_HIST_LATENCY, ns): decode, from sending the
      * request to the prefill to the last byte landed; prefill, from the

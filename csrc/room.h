@@ -110,6 +110,7 @@ typedef struct kvr_room {
      * prefix); decode: given to send_metadata, prefill: came with the
      * request.  Only carried: the pages exchanged cover the rest. */
     uint32_t prefix_len;
+    int peer_counted;       /* counted in its decode peer's rooms (max_rooms_per_peer) */
 
     /* the engine's work list */
     struct kvr_room *work_next;

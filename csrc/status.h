@@ -19,7 +19,8 @@
     X(TIMEOUT, "TIMEOUT", "no progress within the room's deadline")           \
     X(ABORTED, "ABORTED", "the transfer was aborted")                         \
     X(REMOTE, "REMOTE", "the peer reported a failure")                        \
-    X(PROTOCOL, "PROTOCOL", "the peer sent a message that breaks the protocol")
+    X(PROTOCOL, "PROTOCOL", "the peer sent a message that breaks the protocol") \
+    X(REFUSED, "REFUSED", "the peer refused the room: its limit of rooms for this peer is reached")
 
 typedef enum {
 #define KVR_STATUS_ENUM(name, str, msg) KVR_##name,

@@ -132,6 +132,9 @@ int kvr_wire_encode(kvr_wbuf_t *b, const kvr_msg_t *m)
         kvr_put_u16(b, m->code);
         kvr_put_str(b, m->str, m->str_len);
         break;
+    case KVR_MSG_AUTH_REJECT:
+        kvr_put_str(b, m->str, m->str_len);
+        break;
     case KVR_MSG_ROOM_REQ:
         kvr_put_u64(b, m->room);
         kvr_put_u64(b, m->tag);
@@ -251,6 +254,11 @@ int kvr_wire_decode(const void *buf, size_t len, kvr_msg_t *m, const char **why)
     }
     m->type = (uint16_t)kvr_rd_int(&r, 2, "");
     m->epoch = kvr_rd_int(&r, 8, "");
+    if (m->type & 0x8000u) {
+        /* auth.h's flag: only a receiver with the secret can open it. */
+        *why = "authenticated message (the sender has a secret, this side has none)";
+        return -1;
+    }
     switch (m->type) {
     case KVR_MSG_BS_REGISTER:
         m->rank = (uint32_t)kvr_rd_int(&r, 4, "truncated rank");
@@ -286,6 +294,9 @@ int kvr_wire_decode(const void *buf, size_t len, kvr_msg_t *m, const char **why)
     case KVR_MSG_HELLO_REJECT:
         m->rank = (uint32_t)kvr_rd_int(&r, 4, "truncated rank");
         m->code = (uint16_t)kvr_rd_int(&r, 2, "truncated code");
+        kvr_rd_str(&r, &m->str, &m->str_len, "bad reason");
+        break;
+    case KVR_MSG_AUTH_REJECT:
         kvr_rd_str(&r, &m->str, &m->str_len, "bad reason");
         break;
     case KVR_MSG_ROOM_REQ:
@@ -394,7 +405,7 @@ const char *kvr_msg_type_name(int type)
     static const char *const names[] = {
         "?", "BS_REGISTER", "BS_REGISTER_OK", "BS_QUERY", "BS_QUERY_REPLY", "HELLO",
         "HELLO_OK", "HELLO_REJECT", "ROOM_REQ", "ROOM_DONE", "ROOM_FAIL", "PING",
-        "PONG", "BYE", "SIB_FAIL"};
+        "PONG", "BYE", "SIB_FAIL", "AUTH_REJECT"};
     if (type <= 0 || type >= KVR_MSG_LAST) {
         return "?";
     }

@@ -5,7 +5,10 @@
  * Every control message starts with a 16-byte header: magic "KVRW", version,
  * type and the sender's instance epoch (a random 64-bit id chosen when the
  * sender started), so a restarted peer is recognised on its first message.
- * Integers are little-endian.  Decoders are pure functions over a byte
+ * With a shared secret configured, every message is sealed as auth.h
+ * describes (a flag in the type field and a trailer of sequence number and
+ * HMAC); kvr_wire_decode sees messages only after the trailer was verified
+ * and removed.  Integers are little-endian.  Decoders are pure functions over a byte
  * buffer: they check every length against the buffer before reading it, never
  * allocate, and point into the buffer for variable-length fields.  They are
  * what the fuzz targets call.
@@ -39,6 +42,8 @@ typedef enum {
     KVR_MSG_PONG,             /* prefill -> decode: rank */
     KVR_MSG_BYE,              /* either way: rank; the sender is closing */
     KVR_MSG_SIB_FAIL,         /* rank -> sibling ranks of one instance: as ROOM_FAIL */
+    KVR_MSG_AUTH_REJECT,      /* any receiver -> a sender it could not authenticate: reason.
+                               * Never sealed (the two sides share no key). */
     KVR_MSG_LAST
 } kvr_msg_type_t;
 

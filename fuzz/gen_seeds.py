@@ -4,13 +4,16 @@ message type (fuzz/corpus/fuzz_wire) and valid data headers
 (fuzz/corpus/fuzz_am_header).  The layout is written out here with struct,
 independently of the C encoder (see csrc/wire.c).  Existing files are kept:
 regression inputs found by fuzzing live in the same folders."""
+import hashlib
+import hmac
 import os
 import struct
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 MAGIC = 0x5752564B
 (BS_REGISTER, BS_REGISTER_OK, BS_QUERY, BS_QUERY_REPLY, HELLO, HELLO_OK,
- HELLO_REJECT, ROOM_REQ, ROOM_DONE, ROOM_FAIL, PING, PONG, BYE, SIB_FAIL) = range(1, 15)
+ HELLO_REJECT, ROOM_REQ, ROOM_DONE, ROOM_FAIL, PING, PONG, BYE, SIB_FAIL,
+ AUTH_REJECT) = range(1, 16)
 
 
 def header(t, epoch=0x0123456789ABCDEF):
@@ -55,6 +58,8 @@ def wire_seeds():
     out["bye"] = header(BYE) + struct.pack("<I", 5)
     out["sib_fail"] = (header(SIB_FAIL) + struct.pack("<QQHi", 42, 7, 5, 2) + s(b"sibling saw timeout")
                        + s(b""))
+    out["auth_reject"] = header(AUTH_REJECT) + s(b"authentication failed at the bootstrap server")
+    out["auth_reject_empty"] = header(AUTH_REJECT) + s(b"")
     return out
 
 
@@ -68,6 +73,25 @@ def am_seeds():
     }
 
 
+FUZZ_KEY = b"kvrecv-fuzz-key"  # fuzz/fuzz_auth.c
+
+
+def seal(msg, seq, key=FUZZ_KEY):
+    """csrc/auth.h: the flag in the type field, then seq and HMAC-SHA256."""
+    b = bytearray(msg)
+    b[7] |= 0x80
+    b += struct.pack("<Q", seq)
+    return bytes(b) + hmac.new(key, bytes(b), hashlib.sha256).digest()
+
+
+def auth_seeds():
+    """Sealed messages that open (a fresh receiver per input)."""
+    w = wire_seeds()
+    return {"sealed_" + name: seal(w[name], seq)
+            for seq, name in enumerate(["ping", "room_req", "hello", "room_fail", "auth_reject"],
+                                       start=1)}
+
+
 def write(folder, seeds):
     os.makedirs(folder, exist_ok=True)
     for name, data in seeds.items():
@@ -78,4 +102,5 @@ def write(folder, seeds):
 if __name__ == "__main__":
     write(os.path.join(HERE, "corpus", "fuzz_wire"), wire_seeds())
     write(os.path.join(HERE, "corpus", "fuzz_am_header"), am_seeds())
+    write(os.path.join(HERE, "corpus", "fuzz_auth"), auth_seeds())
     print("seeds written")

@@ -14,13 +14,13 @@ CLANG=${CLANG:-clang}
 SECONDS_EACH=${FUZZ_SECONDS:-30}
 JOBS=${FUZZ_JOBS:-1}
 BUILD=fuzz/build
-TARGETS=${*:-fuzz_wire fuzz_am_header}
+TARGETS=${*:-fuzz_wire fuzz_am_header fuzz_auth}
 mkdir -p "$BUILD"
 if ! command -v "$CLANG" >/dev/null; then
     echo "clang not found (apt-get install -y clang libclang-rt-14-dev)" >&2
     exit 2
 fi
-SRCS="csrc/wire.c"
+SRCS="csrc/wire.c csrc/auth.c csrc/table.c"
 FLAGS="-g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -Icsrc"
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
@@ -28,7 +28,7 @@ status=0
 for t in $TARGETS; do
     echo "== $t: build"
     # shellcheck disable=SC2086
-    if ! $CLANG $FLAGS -o "$BUILD/$t" "fuzz/$t.c" $SRCS; then
+    if ! $CLANG $FLAGS -o "$BUILD/$t" "fuzz/$t.c" $SRCS -lcrypto; then
         echo "== $t: BUILD FAILED"
         status=1
         continue

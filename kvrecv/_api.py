@@ -29,8 +29,13 @@ _core._set_poll_values([KVPoll(i) for i in range(5)])
 
 @dataclasses.dataclass
 class KVConfig:
-    """Timeouts and bounds of a manager.  Every field may be overridden by an
-    environment variable KVRECV_<FIELD> (upper case)."""
+    """Timeouts, bounds and the shared secret of a manager.  Every field may
+    be overridden by an environment variable KVRECV_<FIELD> (upper case).
+
+    secret: when set (a str, or bytes), every control message is
+    authenticated with HMAC-SHA256 under it, and messages that do not verify
+    are refused.  Every decode, prefill and bootstrap server of a deployment
+    needs the same one.  It is not shown by repr()."""
 
     bootstrap_timeout_ms: int = 30000
     heartbeat_interval_ms: int = 100
@@ -44,12 +49,17 @@ class KVConfig:
     register_memory: bool = True
     coalesce_bytes: int = 1 << 20
     coalesce_run_bytes: int = 0  # 0: auto (see README)
+    max_rooms_per_peer: int = 16384
+    secret: Any = dataclasses.field(default="", repr=False)
 
     def resolved(self) -> dict:
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             env = os.environ.get("KVRECV_" + f.name.upper())
+            if f.name == "secret":
+                out["secret"] = _secret(value if env is None else env, "KVConfig.secret")
+                continue
             if env is not None:
                 try:
                     value = type(f.default)(int(env)) if f.type != "bool" else env not in ("0", "false", "")
@@ -61,6 +71,19 @@ class KVConfig:
                 raise ValueError(f"KVConfig.{f.name} must be a non-negative integer, got {value!r}")
             out[f.name] = value
         return out
+
+
+def _secret(value: Any, what: str) -> bytes:
+    """A secret as bytes (b"" for none): str is taken as UTF-8."""
+    if value is None:
+        return b""
+    if isinstance(value, str):
+        value = value.encode()
+    if not isinstance(value, (bytes, bytearray)):
+        raise TypeError(f"{what} must be a str or bytes, not {type(value).__name__}")
+    if len(value) > 256:
+        raise ValueError(f"{what} is {len(value)} bytes long, more than 256")
+    return bytes(value)
 
 
 def _int_list(name: str, value: Any) -> list:
@@ -169,11 +192,15 @@ class KVArgs:
 
 class BootstrapServer:
     """The rendezvous where prefill ranks register and decode ranks look
-    them up.  port=0 picks a free port; .port says which."""
+    them up.  port=0 picks a free port; .port says which.  secret (default:
+    the KVRECV_SECRET environment variable) authenticates every message, as
+    KVConfig.secret does for the managers: all must use the same one."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 8998):
+    def __init__(self, host: str = "127.0.0.1", port: int = 8998, secret: Any = None):
         self.host = host
-        self._core = _core.BootstrapServer(host, port)
+        if secret is None:
+            secret = os.environ.get("KVRECV_SECRET", "")
+        self._core = _core.BootstrapServer(host, port, _secret(secret, "secret"))
         self.port = self._core.port
 
     @property

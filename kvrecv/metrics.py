@@ -57,6 +57,15 @@ _SCALARS = [
     ("kvrecv_data_rejected_total", "counter",
      "Data messages refused by the decode's checks.", "data_rejected"),
     ("kvrecv_log_dropped_total", "counter", "Log records dropped.", "log_dropped"),
+    ("kvrecv_auth_rejected_total", "counter",
+     "Control messages refused by authentication.", "auth_rejected"),
+    ("kvrecv_ctrl_oversized_total", "counter",
+     "Control messages refused for their size.", "ctrl_oversized"),
+    ("kvrecv_data_foreign_total", "counter",
+     "Data messages for no room of ours or from a sender the room is not bound to.",
+     "data_foreign"),
+    ("kvrecv_requests_refused_total", "counter",
+     "Decode requests refused by the prefill (bad indices, room limits).", "requests_refused"),
 ]
 
 _ROOMS = ("kvrecv_rooms", "gauge", "Open rooms by KVPoll state.")

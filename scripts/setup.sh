@@ -4,7 +4,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 need_apt=0
-for pkg in ucx libzmq; do
+for pkg in ucx libzmq libcrypto; do
     pkg-config --exists "$pkg" 2>/dev/null || need_apt=1
 done
 command -v pkg-config >/dev/null 2>&1 || need_apt=1
@@ -13,7 +13,7 @@ if [ "$need_apt" = 1 ]; then
     [ "$(id -u)" = 0 ] || SUDO="sudo"
     $SUDO apt-get update -qq
     DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq \
-        libucx-dev libzmq3-dev pkg-config gcc >/dev/null
+        libucx-dev libzmq3-dev libssl-dev pkg-config gcc >/dev/null
 fi
 
 PY=${PYTHON:-python3}

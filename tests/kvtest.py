@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
+import hashlib
+import hmac
 import multiprocessing
 import os
 import struct
@@ -321,6 +323,9 @@ def _libzmq():
         z.zmq_socket.argtypes = [ctypes.c_void_p, ctypes.c_int]
         z.zmq_close.argtypes = [ctypes.c_void_p]
         z.zmq_connect.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        z.zmq_bind.argtypes = [ctypes.c_void_p, ctypes.c_char_p]
+        z.zmq_getsockopt.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
+                                     ctypes.POINTER(ctypes.c_size_t)]
         z.zmq_setsockopt.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_void_p,
                                      ctypes.c_size_t]
         z.zmq_send.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
@@ -334,7 +339,7 @@ def _libzmq():
 class Dealer:
     """A DEALER connected to endpoint ("tcp://host:port")."""
 
-    def __init__(self, endpoint: str, recv_timeout_ms: int = 5000):
+    def __init__(self, endpoint: str, recv_timeout_ms: int = 5000, bind: bool = False):
         z = _libzmq()
         self._z = z
         self.ctx = z.zmq_ctx_new()
@@ -344,8 +349,17 @@ class Dealer:
         for opt, val in ((ZMQ_LINGER, 0), (ZMQ_RCVTIMEO, recv_timeout_ms), (ZMQ_SNDTIMEO, 5000)):
             v = ctypes.c_int(val)
             assert z.zmq_setsockopt(self.sock, opt, ctypes.byref(v), ctypes.sizeof(v)) == 0
-        rc = z.zmq_connect(self.sock, endpoint.encode())
-        assert rc == 0, f"zmq_connect({endpoint}) failed"
+        if bind:
+            # A DEALER that others connect to (DEALER-DEALER: no routing ids).
+            assert z.zmq_bind(self.sock, endpoint.encode()) == 0, f"zmq_bind({endpoint}) failed"
+            buf = ctypes.create_string_buffer(256)
+            n = ctypes.c_size_t(256)
+            assert z.zmq_getsockopt(self.sock, 32, buf, ctypes.byref(n)) == 0  # LAST_ENDPOINT
+            self.endpoint = buf.value.decode()
+        else:
+            rc = z.zmq_connect(self.sock, endpoint.encode())
+            assert rc == 0, f"zmq_connect({endpoint}) failed"
+            self.endpoint = endpoint
 
     def send(self, data: bytes, more: bool = False) -> None:
         buf = ctypes.create_string_buffer(data, max(len(data), 1))
@@ -381,7 +395,36 @@ MAGIC = 0x5752564B
 VERSION = 1
 (MSG_BS_REGISTER, MSG_BS_REGISTER_OK, MSG_BS_QUERY, MSG_BS_QUERY_REPLY, MSG_HELLO, MSG_HELLO_OK,
  MSG_HELLO_REJECT, MSG_ROOM_REQ, MSG_ROOM_DONE, MSG_ROOM_FAIL, MSG_PING, MSG_PONG,
- MSG_BYE) = range(1, 14)
+ MSG_BYE, MSG_SIB_FAIL, MSG_AUTH_REJECT) = range(1, 16)
+AUTH_FLAG = 0x8000
+
+
+def seal(msg: bytes, key: bytes, seq: int) -> bytes:
+    """What a sender with the secret key sends (csrc/auth.h): the flag in
+    the type field, then seq and HMAC-SHA256 over everything before it."""
+    b = bytearray(msg)
+    b[7] |= AUTH_FLAG >> 8
+    b += struct.pack("<Q", seq)
+    return bytes(b) + hmac.new(key, bytes(b), hashlib.sha256).digest()
+
+
+def unseal(data: bytes, key: bytes) -> Tuple[bytes, int]:
+    """Checks a sealed message's tag; returns (message without trailer and
+    flag, seq).  Raises AssertionError if it does not verify."""
+    assert len(data) >= 56 and data[7] & (AUTH_FLAG >> 8), "not sealed"
+    body, seq, mac = data[:-40], data[-40:-32], data[-32:]
+    assert hmac.compare_digest(hmac.new(key, body + seq, hashlib.sha256).digest(), mac), \
+        "the tag does not verify"
+    b = bytearray(body)
+    b[7] &= ~(AUTH_FLAG >> 8) & 0xFF
+    return bytes(b), struct.unpack("<Q", seq)[0]
+
+
+def auth_reject_reason(data: bytes) -> str:
+    """The reason of an AUTH_REJECT message."""
+    assert parse_header(data)[2] == MSG_AUTH_REJECT, parse_header(data)
+    (n,) = struct.unpack_from("<H", data, 16)
+    return data[18:18 + n].decode()
 
 
 def header(msg_type: int, epoch: int = 0x1122334455667788, magic: int = MAGIC,

@@ -36,6 +36,7 @@ from kvrecv import (
     KVPeerRestartedError,
     KVPoll,
     KVProtocolError,
+    KVRefusedError,
     KVReceiver,
     KVRemoteError,
     KVSender,
@@ -64,6 +65,7 @@ CODE_TO_CLASS = {
     "ABORTED": KVAbortedError,
     "REMOTE": KVRemoteError,
     "PROTOCOL": KVProtocolError,
+    "REFUSED": KVRefusedError,
 }
 
 pytestmark = pytest.mark.timeout(60)

@@ -11,10 +11,16 @@ typedef struct {
 static int kvr_bs_pyinit(PyObject *op, PyObject *args, PyObject *kwds)
 {
     kvr_py_bootstrap_t *self = (kvr_py_bootstrap_t *)op;
-    static char *kwlist[] = {"host", "port", NULL};
+    static char *kwlist[] = {"host", "port", "secret", NULL};
     const char *host = "127.0.0.1";
     int port = 8998;
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|si", kwlist, &host, &port)) {
+    PyObject *secret_obj = Py_None;
+    unsigned char secret[KVR_AUTH_SECRET_MAX];
+    size_t secret_len = 0;
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "|siO", kwlist, &host, &port, &secret_obj)) {
+        return -1;
+    }
+    if (kvr_py_secret(secret_obj, secret, &secret_len) < 0) {
         return -1;
     }
     if (port < 0 || port > 65535) {
@@ -28,7 +34,7 @@ static int kvr_bs_pyinit(PyObject *op, PyObject *args, PyObject *kwds)
     char err[256] = "";
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = kvr_bootstrap_start(host, port, &self->bs, err, sizeof(err));
+    rc = kvr_bootstrap_start(host, port, secret, secret_len, &self->bs, err, sizeof(err));
     Py_END_ALLOW_THREADS
     if (rc != 0) {
         PyErr_SetString(PyExc_OSError, err);
@@ -68,12 +74,15 @@ static PyObject *kvr_bs_counts(PyObject *op, PyObject *unused)
 {
     (void)unused;
     kvr_py_bootstrap_t *self = (kvr_py_bootstrap_t *)op;
-    uint64_t reg = 0, dropped = 0;
+    kvr_bootstrap_counts_t c;
+    memset(&c, 0, sizeof(c));
     if (self->bs) {
-        kvr_bootstrap_counts(self->bs, &reg, &dropped);
+        kvr_bootstrap_counts(self->bs, &c);
     }
-    return Py_BuildValue("{s:K,s:K}", "registrations", (unsigned long long)reg, "dropped",
-                         (unsigned long long)dropped);
+    return Py_BuildValue("{s:K,s:K,s:K,s:s}", "registrations", (unsigned long long)c.registered,
+                         "dropped", (unsigned long long)c.dropped, "auth_rejected",
+                         (unsigned long long)c.auth_rejected, "last_auth_rejected",
+                         c.last_rejected);
 }
 
 static PyObject *kvr_bs_get_port(PyObject *op, void *unused)

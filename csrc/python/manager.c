@@ -76,6 +76,23 @@ static int kvr_cfg_get(PyObject *cfg, const char *key, uint64_t max, uint64_t *d
     return 0;
 }
 
+/* config["secret"]: str (UTF-8) or bytes; absent, None or empty: none. */
+static int kvr_cfg_secret(PyObject *cfg, kvr_config_t *c)
+{
+    c->secret_len = 0;
+    if (cfg == NULL || cfg == Py_None) {
+        return 0;
+    }
+    PyObject *v = PyMapping_GetItemString(cfg, "secret");
+    if (v == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int rc = kvr_py_secret(v, c->secret, &c->secret_len);
+    Py_DECREF(v);
+    return rc;
+}
+
 static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
 {
     kvr_py_manager_t *self = (kvr_py_manager_t *)op;
@@ -154,7 +171,11 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     KVR_CFG(register_memory, 1)
     KVR_CFG(coalesce_bytes, UINT32_MAX)
     KVR_CFG(coalesce_run_bytes, UINT32_MAX)
+    KVR_CFG(max_rooms_per_peer, UINT32_MAX)
 #undef KVR_CFG
+    if (kvr_cfg_secret(cfg, &p.cfg) < 0) {
+        goto out;
+    }
     char err[512] = "";
     int rc;
     kvr_engine_t *e = NULL;
@@ -329,7 +350,12 @@ static PyObject *kvr_manager_stats(PyObject *op, PyObject *unused)
         kvr_dict_set_u64(d, "peers", s.peers) < 0 ||
         kvr_dict_set_u64(d, "log_dropped", s.log_dropped) < 0 ||
         kvr_dict_set_hist(d, "transfer_latency", &s.transfer_latency, KVR_HIST_LATENCY, 1e9) < 0 ||
-        kvr_dict_set_hist(d, "room_ops", &s.room_ops, KVR_HIST_OPS, 1.0) < 0) {
+        kvr_dict_set_hist(d, "room_ops", &s.room_ops, KVR_HIST_OPS, 1.0) < 0 ||
+        kvr_dict_set_u64(d, "auth_rejected", s.auth_rejected) < 0 ||
+        kvr_dict_set_u64(d, "auth_refused_by_peer", s.auth_refused_by_peer) < 0 ||
+        kvr_dict_set_u64(d, "ctrl_oversized", s.ctrl_oversized) < 0 ||
+        kvr_dict_set_u64(d, "data_foreign", s.data_foreign) < 0 ||
+        kvr_dict_set_u64(d, "requests_refused", s.requests_refused) < 0) {
         goto fail;
     }
     Py_DECREF(byst);

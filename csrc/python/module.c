@@ -8,6 +8,37 @@ kvr_py_state_t *kvr_py_state_of_type(PyTypeObject *tp)
     return mod ? PyModule_GetState(mod) : NULL;
 }
 
+int kvr_py_secret(PyObject *v, unsigned char *out, size_t *len)
+{
+    const char *data;
+    Py_ssize_t n;
+    *len = 0;
+    if (v == Py_None) {
+        return 0;
+    }
+    if (PyUnicode_Check(v)) {
+        data = PyUnicode_AsUTF8AndSize(v, &n);
+        if (data == NULL) {
+            return -1;
+        }
+    } else if (PyBytes_Check(v)) {
+        data = PyBytes_AS_STRING(v);
+        n = PyBytes_GET_SIZE(v);
+    } else {
+        PyErr_Format(PyExc_TypeError, "secret must be a str or bytes, not %s",
+                     Py_TYPE(v)->tp_name);
+        return -1;
+    }
+    if (n > KVR_AUTH_SECRET_MAX) {
+        PyErr_Format(PyExc_ValueError, "secret is %zd bytes long, more than %d", n,
+                     KVR_AUTH_SECRET_MAX);
+        return -1;
+    }
+    memcpy(out, data, (size_t)n);
+    *len = (size_t)n;
+    return 0;
+}
+
 PyObject *kvr_py_raise(int rc, const char *err)
 {
     switch (rc) {
@@ -128,6 +159,7 @@ static const char *const kvr_err_names[KVR_STATUS_LAST] = {
     "KVAbortedError",       /* ABORTED */
     "KVRemoteError",        /* REMOTE */
     "KVProtocolError",      /* PROTOCOL */
+    "KVRefusedError",       /* REFUSED */
 };
 
 static PyObject *kvr_make_error_type(PyObject *m, const char *name, PyObject *base,

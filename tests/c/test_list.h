@@ -30,6 +30,11 @@
     X(wire_array_readers, 10, 0)                                              \
     X(wire_type_names, 10, 0)                                                 \
     X(am_header_round_trip, 10, 0)                                            \
+    X(auth_seal_open_round_trip, 10, 0)                                       \
+    X(auth_every_bit_flip_rejected, 30, 0)                                    \
+    X(auth_other_key_and_unsealed, 10, 0)                                     \
+    X(auth_replay_window, 10, 0)                                              \
+    X(auth_many_senders_bounded, 60, 0)                                       \
     X(am_header_rejects, 10, 0)                                               \
     X(room_new_defaults, 10, 0)                                               \
     X(room_advance_forward_only, 10, 0)                                       \

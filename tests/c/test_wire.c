@@ -56,6 +56,10 @@ static kvr_msg_t sample(int type)
         m.addr = worker_addr; /* both carry the sender's worker address */
         m.addr_len = sizeof(worker_addr);
         break;
+    case KVR_MSG_AUTH_REJECT:
+        m.str = "authentication failed at the bootstrap server";
+        m.str_len = (uint16_t)strlen(m.str);
+        break;
     case KVR_MSG_HELLO_REJECT:
         m.rank = 4;
         m.code = 2;
@@ -321,12 +325,21 @@ TEST_IMPL(wire_bad_header)
     x[4] = 2;
     ASSERT_EQ(decode_exact(x, b.len, &d, &why), -1);
     ASSERT(strcmp(why, "unsupported protocol version") == 0);
-    uint16_t bad_types[] = {0, KVR_MSG_LAST, 0x100 | KVR_MSG_PING, 0xffff};
+    uint16_t bad_types[] = {0, KVR_MSG_LAST, 0x100 | KVR_MSG_PING, 0x7fff};
     for (size_t i = 0; i < 4; i++) {
         memcpy(x, b.data, b.len);
         put_le(x + 6, bad_types[i], 2);
         ASSERT_EQ(decode_exact(x, b.len, &d, &why), -1);
         ASSERT(strcmp(why, "unknown message type") == 0);
+    }
+    /* the authentication flag (auth.h): sealed messages never reach the
+     * decoder of a side without the secret */
+    uint16_t sealed_types[] = {0x8000 | KVR_MSG_PING, 0xffff};
+    for (size_t i = 0; i < 2; i++) {
+        memcpy(x, b.data, b.len);
+        put_le(x + 6, sealed_types[i], 2);
+        ASSERT_EQ(decode_exact(x, b.len, &d, &why), -1);
+        ASSERT(strstr(why, "authenticated message") != NULL);
     }
     /* a bare header of a type that needs a body */
     ASSERT_EQ(decode_exact(b.data, KVR_WIRE_HEADER_LEN, &d, &why), -1);
@@ -512,7 +525,8 @@ TEST_IMPL(wire_type_names)
 {
     const char *want[] = {"?", "BS_REGISTER", "BS_REGISTER_OK", "BS_QUERY", "BS_QUERY_REPLY",
                           "HELLO", "HELLO_OK", "HELLO_REJECT", "ROOM_REQ", "ROOM_DONE",
-                          "ROOM_FAIL", "PING", "PONG", "BYE", "SIB_FAIL"};
+                          "ROOM_FAIL", "PING", "PONG", "BYE", "SIB_FAIL",
+                          "AUTH_REJECT"};
     ASSERT_EQ(sizeof(want) / sizeof(want[0]), KVR_MSG_LAST);
     for (int t = 1; t < KVR_MSG_LAST; t++) {
         ASSERT(strcmp(kvr_msg_type_name(t), want[t]) == 0);
