@@ -163,21 +163,25 @@ def test_link_down_mid_transfer(pair, side):
         assert "decode rank 0" in e.failure_reason, e.failure_reason
         assert ptimes[int(rid)] < 1.0 + 2.5, (rid, ptimes)
 
+    dc.call("clear")
+    pf.call("clear")
     t_up = pair.set_link(side, True)
     pair.wait_link(True)
+    # New rooms at once: the decode reconnects with the routing id its old
+    # control connection had, which the prefill never saw close.
+    new = [(100 + i, [48 + 2 * i, 49 + 2 * i], 10 + i, [3 * i, 3 * i + 1], 20 + i) for i in range(4)]
+    el = _check_new_rooms(pf, dc, new, seed=11)
+    after = time.monotonic() - t_up
+    print(f"link up: new rooms Success {after:.3f} s after the link came back "
+          f"({el:.3f} s for the rooms themselves)")
+    assert after < 5, f"new rooms took {after:.3f} s after the link came back"
     # Segments the kernel queued while the link was down are retransmitted
     # now; none of them may land in a room that failed.
-    time.sleep(1.5)
+    time.sleep(max(0.0, 1.5 - (time.monotonic() - t_up)))
     for rid, (dst, arow, _) in plan.items():
         rest = dst[4:] if rid <= 3 else dst
         assert dc.call("canary", pages=rest, aux_rows=[arow])["canary"], (
             f"room {rid}: bytes landed after it failed")
-    dc.call("clear")
-    pf.call("clear")
-    new = [(100 + i, [48 + 2 * i, 49 + 2 * i], 10 + i, [3 * i, 3 * i + 1], 20 + i) for i in range(4)]
-    el = _check_new_rooms(pf, dc, new, seed=11)
-    print(f"link up: new rooms Success {time.monotonic() - t_up:.3f} s after the link came back "
-          f"({el:.3f} s for the rooms themselves)")
     _assert_drained(pf, dc)
 
 
@@ -256,6 +260,7 @@ def test_link_down_big_rooms_in_flight(pair):
     pf.call("clear")
     el = _check_new_rooms(pf, dc, [(10, [0, 1], 9, [38, 39], 3)], seed=12)
     print(f"link up: a new 1.25 MiB room Success after {el:.3f} s")
+    assert el < 5, f"a new room took {el:.3f} s"
     _assert_drained(pf, dc)
     for peer in (dc, pf):
         t = time.monotonic()
@@ -263,6 +268,45 @@ def test_link_down_big_rooms_in_flight(pair):
         peer.proc.wait(timeout=30)
         print(f"{peer.role} closed in {time.monotonic() - t:.3f} s")
         assert time.monotonic() - t < 10
+
+
+def test_link_flap_shorter_than_heartbeat_timeout(pair):
+    """A link that drops for 0.3 s, well within heartbeat_timeout_ms, costs
+    nothing: tcp retransmits, every room in flight succeeds byte for byte."""
+    cfg = dict(heartbeat_interval_ms=100, heartbeat_timeout_ms=2000)
+    bs, pfs, dcs = _start(pair, prefill_cfg=cfg, decode_cfg=cfg, seed=13, pages=40,
+                          scale=BIG_SCALE)
+    pf, dc = pfs[0], dcs[0]
+    pair.rate_limit("prefill", "160mbit")
+    rooms = [(rid, list(range(8 * i, 8 * i + BIG_ROOM)), i,
+              list(range(8 * i, 8 * i + BIG_ROOM))[::-1], 10 + i) for i, rid in enumerate(range(1, 5))]
+    total = 4 * BIG_ROOM * sum(netns_items()) * BIG_SCALE
+    dc.call("open_receivers", rooms=[[r, d, a] for r, d, a, _, _ in rooms])
+    pf.call("open_senders", rooms=[[r, len(s), sa] for r, _, _, s, sa in rooms])
+    pf.call("send", chunks=[[r, s] for r, _, _, s, _ in rooms])
+    t0 = time.monotonic()
+    while dc.call("stats")["stats"]["bytes_moved"] < total // 4:
+        assert time.monotonic() - t0 < 20, dc.call("stats")
+        time.sleep(0.005)
+    pair.set_link("decode", False)
+    landed = dc.call("stats")["stats"]["bytes_moved"]
+    time.sleep(0.3)
+    t_up = pair.set_link("decode", True)
+    assert landed < total, "the rooms finished before the link went down"
+    got = dc.call("wait", timeout=30)["rooms"]
+    bad = {r: repr(failure(o)) for r, o in got.items() if o["state"] != SUCCESS}
+    assert not bad, f"a 0.3 s link flap failed rooms: {bad}"
+    last = max(o["t"] for o in got.values()) - t_up
+    print(f"link flap of 0.3 s with {landed} of {total} bytes landed: every room Success, "
+          f"the last {last:.3f} s after the link came back")
+    got = pf.call("wait", timeout=30)["rooms"]
+    bad = {r: repr(failure(o)) for r, o in got.items() if o["state"] != SUCCESS}
+    assert not bad, f"a 0.3 s link flap failed prefill rooms: {bad}"
+    bad = dc.call("verify", rooms=[[r, d, a, 13, 0, s, sa] for r, d, a, s, sa in rooms])["bad"]
+    assert not bad, f"bytes differ after the flap: {bad}"
+    dc.call("clear")
+    pf.call("clear")
+    _assert_drained(pf, dc)
 
 
 # --------------------------------------------------------------------------
@@ -322,6 +366,74 @@ def test_control_port_blackholed(pair, port):
                           seed=31)
     print(f"{port} port open again: new rooms Success after {el:.3f} s")
     assert time.monotonic() - t_open < 15
+    _assert_drained(pf, dc)
+
+
+def test_control_port_blackholed_mid_transfer(pair):
+    """The prefill's control port goes dark on an established connection
+    while the data path (UCX, another port) still works: heartbeats stop, so
+    both sides fail the rooms with PEER_LOST, and no byte the prefill still
+    sends lands in them.  A room opened while the port is dark fails with
+    BOOTSTRAP; once it is open again new rooms work."""
+    if _FW is None:
+        pytest.skip("neither nft nor iptables can add a rule in a network namespace")
+    cfg = dict(HB, bootstrap_timeout_ms=1500)
+    bs, pfs, dcs = _start(pair, prefill_cfg=cfg, decode_cfg=cfg, seed=32, pages=40,
+                          scale=BIG_SCALE)
+    pf, dc = pfs[0], dcs[0]
+    pair.rate_limit("prefill", "40mbit")
+    plan = {rid: (list(range(8 * i, 8 * i + BIG_ROOM)), i, list(range(8 * i, 8 * i + BIG_ROOM)))
+            for i, rid in enumerate(range(1, 5))}
+    total = 4 * BIG_ROOM * sum(netns_items()) * BIG_SCALE
+    dc.call("open_receivers", rooms=[[r, d, a] for r, (d, a, _) in plan.items()])
+    pf.call("open_senders", rooms=[[r, BIG_ROOM, a] for r, (d, a, _) in plan.items()])
+    pf.call("send", chunks=[[r, s] for r, (_, _, s) in plan.items()])
+    t0 = time.monotonic()
+    while dc.call("stats")["stats"]["bytes_moved"] < total // 8:
+        assert time.monotonic() - t0 < 20, dc.call("stats")
+        time.sleep(0.005)
+    pair.drop_port(_FW, "prefill", _port(pf.endpoint))
+    t_drop = time.monotonic()
+    got = dc.call("wait", timeout=20)["rooms"]
+    times = {int(r): (o["t"] - t_drop if o["t"] else None) for r, o in got.items()}
+    print(f"control port dropped mid-transfer: decode rooms ended after {times}")
+    unfinished = {rid: o for rid, o in got.items() if o["state"] != SUCCESS}
+    assert unfinished, "every room finished before the heartbeats ran out"
+    for rid, o in unfinished.items():
+        assert o["state"] == FAILED, (rid, o)
+        e = failure(o)
+        assert isinstance(e, KVPeerLostError) and e.code == "PEER_LOST", (rid, repr(e))
+        assert "no heartbeat for" in e.failure_reason, e.failure_reason
+        assert times[int(rid)] < 1.0 + 2.5, times
+    got = pf.call("wait", timeout=20)["rooms"]
+    ptimes = {int(r): (o["t"] - t_drop if o["t"] else None) for r, o in got.items()}
+    print(f"control port dropped mid-transfer: prefill rooms ended after {ptimes}")
+    for rid in unfinished:
+        o = got[rid]
+        assert o["state"] == FAILED, (rid, o)
+        e = failure(o)
+        assert isinstance(e, KVPeerLostError) and e.code == "PEER_LOST", (rid, repr(e))
+        assert ptimes[int(rid)] < 1.0 + 2.5, ptimes
+    _wait_drained(dc)
+    _wait_drained(pf)
+    before = dc.call("digest")["digest"]
+    time.sleep(1.0)
+    assert dc.call("digest")["digest"] == before, "bytes landed after the rooms failed"
+    dc.call("clear")
+    pf.call("clear")
+    # While the port is dark a new room cannot get past the handshake.
+    t0 = time.monotonic()
+    dc.call("open_receivers", rooms=[[20, [0], None]])
+    o = dc.call("wait", timeout=20)["rooms"]["20"]
+    e = failure(o)
+    print(f"new room with the control port dark: {e.code if e else o} after "
+          f"{o['t'] - t0:.3f} s")
+    assert isinstance(e, KVBootstrapError) and "did not answer the handshake" in e.failure_reason, (
+        repr(e))
+    dc.call("clear")
+    pair.undrop(_FW, "prefill")
+    el = _check_new_rooms(pf, dc, [(30, [0, 1], 9, [38, 39], 3)], seed=32)
+    print(f"control port open again: a new room Success after {el:.3f} s")
     _assert_drained(pf, dc)
 
 
