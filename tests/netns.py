@@ -62,8 +62,9 @@ def _run(argv, check=True, timeout=20) -> subprocess.CompletedProcess:
 def unavailable_reason() -> Optional[str]:
     """Why network namespaces cannot be used here, or None if they can (a
     throw-away namespace and veth pair are created and removed to find out)."""
-    if shutil.which("ip") is None:
-        return "the `ip` command (iproute2) is not installed"
+    for tool in ("ip", "tc", "ss"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` (iproute2) is not installed"
     if os.geteuid() != 0:
         return f"creating network namespaces needs root (euid {os.geteuid()})"
     tag = secrets.token_hex(4)
