@@ -17,10 +17,11 @@ with UCX_NET_DEVICES set to that end, and the control plane binds to the
 veth addresses.  The link can be taken down (`ip link set ... down`) and
 ports blackholed (nft, or iptables) from the root namespace with `ip -n`.
 
-Names carry a random tag, so parallel runs never collide; every namespace
-is deleted at teardown (and at interpreter exit, should a teardown be
-skipped), which also removes its veth end and kills nothing but the
-processes this module started in it.
+Names carry the creating process's pid and a random byte, so parallel runs
+never collide; every namespace is deleted at teardown (and at interpreter
+exit, should a teardown be skipped), which also removes its veth end and
+kills nothing but the processes this module started in it.  Namespaces left
+by a run that was killed outright are swept by the next one.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import base64
 import json
 import os
 import pickle
+import re
 import secrets
 import select
 import shutil
@@ -107,11 +109,46 @@ def firewall_tool() -> Optional[str]:
         _run(["ip", "netns", "del", ns], check=False)
 
 
+_NAME = re.compile(r"^kv[pd]([0-9a-f]{6})[0-9a-f]{2}$")
+
+
+def sweep_stale() -> List[str]:
+    """Deletes namespaces of this module whose creating process is gone (a
+    run that was SIGKILLed before its teardown).  The creator's pid is part
+    of the name; namespaces of live processes are left alone."""
+    removed = []
+    for ns in list_namespaces():
+        m = _NAME.match(ns)
+        if not m:
+            continue
+        try:
+            os.kill(int(m.group(1), 16), 0)
+            continue  # its creator still runs
+        except ProcessLookupError:
+            pass
+        except PermissionError:
+            continue
+        for pid in _run(["ip", "netns", "pids", ns], check=False).stdout.split():
+            try:
+                os.kill(int(pid), signal.SIGKILL)
+            except (ProcessLookupError, ValueError):
+                pass
+        _run(["ip", "netns", "del", ns], check=False)
+        removed.append(ns)
+    return removed
+
+
 class NetPair:
     """The prefill namespace and the decode namespace, joined by a veth."""
 
     def __init__(self):
-        self.tag = secrets.token_hex(4)
+        sweep_stale()
+        existing = set(list_namespaces())
+        while True:
+            # The creator's pid (so stale ones can be swept) and a random byte.
+            self.tag = f"{os.getpid() & 0xFFFFFF:06x}{secrets.token_hex(1)}"
+            if not {f"kvp{self.tag}", f"kvd{self.tag}"} & existing:
+                break
         self.ns = {"prefill": f"kvp{self.tag}", "decode": f"kvd{self.tag}"}
         self.dev = {"prefill": f"kvp{self.tag}", "decode": f"kvd{self.tag}"}  # <= 15 chars
         self.addr = {"prefill": PREFILL_ADDR, "decode": DECODE_ADDR}
