@@ -245,6 +245,35 @@ class NetPair:
                   str(port), "-j", "DROP"])
         self.fw_rules.setdefault(ns, []).append(str(port))
 
+    def drop_data_path(self, tool: str, side: str, keep_sports) -> None:
+        """Silently drops every tcp segment arriving at `side` from the other
+        host unless it comes from one of keep_sports (the control and
+        bootstrap ports): UCX's connections go dark, the control plane stays."""
+        ns = self.ns[side]
+        src = self.addr["decode" if side == "prefill" else "prefill"]
+        ports = ",".join(str(p) for p in keep_sports)
+        if tool == "nft":
+            _run(["ip", "netns", "exec", ns, "nft", "add", "table", "inet", "kvdark"])
+            _run(["ip", "netns", "exec", ns, "nft", "add", "chain", "inet", "kvdark", "in",
+                  "{ type filter hook input priority -5; policy accept; }"])
+            _run(["ip", "netns", "exec", ns, "nft", "add", "rule", "inet", "kvdark", "in", "ip",
+                  "saddr", src, "tcp", "sport", "!=", "{ " + ", ".join(ports.split(",")) + " }",
+                  "drop"])
+        else:
+            _run(["ip", "netns", "exec", ns, "iptables", "-I", "INPUT", "-s", src, "-p", "tcp",
+                  "-m", "multiport", "!", "--sports", ports, "-j", "DROP"])
+        self.fw_rules.setdefault(ns + "/dark", []).append(ports)
+
+    def undrop_data_path(self, tool: str, side: str) -> None:
+        ns = self.ns[side]
+        src = self.addr["decode" if side == "prefill" else "prefill"]
+        for ports in self.fw_rules.pop(ns + "/dark", []):
+            if tool == "nft":
+                _run(["ip", "netns", "exec", ns, "nft", "delete", "table", "inet", "kvdark"])
+            else:
+                _run(["ip", "netns", "exec", ns, "iptables", "-D", "INPUT", "-s", src, "-p",
+                      "tcp", "-m", "multiport", "!", "--sports", ports, "-j", "DROP"])
+
     def undrop(self, tool: str, side: str) -> None:
         """Removes every drop rule of `side`."""
         ns = self.ns[side]

@@ -438,6 +438,74 @@ def test_control_port_blackholed_mid_transfer(pair):
     _assert_drained(pf, dc)
 
 
+@pytest.mark.parametrize("how", ["deadline", "abort"])
+def test_data_path_blackholed_control_alive(pair, how):
+    """UCX's connections go dark while the control channel still answers
+    (heartbeats keep the peer alive).  Rooms in flight must still end within
+    their bound: at their deadline (TIMEOUT), or soon after abort() (ABORTED),
+    plus at most the heartbeat timeout for their stuck operations to be
+    cancelled -- not when tcp gives up minutes later.  Once the path is back,
+    new rooms work."""
+    if _FW is None:
+        pytest.skip("neither nft nor iptables can add a rule in a network namespace")
+    deadline_ms = 2000
+    cfg = dict(HB, deadline_base_ms=deadline_ms)
+    bs, pfs, dcs = _start(pair, prefill_cfg=cfg, decode_cfg=cfg, seed=33, pages=40,
+                          scale=BIG_SCALE)
+    pf, dc = pfs[0], dcs[0]
+    pair.rate_limit("prefill", "40mbit")
+    plan = {rid: (list(range(8 * i, 8 * i + BIG_ROOM)), list(range(8 * i, 8 * i + BIG_ROOM)))
+            for i, rid in enumerate(range(1, 5))}
+    room_bytes = BIG_ROOM * sum(netns_items()) * BIG_SCALE
+    t_open = time.monotonic()
+    dc.call("open_receivers", rooms=[[r, d, None] for r, (d, _) in plan.items()])
+    pf.call("open_senders", rooms=[[r, BIG_ROOM, None] for r in plan])
+    pf.call("send", chunks=[[r, s] for r, (_, s) in plan.items()])
+    while dc.call("stats")["stats"]["bytes_moved"] < room_bytes // 4:
+        assert time.monotonic() - t_open < 20, dc.call("stats")
+        time.sleep(0.005)
+    pair.drop_data_path(_FW, "decode", [_port(pf.endpoint), _port(bs.address)])
+    t_dark = time.monotonic()
+    landed = dc.call("stats")["stats"]["bytes_moved"]
+    if how == "abort":
+        time.sleep(0.2)
+        t_abort = time.monotonic()
+        dc.call("abort", rooms=list(plan))
+    got = dc.call("wait", timeout=60)["rooms"]
+    # The room's deadline: base + bytes / floor bandwidth (100 MB/s).
+    bound = (deadline_ms / 1000 + room_bytes / 1e8 if how == "deadline"
+             else t_abort - t_open) + 1.0 + 2.5
+    times = {int(r): (o["t"] - t_open if o["t"] else None) for r, o in got.items()}
+    print(f"data path dark ({landed} bytes landed, {how}): decode rooms Failed "
+          f"{times} s after they were opened ({t_dark - t_open:.3f} s before the path went dark)")
+    cls, code = (KVTimeoutError, "TIMEOUT") if how == "deadline" else (KVAbortedError, "ABORTED")
+    for rid, o in got.items():
+        assert o["state"] == FAILED, f"room {rid}: {o['state']} 60 s after the data path went dark"
+        e = failure(o)
+        assert isinstance(e, cls) and e.code == code, (rid, repr(e))
+        want = "no completion within its deadline" if how == "deadline" else "aborted by decode"
+        assert want in e.failure_reason, e.failure_reason
+        assert times[int(rid)] < bound, (
+            f"room {rid}: Failed {times[int(rid)]:.3f} s after it was opened (bound "
+            f"{bound:.3f} s): {times}")
+    got = pf.call("wait", timeout=60)["rooms"]
+    ptimes = {int(r): (o["t"] - t_open if o["t"] else None) for r, o in got.items()}
+    print(f"data path dark ({how}): prefill rooms Failed {ptimes} s after they were opened")
+    for rid, o in got.items():
+        assert o["state"] == FAILED, f"prefill room {rid}: {o['state']}"
+        e = failure(o)
+        assert isinstance(e, cls) and e.code == code, (rid, repr(e))
+        assert ptimes[int(rid)] < bound + 1.0, (rid, ptimes)
+    _wait_drained(dc)
+    _wait_drained(pf)
+    dc.call("clear")
+    pf.call("clear")
+    pair.undrop_data_path(_FW, "decode")
+    el = _check_new_rooms(pf, dc, [(30, [0, 1], 9, [38, 39], 3)], seed=33)
+    print(f"data path back: a new room Success after {el:.3f} s")
+    _assert_drained(pf, dc)
+
+
 # --------------------------------------------------------------------------
 # 3. The prefill process restarts at the same address
 # --------------------------------------------------------------------------
