@@ -257,6 +257,12 @@ int kvr_ctl_create(const char *host, int port, int64_t max_msg, const void *secr
     kvr_ctl_common_opts(ctl->router);
     int one = 1;
     zmq_setsockopt(ctl->router, ZMQ_ROUTER_MANDATORY, &one, sizeof(one));
+    /* A peer reconnects with the same routing id (its epoch and rank).  When
+     * its old connection vanished without a FIN reaching us (a dead link, a
+     * blackholed port), that connection still holds the id here; without
+     * handover the new one would be ignored until the old one times out,
+     * and every handshake meanwhile would go unanswered. */
+    zmq_setsockopt(ctl->router, ZMQ_ROUTER_HANDOVER, &one, sizeof(one));
     int64_t cap = kvr_zmq_cap(max_msg);
     zmq_setsockopt(ctl->router, ZMQ_MAXMSGSIZE, &cap, sizeof(cap));
     if (kvr_ctl_bind(ctl->router, host, port, ctl->endpoint, sizeof(ctl->endpoint), err,

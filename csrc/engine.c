@@ -52,6 +52,7 @@ typedef struct kvr_peer {
     void *worker_addr;          /* prefill: the decode's worker address */
     size_t worker_addr_len;
     uint64_t last_heard_ns;
+    uint64_t last_data_ns;      /* a data operation with this peer completed */
     uint64_t next_ping_ns;
     uint64_t next_try_ns;
     uint64_t resolve_deadline_ns;
@@ -847,6 +848,9 @@ static void kvr_op_end_locked(kvr_engine_t *e, kvr_op_t *op, int failed, const c
     if (!r->drained_by_force) {
         r->inflight--;
     }
+    if (r->peer != NULL) {
+        r->peer->last_data_ns = kvr_now_ns();
+    }
     if (failed == KVR_TP_PEER_GONE && !r->failing) {
         /* The same cause as the endpoint error or the heartbeat: the peer. */
         kvr_room_failf_locked(e, r, KVR_PEER_LOST, 1, "%s lost: %s",
@@ -969,6 +973,7 @@ static void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len,
         op->iov[0].len = len;
     }
     kvr_room_advance(r, KVR_POLL_TRANSFERRING); /* first byte */
+    r->peer->last_data_ns = kvr_now_ns();
     acc->iov = op->iov;
     acc->iovcnt = niov;
     acc->op = &op->base;
@@ -1990,10 +1995,37 @@ static void kvr_timers_locked(kvr_engine_t *e)
      * declare the room drained.  A dead peer sends nothing more; a live one
      * (an abort) is always waited for.
      */
+    kvr_peer_t *stalled = NULL;
+    uint64_t stalled_ms = 0;
     for (size_t i = 0; i < e->tags.capacity; i++) {
         kvr_room_t *r = e->tags.slots[i].value;
-        if (r == NULL || !r->failing || r->inflight == 0 ||
-            (r->peer != NULL && r->peer->state == KVR_PEER_READY)) {
+        if (r == NULL || !r->failing || r->inflight == 0) {
+            continue;
+        }
+        if (r->peer != NULL && r->peer->state == KVR_PEER_READY) {
+            /*
+             * A live peer completes or fails the operations of a room that
+             * failed (an abort, a deadline) -- unless the data path itself
+             * stalled while the control path still answers (a blackholed
+             * data port: tcp then retries for many minutes).  After the
+             * heartbeat timeout plus the time the room's operations take
+             * at the floor bandwidth, with no operation of that peer
+             * completing meanwhile, the peer is lost: its endpoint is
+             * closed, which cancels the operations, and the room drains.
+             */
+            uint64_t bytes = 0;
+            for (kvr_op_t *op = r->ops; op != NULL; op = op->next) {
+                bytes += op->len;
+            }
+            uint64_t grace = e->cfg.heartbeat_timeout_ms * KVR_MS +
+                             (uint64_t)((double)bytes * 1e9 / (double)e->cfg.deadline_floor_bps);
+            if (stalled == NULL && now - r->failing_since_ns > grace &&
+                now - r->peer->last_data_ns > grace) {
+                stalled = r->peer;
+                stalled_ms = (now - (r->peer->last_data_ns > r->started_ns ? r->peer->last_data_ns
+                                                                            : r->started_ns)) /
+                             KVR_MS;
+            }
             continue;
         }
         if (!r->cancel_sent) {
@@ -2010,6 +2042,14 @@ static void kvr_timers_locked(kvr_engine_t *e)
             e->stats.rooms_force_drained++;
             kvr_room_force_drain(r);
         }
+    }
+    if (stalled != NULL) {
+        char what[200];
+        snprintf(what, sizeof(what),
+                 "lost: its data path stalled (no data operation completed for %" PRIu64
+                 " ms) while its control channel still answered",
+                 stalled_ms);
+        kvr_peer_fail_locked(e, stalled, KVR_PEER_LOST, what);
     }
     /* Requests whose sender never came, or whose decode is gone. */
     for (size_t i = 0; i < e->pending.capacity; i++) {

@@ -16,6 +16,15 @@ if [ "$need_apt" = 1 ]; then
         libucx-dev libzmq3-dev libssl-dev pkg-config gcc >/dev/null
 fi
 
+# The multi-host tests (tests/test_netns.py) need iproute2 (ip, tc, ss) and nft
+# or iptables.  They run only as root, so only root installs them here.
+if [ "$(id -u)" = 0 ] && ! { command -v ip && command -v tc && command -v ss &&
+        { command -v nft || command -v iptables; }; } >/dev/null 2>&1; then
+    { apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq \
+        iproute2 nftables >/dev/null; } ||
+        echo "setup: iproute2/nftables not installed: tests/test_netns.py skips what needs them"
+fi
+
 PY=${PYTHON:-python3}
 $PY -m pip install -q --disable-pip-version-check setuptools wheel numpy pytest pytest-timeout \
     prometheus_client

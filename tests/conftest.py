@@ -108,3 +108,14 @@ def pair(res, bootstrap):
     return types.SimpleNamespace(
         bs=bootstrap, addr=bootstrap.address, src=src, dst=dst, prefill=prefill, decode=decode
     )
+
+
+def pytest_terminal_summary(terminalreporter):
+    """Says why the multi-host tests (tests/test_netns.py) were skipped: they
+    need root to create network namespaces."""
+    reasons = set()
+    for rep in terminalreporter.stats.get("skipped", []):
+        if "test_netns.py" in rep.nodeid and isinstance(rep.longrepr, tuple):
+            reasons.add(rep.longrepr[2])
+    for r in sorted(reasons):
+        terminalreporter.write_line(f"tests/test_netns.py skipped: {r}")
