@@ -103,6 +103,14 @@ typedef struct kvr_room {
     uint64_t dst_tag;
     int done_received;
     uint64_t ops_posted;
+    uint32_t post_end;      /* end of the position range being posted (0: none) */
+    uint32_t post_buf;      /* next KV buffer to post for it */
+    uint32_t aux_post_buf;  /* next aux buffer to post */
+
+    /* staging of device memory (both sides) */
+    int stage_copies;       /* operations in a CUDA copy (never force-drained) */
+    int slot_waiting;       /* on the engine's list of rooms waiting for a slot */
+    struct kvr_room *slot_next;
 
     /* the engine's work list */
     struct kvr_room *work_next;
