@@ -47,7 +47,7 @@ if os.environ.get("KVRECV_SANITIZE"):
     libs = libs + [f"-fsanitize={san}"]
 
 core_sources = ["status.c", "table.c", "registry.c", "log.c", "wire.c", "auth.c", "room.c", "hist.c",
-                "transport.c", "control.c", "engine.c"]
+                "transport.c", "control.c", "cuda.c", "engine.c"]
 py_sources = ["module.c", "manager.c", "room.c", "bootstrap.c"]
 
 setup(
@@ -56,7 +56,7 @@ setup(
             "kvrecv._core",
             sources=[f"csrc/{s}" for s in core_sources] + [f"csrc/python/{s}" for s in py_sources],
             extra_compile_args=extra_compile,
-            extra_link_args=libs + ["-pthread"],
+            extra_link_args=libs + ["-pthread", "-ldl"],
         )
     ],
 )

@@ -15,6 +15,7 @@
 #include <unistd.h>
 
 #include "control.h"
+#include "cuda.h"
 #include "log.h"
 #include "room.h"
 #include "table.h"
@@ -32,6 +33,7 @@ enum { KVR_PEER_IS_PREFILL, KVR_PEER_IS_DECODE };
 #define KVR_MAX_DEAD 1024
 #define KVR_SCAN_NS (5 * KVR_MS) /* period of the timer scans over all rooms */
 #define KVR_BUSY_POLL_NS (100 * 1000) /* socket polls of a busy engine loop */
+#define KVR_STAGE_NAP_NS (10 * 1000)  /* between polls of staging copies */
 
 typedef struct kvr_peer {
     int kind;
@@ -60,11 +62,32 @@ typedef struct kvr_peer {
     struct kvr_peer *next;
 } kvr_peer_t;
 
+/* A pinned host buffer that device memory is staged through. */
+typedef struct kvr_slot {
+    char *buf;
+    struct kvr_slot *next;
+} kvr_slot_t;
+
+/* Where a staged operation is (kvr_op_t.stage). */
+enum {
+    KVR_STAGE_NONE = 0, /* not staged: UCX reads/writes the pieces themselves */
+    KVR_STAGE_D2H = 1,  /* prefill: device pieces -> slot copy in flight */
+    KVR_STAGE_XFER = 2, /* the slot is with UCX (send or receive) */
+    KVR_STAGE_H2D = 3,  /* decode: slot -> device pieces copy in flight */
+};
+
 typedef struct kvr_op {
     kvr_tp_op_t base; /* first: the transport hands this pointer back */
     kvr_room_t *room;
     uint64_t len;
     struct kvr_op *prev, *next; /* the room's operations in flight */
+    /* staging (device memory without UCX support for it) */
+    int stage;                  /* KVR_STAGE_* */
+    kvr_slot_t *slot;           /* the pinned slot, or */
+    void *bounce;               /* a heap buffer (decode, no slot fit) */
+    void *event;                /* recorded after the copy */
+    struct kvr_op *stage_next;  /* the engine's FIFO of copies in flight */
+    kvr_tp_iov_t siov;          /* the contiguous staging piece UCX sees */
     /* UCX 1.13 reads an AM header until the send completes: it lives here. */
     unsigned char hdr[KVR_AM_HEADER_LEN];
     uint32_t niov;
@@ -170,6 +193,21 @@ struct kvr_engine {
 
     kvr_wbuf_t wbuf;
     kvr_stats_t stats; /* counters (room gauges are computed on demand) */
+
+    /* device memory */
+    uint8_t *kv_dev, *aux_dev; /* 1: the buffer is device memory */
+    uint32_t ndev;             /* how many are */
+    int cuda_device;           /* the device they live on */
+    int gpu_path;              /* KVR_GPU_* */
+    char gpu_why[320];
+    void *stream;              /* staging copies, in order */
+    char *pool;                /* pinned slots, staging_slot_bytes each */
+    uint32_t nslots;
+    kvr_slot_t *slots, *slot_free;
+    void **events;             /* free events */
+    uint32_t nevents, events_cap;
+    kvr_op_t *stage_head, *stage_tail; /* copies in flight, in stream order */
+    kvr_room_t *slot_waiters;  /* prefill rooms waiting for a free slot */
 };
 
 
@@ -244,6 +282,9 @@ void kvr_config_default(kvr_config_t *cfg)
     cfg->coalesce_run_bytes = 0; /* auto */
     cfg->max_rooms_per_peer = 16384;
     cfg->secret_len = 0;
+    cfg->staging_slots = 8;
+    cfg->staging_slot_bytes = 4u << 20;
+    cfg->force_staging = 0;
 }
 
 static int kvr_err(char *err, size_t errlen, int code, const char *fmt, ...)
@@ -784,7 +825,7 @@ static void kvr_peer_verified_locked(kvr_engine_t *e, kvr_peer_t *p, int found, 
 
 static kvr_op_t *kvr_op_new(kvr_room_t *r, uint64_t len, uint32_t niov)
 {
-    kvr_op_t *op = malloc(sizeof(*op) + (size_t)niov * sizeof(kvr_tp_iov_t));
+    kvr_op_t *op = calloc(1, sizeof(*op) + (size_t)niov * sizeof(kvr_tp_iov_t));
     if (op == NULL) {
         return NULL;
     }
@@ -830,6 +871,154 @@ static void kvr_room_succeeded_locked(kvr_engine_t *e, kvr_room_t *r)
     kvr_hist_observe(&e->stats.room_ops, KVR_HIST_OPS, r->ops_posted);
 }
 
+/* ---- staging of device memory ---------------------------------------
+ *
+ * Where UCX cannot move device memory, each message of a device buffer goes
+ * through one pinned host slot of a bounded pool:
+ *   prefill: cudaMemcpyAsync of the message's source pieces into the slot
+ *            (one stream), an event; when the engine sees the event done it
+ *            sends the slot as one contiguous message (KVR_STAGE_D2H ->
+ *            XFER); the slot is free again when the send completes.  Messages
+ *            are cut to at most staging_slot_bytes; with no slot free the
+ *            room waits (post_end/post_buf keep its place) and resumes when
+ *            one is released, so copies of later messages overlap the
+ *            transfers of earlier ones.
+ *   decode:  the message is received into a slot (a heap buffer if none is
+ *            free or it is larger than a slot), then cudaMemcpyAsync into the
+ *            destination pieces and an event (XFER -> H2D); its bytes count
+ *            as landed when the event is done.  A room that is failing when
+ *            the receive completes gets no copy; a room with copies in flight
+ *            is never declared drained before they finish, so after poll()
+ *            says Failed nothing lands in its device pages.
+ * The copies are queued on one stream, so they finish in order and the
+ * engine polls only the head of its FIFO (cudaEventQuery, never blocking).
+ */
+
+static kvr_slot_t *kvr_slot_get(kvr_engine_t *e)
+{
+    kvr_slot_t *s = e->slot_free;
+    if (s != NULL) {
+        e->slot_free = s->next;
+        s->next = NULL;
+    }
+    return s;
+}
+
+static void kvr_slot_put(kvr_engine_t *e, kvr_slot_t *s)
+{
+    s->next = e->slot_free;
+    e->slot_free = s;
+    if (e->slot_waiters == NULL) {
+        return;
+    }
+    /* Rooms that stopped for want of a slot go round again. */
+    while (e->slot_waiters != NULL) {
+        kvr_room_t *r = e->slot_waiters;
+        e->slot_waiters = r->slot_next;
+        r->slot_next = NULL;
+        r->slot_waiting = 0;
+        kvr_work_push_locked(e, r);
+        kvr_room_unref_locked(e, r);
+    }
+    kvr_wake(e);
+}
+
+static void kvr_slot_wait(kvr_engine_t *e, kvr_room_t *r)
+{
+    e->stats.staging_waits++;
+    if (r->slot_waiting) {
+        return;
+    }
+    r->slot_waiting = 1;
+    kvr_room_ref(r);
+    r->slot_next = e->slot_waiters;
+    e->slot_waiters = r;
+}
+
+static void *kvr_event_get(kvr_engine_t *e, char *err, size_t errlen)
+{
+    if (e->nevents > 0) {
+        return e->events[--e->nevents];
+    }
+    void *ev = NULL;
+    return kvr_cuda_event_create(&ev, err, errlen) == 0 ? ev : NULL;
+}
+
+static void kvr_event_put(kvr_engine_t *e, void *ev)
+{
+    if (e->nevents == e->events_cap) {
+        uint32_t cap = e->events_cap ? e->events_cap * 2 : 32;
+        void **n = realloc(e->events, cap * sizeof(void *));
+        if (n == NULL) {
+            kvr_cuda_event_destroy(ev);
+            return;
+        }
+        e->events = n;
+        e->events_cap = cap;
+    }
+    e->events[e->nevents++] = ev;
+}
+
+/* Releases what a staged operation holds.  Its copy, if any, is done. */
+static void kvr_op_unstage(kvr_engine_t *e, kvr_op_t *op)
+{
+    if (op->event != NULL) {
+        kvr_event_put(e, op->event);
+        op->event = NULL;
+    }
+    free(op->bounce);
+    op->bounce = NULL;
+    if (op->slot != NULL) {
+        kvr_slot_t *s = op->slot;
+        op->slot = NULL;
+        kvr_slot_put(e, s);
+    }
+}
+
+/*
+ * Queues the copies between op's device pieces and its staging piece
+ * (d2h: into the staging piece) and an event after them.  Returns 0, or -1
+ * with err (the stream is then synchronized, so nothing is left running on
+ * the staging memory).
+ */
+static int kvr_stage_copy_locked(kvr_engine_t *e, kvr_op_t *op, int d2h, char *err,
+                                 size_t errlen)
+{
+    char *stage = op->siov.buf;
+    size_t off = 0;
+    for (uint32_t i = 0; i < op->niov; i++) {
+        char *dev = op->iov[i].buf;
+        size_t n = op->iov[i].len;
+        int rc = d2h ? kvr_cuda_memcpy_async(stage + off, dev, n, KVR_CUDA_D2H, e->stream, err,
+                                             errlen)
+                     : kvr_cuda_memcpy_async(dev, stage + off, n, KVR_CUDA_H2D, e->stream, err,
+                                             errlen);
+        if (rc != 0) {
+            goto fail;
+        }
+        off += n;
+    }
+    op->event = kvr_event_get(e, err, errlen);
+    if (op->event == NULL || kvr_cuda_event_record(op->event, e->stream, err, errlen) != 0) {
+        goto fail;
+    }
+    op->stage = d2h ? KVR_STAGE_D2H : KVR_STAGE_H2D;
+    op->stage_next = NULL;
+    if (e->stage_tail) {
+        e->stage_tail->stage_next = op;
+    } else {
+        e->stage_head = op;
+    }
+    e->stage_tail = op;
+    op->room->stage_copies++;
+    e->stats.staged_ops++;
+    e->stats.staged_bytes += off;
+    return 0;
+fail:
+    kvr_cuda_stream_sync(e->stream, NULL, 0);
+    return -1;
+}
+
 static void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r)
 {
     if (r->failing || kvr_room_terminal(r) || !r->done_received || r->inflight > 0) {
@@ -845,6 +1034,7 @@ static void kvr_op_end_locked(kvr_engine_t *e, kvr_op_t *op, int failed, const c
 {
     kvr_room_t *r = op->room;
     kvr_op_unlink(r, op);
+    kvr_op_unstage(e, op);
     if (!r->drained_by_force) {
         r->inflight--;
     }
@@ -889,11 +1079,23 @@ static void kvr_op_end_locked(kvr_engine_t *e, kvr_op_t *op, int failed, const c
     free(op);
 }
 
-static void kvr_on_recv_done(void *arg, kvr_tp_op_t *op, size_t len, int failed,
+static void kvr_on_recv_done(void *arg, kvr_tp_op_t *tp_op, size_t len, int failed,
                              const char *status_text)
 {
+    kvr_engine_t *e = arg;
+    kvr_op_t *op = (kvr_op_t *)tp_op;
     (void)len;
-    kvr_op_end_locked(arg, (kvr_op_t *)op, failed, status_text);
+    if (op->stage == KVR_STAGE_XFER && !failed && !op->room->failing) {
+        /* Staged: the bytes are in the slot; copy them to the device pages.
+         * A failing room gets no copy (its pages stay as they are). */
+        char err[256];
+        if (kvr_stage_copy_locked(e, op, 0, err, sizeof(err)) == 0) {
+            return; /* ends when its event is done (kvr_stage_poll_locked) */
+        }
+        kvr_op_end_locked(e, op, KVR_TP_ERROR, err);
+        return;
+    }
+    kvr_op_end_locked(e, op, failed, status_text);
 }
 
 static void kvr_on_send_done(void *arg, kvr_tp_op_t *op, int failed, const char *status_text)
@@ -902,7 +1104,7 @@ static void kvr_on_send_done(void *arg, kvr_tp_op_t *op, int failed, const char 
 }
 
 /* Decode: a data message arrived; decide where (if anywhere) it lands. */
-static void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len,
+static void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, int rndv,
                         kvr_tp_accept_t *acc)
 {
     kvr_engine_t *e = arg;
@@ -974,8 +1176,30 @@ static void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len,
     }
     kvr_room_advance(r, KVR_POLL_TRANSFERRING); /* first byte */
     r->peer->last_data_ns = kvr_now_ns();
-    acc->iov = op->iov;
-    acc->iovcnt = niov;
+    int dev = h.kind == KVR_AM_KIND_KV ? e->kv_dev[h.buf] : e->aux_dev[h.buf];
+    /* Device pages are staged unless UCX moves device memory itself; even
+     * then eager data (copied here with memcpy) and scattered pieces (UCX's
+     * iov datatype is for host memory) go through a staging buffer. */
+    if (dev && (e->gpu_path == KVR_GPU_STAGED || !rndv || niov > 1)) {
+        if (len <= e->cfg.staging_slot_bytes && (op->slot = kvr_slot_get(e)) != NULL) {
+            op->siov.buf = op->slot->buf;
+        } else if ((op->bounce = malloc(len ? len : 1)) != NULL) {
+            op->siov.buf = op->bounce;
+            e->stats.staging_overflow++;
+        } else {
+            why = "out of memory";
+            kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory staging data");
+            kvr_op_end_locked(e, op, KVR_TP_ERROR, why);
+            goto reject;
+        }
+        op->siov.len = len;
+        op->stage = KVR_STAGE_XFER;
+        acc->iov = &op->siov;
+        acc->iovcnt = 1;
+    } else {
+        acc->iov = op->iov;
+        acc->iovcnt = niov;
+    }
     acc->op = &op->base;
     return;
 
@@ -1011,10 +1235,81 @@ static void kvr_on_ep_error(void *arg, void *ep_ctx, const char *status_text)
  * KV buffer h->buf (one piece per run of consecutive source pages), or one
  * aux row (src given).
  */
-static void kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_header_t *h,
-                                const char *src, uint64_t len)
+static void kvr_op_send_locked(kvr_engine_t *e, kvr_room_t *r, kvr_op_t *op,
+                               const kvr_tp_iov_t *iov, uint32_t niov)
+{
+    const char *st = NULL;
+    int rc = kvr_tp_send(e->tp, r->peer->ep, op->hdr, sizeof(op->hdr), iov, niov, &op->base, &st);
+    if (rc <= 0) {
+        kvr_op_end_locked(e, op, rc == 0 ? KVR_TP_OK : rc == -2 ? KVR_TP_PEER_GONE : KVR_TP_ERROR,
+                          st);
+    }
+}
+
+/* Prefill: a staged message's copy into its slot is done: send the slot. */
+static void kvr_stage_send_locked(kvr_engine_t *e, kvr_op_t *op)
+{
+    kvr_room_t *r = op->room;
+    op->stage = KVR_STAGE_XFER;
+    if (r->failing) {
+        kvr_op_end_locked(e, op, KVR_TP_ERROR, "not sent: the room is failing");
+    } else if (r->peer == NULL || r->peer->ep == NULL) {
+        kvr_op_end_locked(e, op, KVR_TP_PEER_GONE, "not sent: no endpoint");
+    } else {
+        kvr_op_send_locked(e, r, op, &op->siov, 1);
+    }
+}
+
+/* Engine: ends the staging copies that are done, in stream order.  Returns
+ * how many. */
+static unsigned kvr_stage_poll_locked(kvr_engine_t *e)
+{
+    unsigned n = 0;
+    while (e->stage_head != NULL) {
+        kvr_op_t *op = e->stage_head;
+        char err[256];
+        int q = kvr_cuda_event_query(op->event, err, sizeof(err));
+        if (q == 0) {
+            break;
+        }
+        e->stage_head = op->stage_next;
+        if (e->stage_head == NULL) {
+            e->stage_tail = NULL;
+        }
+        op->stage_next = NULL;
+        op->room->stage_copies--;
+        kvr_event_put(e, op->event);
+        op->event = NULL;
+        n++;
+        if (q < 0) {
+            kvr_cuda_stream_sync(e->stream, NULL, 0);
+            kvr_op_end_locked(e, op, KVR_TP_ERROR, err);
+        } else if (op->stage == KVR_STAGE_D2H) {
+            kvr_stage_send_locked(e, op);
+        } else {
+            kvr_op_end_locked(e, op, KVR_TP_OK, NULL);
+        }
+    }
+    return n;
+}
+
+/* 1 if messages of this buffer are staged on the prefill side. */
+static int kvr_prefill_stages(const kvr_engine_t *e, int kind, uint32_t buf)
+{
+    return e->gpu_path == KVR_GPU_STAGED &&
+           (kind == KVR_AM_KIND_KV ? e->kv_dev[buf] : e->aux_dev[buf]);
+}
+
+/* Returns 0 (posted, or the room failed), 1 if it must wait for a slot. */
+static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_header_t *h,
+                               const char *src, uint64_t len)
 {
     uint32_t niov = 1;
+    kvr_slot_t *slot = NULL;
+    if (kvr_prefill_stages(e, h->kind, h->buf) && (slot = kvr_slot_get(e)) == NULL) {
+        kvr_slot_wait(e, r);
+        return 1;
+    }
     uint32_t end = h->pos + h->npages;
     if (src == NULL) {
         niov = 0;
@@ -1025,8 +1320,11 @@ static void kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_hea
     }
     kvr_op_t *op = kvr_op_new(r, len, niov);
     if (op == NULL) {
+        if (slot != NULL) {
+            kvr_slot_put(e, slot);
+        }
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory posting data");
-        return;
+        return 0;
     }
     if (src == NULL) {
         char *base = (char *)(uintptr_t)e->kv_ptrs[h->buf];
@@ -1043,14 +1341,21 @@ static void kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_hea
         op->iov[0].len = len;
     }
     kvr_am_header_encode(op->hdr, h);
-    const char *st = NULL;
-    int rc = kvr_tp_send(e->tp, r->peer->ep, op->hdr, sizeof(op->hdr), op->iov, niov, &op->base,
-                         &st);
     e->stats.ops_posted++;
-    if (rc <= 0) {
-        kvr_op_end_locked(e, op, rc == 0 ? KVR_TP_OK : rc == -2 ? KVR_TP_PEER_GONE : KVR_TP_ERROR,
-                          st);
+    if (slot != NULL) {
+        /* Staged: copy the pieces into the slot; the engine sends it when
+         * the copy is done (kvr_stage_poll_locked). */
+        char err[256];
+        op->slot = slot;
+        op->siov.buf = slot->buf;
+        op->siov.len = len;
+        if (kvr_stage_copy_locked(e, op, 1, err, sizeof(err)) != 0) {
+            kvr_op_end_locked(e, op, KVR_TP_ERROR, err);
+        }
+        return 0;
     }
+    kvr_op_send_locked(e, r, op, op->iov, niov);
+    return 0;
 }
 
 /* Prefill: post the operations for pages [posted, given) and, after the last
@@ -1100,55 +1405,85 @@ static void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
      * most coalesce_bytes (one rendezvous instead of one per page).
      */
     uint64_t run_bytes = e->cfg.coalesce_run_bytes, cap = e->cfg.coalesce_bytes;
+    uint32_t max_pages = UINT32_MAX;
     if (run_bytes == 0) {
         /* auto: over shared memory UCX moves a scattered message at memory
          * speed, so every run is coalesced; over tcp a scattered message
          * costs more per byte than a contiguous rendezvous from 16 KiB up. */
         run_bytes = kvr_tp_ep_is_shm(r->peer->ep) ? UINT64_MAX : 16u << 10;
     }
+    if (e->gpu_path == KVR_GPU_UCX && e->ndev > 0) {
+        /* UCX moves device memory itself: contiguous messages only (one
+         * per run), which it handles on every protocol. */
+        run_bytes = 0;
+    } else if (e->gpu_path == KVR_GPU_STAGED) {
+        /* Every message of a device buffer must fit one slot: runs are cut
+         * at max_pages and coalescing stops at the slot size (the widest
+         * item fits a slot: checked at creation). */
+        max_pages = (uint32_t)(e->cfg.staging_slot_bytes / e->kv_item_max);
+        if (cap > e->cfg.staging_slot_bytes) {
+            cap = e->cfg.staging_slot_bytes;
+        }
+    }
     while (r->posted < r->given) {
-        uint32_t pos = r->posted, end = pos, runs = 0;
-        while (end < r->given && runs < KVR_MAX_IOV) {
-            uint32_t n = kvr_run_length(r->src_pages, r->dst_pages, end, r->given);
-            if ((uint64_t)n * e->kv_item_max >= run_bytes) {
-                if (runs == 0) {
-                    end += n;
+        uint32_t pos = r->posted, end = r->post_end;
+        if (end <= pos) {
+            /* A new position range [pos, end): one message per buffer. */
+            uint32_t runs = 0;
+            end = pos;
+            while (end < r->given && runs < KVR_MAX_IOV) {
+                uint32_t n = kvr_run_length(r->src_pages, r->dst_pages, end, r->given);
+                if ((uint64_t)n * e->kv_item_max >= run_bytes || n >= max_pages) {
+                    if (runs == 0) {
+                        end += n < max_pages ? n : max_pages;
+                    }
+                    break;
                 }
-                break;
+                if (runs > 0 && ((uint64_t)(end - pos + n) * e->kv_item_max > cap ||
+                                 end - pos + n > max_pages)) {
+                    break;
+                }
+                end += n;
+                runs++;
             }
-            if (runs > 0 && (uint64_t)(end - pos + n) * e->kv_item_max > cap) {
-                break;
-            }
-            end += n;
-            runs++;
+            r->post_end = end;
+            r->post_buf = 0;
         }
         h.kind = KVR_AM_KIND_KV;
         h.pos = pos;
         h.npages = end - pos;
-        for (uint32_t b = 0; b < e->nkv && !r->failing; b++) {
+        for (uint32_t b = r->post_buf; b < e->nkv && !r->failing; b++) {
             h.buf = (uint16_t)b;
-            kvr_post_one_locked(e, r, &h, NULL, 0);
+            if (kvr_post_one_locked(e, r, &h, NULL, 0) == 1) {
+                r->post_buf = b; /* no free slot: resume here */
+                return;
+            }
         }
         if (r->failing) {
             return;
         }
         r->posted = end;
+        r->post_end = 0;
+        r->post_buf = 0;
     }
     if (r->posted == r->total_pages && !r->aux_posted) {
-        r->aux_posted = 1;
         if (r->dst_aux >= 0) {
             kvr_room_advance(r, KVR_POLL_TRANSFERRING);
             h.kind = KVR_AM_KIND_AUX;
             h.pos = 0;
             h.npages = 1;
-            for (uint32_t a = 0; a < e->naux && !r->failing; a++) {
+            for (uint32_t a = r->aux_post_buf; a < e->naux && !r->failing; a++) {
                 h.buf = (uint16_t)a;
-                kvr_post_one_locked(e, r, &h,
-                                    (const char *)(uintptr_t)e->aux_ptrs[a] +
-                                        (uint64_t)r->src_aux * e->aux_item[a],
-                                    e->aux_item[a]);
+                if (kvr_post_one_locked(e, r, &h,
+                                        (const char *)(uintptr_t)e->aux_ptrs[a] +
+                                            (uint64_t)r->src_aux * e->aux_item[a],
+                                        e->aux_item[a]) == 1) {
+                    r->aux_post_buf = a;
+                    return;
+                }
             }
         }
+        r->aux_posted = 1;
     }
 }
 
@@ -1999,7 +2334,9 @@ static void kvr_timers_locked(kvr_engine_t *e)
     uint64_t stalled_ms = 0;
     for (size_t i = 0; i < e->tags.capacity; i++) {
         kvr_room_t *r = e->tags.slots[i].value;
-        if (r == NULL || !r->failing || r->inflight == 0) {
+        if (r == NULL || !r->failing || r->inflight == 0 || r->stage_copies > 0) {
+            /* (A CUDA copy always finishes: a room with one in flight waits
+             * for it, so nothing lands after Failed.) */
             continue;
         }
         if (r->peer != NULL && r->peer->state == KVR_PEER_READY) {
@@ -2101,6 +2438,16 @@ static void kvr_timers_locked(kvr_engine_t *e)
 /* The progress thread                                                 */
 /* ------------------------------------------------------------------ */
 
+/* Waits for the staging copies in flight and ends them (the rooms are
+ * failing by now: nothing is sent, nothing more is copied). */
+static void kvr_stage_finish_locked(kvr_engine_t *e)
+{
+    if (e->stream != NULL) {
+        kvr_cuda_stream_sync(e->stream, NULL, 0);
+        kvr_stage_poll_locked(e);
+    }
+}
+
 static void kvr_shutdown_locked(kvr_engine_t *e)
 {
     /* Fail what is still open, tell the peers, then close endpoints (force:
@@ -2121,6 +2468,7 @@ static void kvr_shutdown_locked(kvr_engine_t *e)
             kvr_send_ctrl_to_peer(e, p, &bye);
         }
     }
+    kvr_stage_finish_locked(e);
     kvr_drain_work_locked(e); /* sends the notices */
     kvr_siblings_locked(e);
     for (kvr_peer_t *p = e->peers; p; p = p->next) {
@@ -2140,6 +2488,10 @@ static void *kvr_engine_main(void *arg)
 {
     kvr_engine_t *e = arg;
     int fds[2] = {e->wake_fd, kvr_tp_fd(e->tp)};
+    if (e->ndev > 0) {
+        /* The staging copies and events of this thread are on that device. */
+        kvr_cuda_set_device(e->cuda_device, NULL, 0);
+    }
     int ready[2];
     uint64_t last_sock_poll_ns = 0;
     long tick_ms = e->cfg.heartbeat_interval_ms / 2;
@@ -2156,20 +2508,29 @@ static void *kvr_engine_main(void *arg)
         }
         kvr_drain_work_locked(e);
         kvr_tp_progress(e->tp);
+        kvr_stage_poll_locked(e);
         kvr_timers_locked(e);
         kvr_drain_work_locked(e);
         if (e->sib_dirty || e->sib_pending) {
             kvr_siblings_locked(e);
         }
         kvr_reap_locked(e);
-        if (kvr_tp_progress(e->tp) > 0 || e->work_head || e->sib_pending || kvr_tp_arm(e->tp)) {
+        unsigned progressed = kvr_tp_progress(e->tp) + kvr_stage_poll_locked(e);
+        int copying = e->stage_head != NULL;
+        if (progressed > 0 || e->work_head || e->sib_pending || copying || kvr_tp_arm(e->tp)) {
             /* Still busy (or UCX has events the arm just found): go round
              * again, letting API calls take the lock in between.  The
              * sockets are polled (without sleeping) at most every
              * KVR_BUSY_POLL_NS: a poll per pass was most of a busy
-             * sender's time. */
+             * sender's time.  Waiting only for staging copies (no event fd
+             * tells when they finish): a short nap between polls. */
+            int nap = copying && progressed == 0 && e->work_head == NULL && !e->sib_pending;
             uint64_t now = kvr_now_ns();
             pthread_mutex_unlock(&e->lock);
+            if (nap) {
+                struct timespec ts = {0, KVR_STAGE_NAP_NS};
+                nanosleep(&ts, NULL);
+            }
             if (now - last_sock_poll_ns >= KVR_BUSY_POLL_NS) {
                 last_sock_poll_ns = now;
                 kvr_ctl_poll(e->ctl, fds, 2, ready, 0);
@@ -2283,6 +2644,245 @@ static int kvr_validate_buffers(const char *what, uint32_t n, const uint64_t *pt
     return 0;
 }
 
+/* ------------------------------------------------------------------ */
+/* Device memory: kinds, path, staging pool                            */
+/* ------------------------------------------------------------------ */
+
+const char *kvr_gpu_path_name(int path)
+{
+    switch (path) {
+    case KVR_GPU_UCX:
+        return "ucx-cuda";
+    case KVR_GPU_STAGED:
+        return "staged";
+    default:
+        return "host";
+    }
+}
+
+/* Decides which buffers are device memory (e->kv_dev / aux_dev). */
+static int kvr_gpu_kinds(kvr_engine_t *e, const kvr_engine_params_t *p, char *cuda_err,
+                         size_t cuda_errlen, char *err, size_t errlen)
+{
+    uint32_t n = e->nkv + e->naux;
+    int any_cuda = 0, any_auto = 0;
+    e->kv_dev = calloc(e->nkv ? e->nkv : 1, 1);
+    e->aux_dev = calloc(e->naux ? e->naux : 1, 1);
+    if (e->kv_dev == NULL || e->aux_dev == NULL) {
+        return kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+    }
+    for (uint32_t i = 0; i < n; i++) {
+        const uint8_t *kinds = i < e->nkv ? p->kv_kinds : p->aux_kinds;
+        uint8_t k = kinds ? kinds[i < e->nkv ? i : i - e->nkv] : KVR_MEM_AUTO;
+        if (k > KVR_MEM_CUDA) {
+            return kvr_err(err, errlen, KVR_EVALUE, "memory kind %u of buffer %u is unknown", k, i);
+        }
+        any_cuda |= k == KVR_MEM_CUDA;
+        any_auto |= k == KVR_MEM_AUTO;
+    }
+    int loaded = 0;
+    if (any_cuda || any_auto) {
+        loaded = kvr_cuda_load(cuda_err, cuda_errlen) == 0;
+    }
+    e->cuda_device = -1;
+    for (uint32_t i = 0; i < n; i++) {
+        int is_kv = i < e->nkv;
+        uint32_t j = is_kv ? i : i - e->nkv;
+        const uint8_t *kinds = is_kv ? p->kv_kinds : p->aux_kinds;
+        uint8_t k = kinds ? kinds[j] : KVR_MEM_AUTO;
+        uint64_t ptr = is_kv ? e->kv_ptrs[j] : e->aux_ptrs[j];
+        const char *what = is_kv ? "kv" : "aux";
+        if (k == KVR_MEM_HOST || (k == KVR_MEM_AUTO && !loaded)) {
+            continue;
+        }
+        if (k == KVR_MEM_CUDA && !loaded) {
+            return kvr_err(err, errlen, KVR_ESYSTEM,
+                           "%s buffer %u is declared 'cuda' but the CUDA runtime is not "
+                           "available: %s",
+                           what, j, cuda_err);
+        }
+        int dev = -1;
+        char cerr[256];
+        int kind = kvr_cuda_pointer_kind((const void *)(uintptr_t)ptr, &dev, cerr, sizeof(cerr));
+        if (kind < 0) {
+            if (k == KVR_MEM_AUTO) {
+                continue; /* the runtime cannot say: treat as host memory */
+            }
+            return kvr_err(err, errlen, KVR_ESYSTEM, "%s buffer %u: %s", what, j, cerr);
+        }
+        int is_dev = kind == KVR_CUDA_MEM_DEVICE || (k == KVR_MEM_CUDA && kind == KVR_CUDA_MEM_MANAGED);
+        if (k == KVR_MEM_CUDA && !is_dev) {
+            return kvr_err(err, errlen, KVR_EVALUE,
+                           "%s buffer %u is declared 'cuda' but CUDA reports %s memory at "
+                           "0x%" PRIx64,
+                           what, j, kind == KVR_CUDA_MEM_HOST ? "pinned host" : "host", ptr);
+        }
+        if (!is_dev) {
+            continue;
+        }
+        if (dev < 0) {
+            dev = 0;
+        }
+        if (e->cuda_device >= 0 && dev != e->cuda_device) {
+            return kvr_err(err, errlen, KVR_EVALUE,
+                           "%s buffer %u is on CUDA device %d, other buffers on device %d: a "
+                           "manager's buffers must be on one device",
+                           what, j, dev, e->cuda_device);
+        }
+        e->cuda_device = dev;
+        (is_kv ? e->kv_dev : e->aux_dev)[j] = 1;
+        e->ndev++;
+    }
+    return 0;
+}
+
+/* Chooses the path and, where device memory may be staged, makes the
+ * stream and the pinned pool on the buffers' device. */
+static int kvr_gpu_setup(kvr_engine_t *e, const kvr_engine_params_t *p, char *err, size_t errlen)
+{
+    char cuda_err[256] = "";
+    int rc = kvr_gpu_kinds(e, p, cuda_err, sizeof(cuda_err), err, errlen);
+    if (rc != 0) {
+        return rc;
+    }
+    char types[128];
+    unsigned mask = kvr_tp_memory_types(e->tp, types, sizeof(types));
+    if (e->ndev == 0) {
+        e->gpu_path = KVR_GPU_HOST;
+        snprintf(e->gpu_why, sizeof(e->gpu_why), "every buffer is host memory%s%s",
+                 cuda_err[0] ? " (CUDA runtime not loaded: " : "", cuda_err[0] ? cuda_err : "");
+        if (cuda_err[0]) {
+            size_t n = strlen(e->gpu_why);
+            snprintf(e->gpu_why + n, sizeof(e->gpu_why) - n, ")");
+        }
+        return 0;
+    }
+    if ((mask & KVR_TP_MEM_CUDA) && !e->cfg.force_staging) {
+        e->gpu_path = KVR_GPU_UCX;
+        snprintf(e->gpu_why, sizeof(e->gpu_why),
+                 "%u device buffer(s) on CUDA device %d; UCX moves cuda memory (memory types: %s)",
+                 e->ndev, e->cuda_device, types);
+    } else {
+        e->gpu_path = KVR_GPU_STAGED;
+        snprintf(e->gpu_why, sizeof(e->gpu_why),
+                 "%u device buffer(s) on CUDA device %d; %s: staged through %u pinned slots of "
+                 "%u bytes",
+                 e->ndev, e->cuda_device,
+                 (mask & KVR_TP_MEM_CUDA) ? "force_staging is set"
+                                          : "this UCX cannot move cuda memory",
+                 e->cfg.staging_slots, e->cfg.staging_slot_bytes);
+        if (!(mask & KVR_TP_MEM_CUDA)) {
+            size_t n = strlen(e->gpu_why);
+            snprintf(e->gpu_why + n, sizeof(e->gpu_why) - n, " (UCX memory types: %s)", types);
+        }
+    }
+    int staged_prefill = e->mode == KVR_MODE_PREFILL && e->gpu_path == KVR_GPU_STAGED;
+    if (staged_prefill) {
+        if (e->cfg.staging_slots == 0) {
+            return kvr_err(err, errlen, KVR_EVALUE,
+                           "staging_slots is 0 but device memory must be staged");
+        }
+        int kv_dev = 0;
+        for (uint32_t i = 0; i < e->nkv; i++) {
+            kv_dev |= e->kv_dev[i];
+        }
+        for (uint32_t i = 0; i < e->nkv + e->naux; i++) {
+            int is_kv = i < e->nkv;
+            uint32_t j = is_kv ? i : i - e->nkv;
+            uint64_t item = is_kv ? e->kv_item[j] : e->aux_item[j];
+            /* A staged message holds at least one page (KV messages are cut
+             * by the widest KV item) or one aux row. */
+            if ((is_kv ? e->kv_item_max : item) > e->cfg.staging_slot_bytes &&
+                (is_kv ? kv_dev : e->aux_dev[j])) {
+                return kvr_err(err, errlen, KVR_EVALUE,
+                               "staging_slot_bytes=%u is smaller than %s_item_lens[%u]=%" PRIu64
+                               ": a staged message carries at least one page",
+                               e->cfg.staging_slot_bytes, is_kv ? "kv" : "aux", j,
+                               is_kv ? e->kv_item_max : item);
+            }
+        }
+    }
+    if (!staged_prefill && e->mode == KVR_MODE_PREFILL) {
+        return 0; /* UCX reads the device pages itself */
+    }
+    /* Decode (either path: eager and scattered messages are staged too) or
+     * a staging prefill: a stream and the pool on the buffers' device. */
+    int prev = -1;
+    kvr_cuda_get_device(&prev);
+    if (kvr_cuda_set_device(e->cuda_device, err, errlen) != 0 ||
+        kvr_cuda_stream_create(&e->stream, err, errlen) != 0) {
+        rc = KVR_ESYSTEM;
+        goto out;
+    }
+    e->nslots = e->cfg.staging_slots;
+    if (e->nslots > 0) {
+        size_t total = (size_t)e->nslots * e->cfg.staging_slot_bytes;
+        e->slots = calloc(e->nslots, sizeof(kvr_slot_t));
+        e->pool = e->slots ? kvr_cuda_host_alloc(total ? total : 1, err, errlen) : NULL;
+        if (e->slots == NULL || e->pool == NULL) {
+            if (e->slots == NULL) {
+                kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+            }
+            rc = e->slots == NULL ? KVR_ENOMEM : KVR_ESYSTEM;
+            goto out;
+        }
+        for (uint32_t i = e->nslots; i-- > 0;) {
+            e->slots[i].buf = e->pool + (size_t)i * e->cfg.staging_slot_bytes;
+            e->slots[i].next = e->slot_free;
+            e->slot_free = &e->slots[i];
+        }
+        if (staged_prefill && e->cfg.register_memory &&
+            kvr_tp_mem_map(e->tp, e->pool, total, err, errlen) != 0) {
+            rc = KVR_ESYSTEM;
+            goto out;
+        }
+    }
+out:
+    if (prev >= 0) {
+        kvr_cuda_set_device(prev, NULL, 0);
+    }
+    return rc;
+}
+
+/* After the transport is gone (nothing can write into the pool any more). */
+static void kvr_gpu_free(kvr_engine_t *e)
+{
+    if (e->stream != NULL) {
+        kvr_cuda_stream_sync(e->stream, NULL, 0);
+    }
+    for (uint32_t i = 0; i < e->nevents; i++) {
+        kvr_cuda_event_destroy(e->events[i]);
+    }
+    free(e->events);
+    e->events = NULL;
+    e->nevents = 0;
+    kvr_cuda_host_free(e->pool);
+    e->pool = NULL;
+    free(e->slots);
+    e->slots = NULL;
+    kvr_cuda_stream_destroy(e->stream);
+    e->stream = NULL;
+    free(e->kv_dev);
+    free(e->aux_dev);
+}
+
+int kvr_engine_gpu_path(kvr_engine_t *e, const char **why)
+{
+    if (why != NULL) {
+        *why = e->gpu_why;
+    }
+    return e->gpu_path;
+}
+
+int kvr_engine_buffer_is_device(kvr_engine_t *e, uint32_t i)
+{
+    if (i < e->nkv) {
+        return e->kv_dev ? e->kv_dev[i] : 0;
+    }
+    i -= e->nkv;
+    return i < e->naux && e->aux_dev ? e->aux_dev[i] : 0;
+}
+
 int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *err, size_t errlen)
 {
     int rc;
@@ -2370,8 +2970,15 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
         rc = KVR_ESYSTEM;
         goto err_free;
     }
+    rc = kvr_gpu_setup(e, p, err, errlen);
+    if (rc != 0) {
+        goto err_tp;
+    }
     if (e->mode == KVR_MODE_PREFILL && e->cfg.register_memory) {
         for (uint32_t i = 0; i < e->nkv + e->naux; i++) {
+            if (e->gpu_path == KVR_GPU_STAGED && kvr_engine_buffer_is_device(e, i)) {
+                continue; /* this UCX cannot map device memory; the pool is mapped */
+            }
             uint64_t ptr = i < e->nkv ? e->kv_ptrs[i] : e->aux_ptrs[i - e->nkv];
             uint64_t len = i < e->nkv ? e->kv_lens[i] : e->aux_lens[i - e->nkv];
             if (len && kvr_tp_mem_map(e->tp, (void *)(uintptr_t)ptr, len, err, errlen) != 0) {
@@ -2553,6 +3160,7 @@ void kvr_engine_free(kvr_engine_t *e)
         e->sib_out = o->next;
         free(o);
     }
+    kvr_gpu_free(e);
     kvr_wbuf_free(&e->wbuf);
     kvr_registry_destroy(&e->registry);
     kvr_log_destroy(&e->log);

@@ -48,10 +48,23 @@ typedef struct {
      * secret_len is 0. */
     unsigned char secret[KVR_AUTH_SECRET_MAX];
     size_t secret_len;
+    uint32_t staging_slots;         /* pinned host slots for staging device memory */
+    uint32_t staging_slot_bytes;    /* bytes per slot (and most bytes per staged message) */
+    int force_staging;              /* stage device memory even where UCX could move it */
 } kvr_config_t;
 
 /* The defaults documented in the README. */
 void kvr_config_default(kvr_config_t *cfg);
+
+/* Memory kinds of the buffers (kvr_engine_params_t.kv_kinds / aux_kinds). */
+enum { KVR_MEM_AUTO = 0, KVR_MEM_HOST = 1, KVR_MEM_CUDA = 2 };
+
+/* How device memory moves (kvr_engine_gpu_path). */
+enum {
+    KVR_GPU_HOST = 0,   /* no buffer is device memory */
+    KVR_GPU_UCX = 1,    /* UCX moves device memory itself ("ucx-cuda") */
+    KVR_GPU_STAGED = 2, /* through pinned host slots and CUDA copies ("staged") */
+};
 
 typedef struct {
     int mode;                   /* KVR_MODE_* */
@@ -63,6 +76,9 @@ typedef struct {
     const uint64_t *kv_ptrs, *kv_lens, *kv_item_lens;
     uint32_t naux;
     const uint64_t *aux_ptrs, *aux_lens, *aux_item_lens;
+    /* KVR_MEM_* per buffer; NULL: every buffer auto (detected with
+     * cudaPointerGetAttributes when the CUDA runtime loads, else host). */
+    const uint8_t *kv_kinds, *aux_kinds;
     kvr_config_t cfg;
 } kvr_engine_params_t;
 
@@ -99,6 +115,10 @@ typedef struct {
     /* Per succeeded room (KVR_HIST_OPS): its data operations (prefill:
      * posted; decode: data messages accepted). */
     kvr_hist_t room_ops;
+    uint64_t staged_ops;          /* messages that went through a staging copy */
+    uint64_t staged_bytes;        /* bytes copied between device and staging memory */
+    uint64_t staging_overflow;    /* decode: messages staged in a heap buffer (no slot fit) */
+    uint64_t staging_waits;       /* prefill: times a room waited for a free slot */
 } kvr_stats_t;
 
 /* Creates the manager and starts its thread.  Blocks only for local set-up. */
@@ -124,6 +144,11 @@ int kvr_engine_log_read(kvr_engine_t *e, int *levels, char (*texts)[KVR_ENGINE_L
 const char *kvr_engine_endpoint(kvr_engine_t *e);
 uint64_t kvr_engine_epoch(kvr_engine_t *e);
 const char *kvr_engine_transport(kvr_engine_t *e);
+/* KVR_GPU_* and why that path (static per engine; valid until free). */
+int kvr_engine_gpu_path(kvr_engine_t *e, const char **why);
+const char *kvr_gpu_path_name(int path);
+/* 1 if buffer i (KV buffers first, then aux) is device memory. */
+int kvr_engine_buffer_is_device(kvr_engine_t *e, uint32_t i);
 
 /*
  * Sets the control endpoints of the other ranks of this instance (its

@@ -111,6 +111,14 @@ typedef struct kvr_room {
      * request.  Only carried: the pages exchanged cover the rest. */
     uint32_t prefix_len;
     int peer_counted;       /* counted in its decode peer's rooms (max_rooms_per_peer) */
+    uint32_t post_end;      /* end of the position range being posted (0: none) */
+    uint32_t post_buf;      /* next KV buffer to post for it */
+    uint32_t aux_post_buf;  /* next aux buffer to post */
+
+    /* staging of device memory (both sides) */
+    int stage_copies;       /* operations in a CUDA copy (never force-drained) */
+    int slot_waiting;       /* on the engine's list of rooms waiting for a slot */
+    struct kvr_room *slot_next;
 
     /* the engine's work list */
     struct kvr_room *work_next;

@@ -88,7 +88,8 @@ static ucs_status_t kvr_tp_am_cb(void *arg, const void *header, size_t header_le
 {
     kvr_transport_t *tp = arg;
     kvr_tp_accept_t acc = {NULL, 0, NULL, NULL};
-    tp->cb.on_data(tp->cb.arg, header, header_length, length, &acc);
+    tp->cb.on_data(tp->cb.arg, header, header_length, length,
+                   (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0, &acc);
     if (acc.iovcnt == 0) {
         /* Rejected: for rendezvous the sender's request completes with this
          * status, so it learns the receiver refused the data. */
@@ -280,6 +281,70 @@ unsigned kvr_tp_progress(kvr_transport_t *tp)
 int kvr_tp_arm(kvr_transport_t *tp)
 {
     return ucp_worker_arm(tp->worker) == UCS_ERR_BUSY ? 1 : 0;
+}
+
+static unsigned kvr_tp_mem_mask(ucp_context_h ctx, char *names, size_t len)
+{
+    ucp_context_attr_t a;
+    memset(&a, 0, sizeof(a));
+    a.field_mask = UCP_ATTR_FIELD_MEMORY_TYPES;
+    if (names != NULL && len > 0) {
+        names[0] = '\0';
+    }
+    if (ucp_context_query(ctx, &a) != UCS_OK) {
+        return KVR_TP_MEM_HOST;
+    }
+    static const struct {
+        int ucs;
+        unsigned bit;
+        const char *name;
+    } types[] = {
+        {UCS_MEMORY_TYPE_HOST, KVR_TP_MEM_HOST, "host"},
+        {UCS_MEMORY_TYPE_CUDA, KVR_TP_MEM_CUDA, "cuda"},
+        {UCS_MEMORY_TYPE_CUDA_MANAGED, KVR_TP_MEM_CUDA_MANAGED, "cuda-managed"},
+        {UCS_MEMORY_TYPE_ROCM, KVR_TP_MEM_ROCM, "rocm"},
+        {UCS_MEMORY_TYPE_ROCM_MANAGED, KVR_TP_MEM_ROCM, "rocm-managed"},
+    };
+    unsigned mask = 0;
+    for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++) {
+        if (a.memory_types & UCS_BIT(types[i].ucs)) {
+            mask |= types[i].bit;
+            if (names != NULL && len > 0) {
+                size_t n = strlen(names);
+                snprintf(names + n, len - n, "%s%s", n ? "," : "", types[i].name);
+            }
+        }
+    }
+    return mask;
+}
+
+unsigned kvr_tp_memory_types(kvr_transport_t *tp, char *names, size_t len)
+{
+    return kvr_tp_mem_mask(tp->context, names, len);
+}
+
+int kvr_tp_probe_memory_types(unsigned *mask, char *names, size_t len, char *err, size_t errlen)
+{
+    ucp_config_t *config = NULL;
+    ucs_status_t st = ucp_config_read(NULL, NULL, &config);
+    if (st != UCS_OK) {
+        snprintf(err, errlen, "ucp_config_read: %s", ucs_status_string(st));
+        return -1;
+    }
+    ucp_params_t params;
+    memset(&params, 0, sizeof(params));
+    params.field_mask = UCP_PARAM_FIELD_FEATURES;
+    params.features = UCP_FEATURE_AM;
+    ucp_context_h ctx;
+    st = ucp_init(&params, config, &ctx);
+    ucp_config_release(config);
+    if (st != UCS_OK) {
+        snprintf(err, errlen, "ucp_init: %s", ucs_status_string(st));
+        return -1;
+    }
+    *mask = kvr_tp_mem_mask(ctx, names, len);
+    ucp_cleanup(ctx);
+    return 0;
 }
 
 const char *kvr_tp_describe(kvr_transport_t *tp)

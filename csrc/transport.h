@@ -58,8 +58,11 @@ typedef struct {
 
 typedef struct {
     void *arg;
-    /* A data message arrived: fill *acc.  Called on the engine thread. */
-    void (*on_data)(void *arg, const void *hdr, size_t hdr_len, size_t len,
+    /* A data message arrived: fill *acc.  rndv: the payload is still at the
+     * sender (a rendezvous receive into acc's pieces follows); otherwise it
+     * is here and is copied into the pieces with memcpy (host memory only).
+     * Called on the engine thread. */
+    void (*on_data)(void *arg, const void *hdr, size_t hdr_len, size_t len, int rndv,
                     kvr_tp_accept_t *acc);
     /* The payload of an accepted message landed (status 0) or failed. */
     void (*on_recv_done)(void *arg, kvr_tp_op_t *op, size_t len, int failed,
@@ -123,6 +126,15 @@ void kvr_tp_op_cancel(kvr_transport_t *tp, kvr_tp_op_t *op);
 
 /* Registers a memory region for faster sends from it; returns 0 or -1. */
 int kvr_tp_mem_map(kvr_transport_t *tp, void *addr, size_t len, char *err, size_t errlen);
+
+/* The memory types this UCX context can move (UCP_ATTR_FIELD_MEMORY_TYPES):
+ * a bit mask of KVR_TP_MEM_* and their names, comma separated, in names. */
+enum { KVR_TP_MEM_HOST = 1, KVR_TP_MEM_CUDA = 2, KVR_TP_MEM_CUDA_MANAGED = 4,
+       KVR_TP_MEM_ROCM = 8, KVR_TP_MEM_OTHER = 16 };
+unsigned kvr_tp_memory_types(kvr_transport_t *tp, char *names, size_t len);
+/* The same without a manager: creates and drops a UCP context.  -1 with err
+ * if UCX cannot be initialised. */
+int kvr_tp_probe_memory_types(unsigned *mask, char *names, size_t len, char *err, size_t errlen);
 
 /* Transports in use, comma separated (for stats and logs). */
 const char *kvr_tp_describe(kvr_transport_t *tp);

@@ -51,6 +51,9 @@ class KVConfig:
     coalesce_run_bytes: int = 0  # 0: auto (see README)
     max_rooms_per_peer: int = 16384
     secret: Any = dataclasses.field(default="", repr=False)
+    staging_slots: int = 8  # pinned host slots for staging device memory
+    staging_slot_bytes: int = 4 << 20  # bytes per slot: the most bytes of a staged message
+    force_staging: bool = False  # stage device memory even where UCX could move it
 
     def resolved(self) -> dict:
         out = {}
@@ -112,6 +115,7 @@ class KVArgs:
         aux_item_lens: Sequence[int] = (),
         page_size: int = 1,
         tp_size: int = 1,
+        mem_kinds: Any = "auto",
     ):
         self.engine_rank = int(engine_rank)
         self.kv_data_ptrs = _int_list("kv_data_ptrs", kv_data_ptrs)
@@ -133,6 +137,7 @@ class KVArgs:
                 "aux_data_ptrs, aux_data_lens and aux_item_lens have different lengths "
                 f"({len(self.aux_data_ptrs)}, {len(self.aux_data_lens)}, {len(self.aux_item_lens)})"
             )
+        self.mem_kinds = _mem_kinds(mem_kinds, len(self.kv_data_ptrs) + len(self.aux_data_ptrs))
         for kind in ("kv", "aux"):
             lens = getattr(self, f"{kind}_data_lens")
             items = getattr(self, f"{kind}_item_lens")
@@ -188,6 +193,31 @@ class KVArgs:
         args = cls(engine_rank, kp, kl, kv_item_lens, ap, al, aux_item_lens, page_size, tp_size)
         args._keepalive = keep
         return args
+
+
+MEM_KINDS = {"auto": 0, "host": 1, "cuda": 2}
+
+
+def _mem_kinds(value: Any, n: int) -> list:
+    """One kind for every buffer, or one per buffer (KV buffers first, then
+    aux): "host", "cuda" (device memory; needs the CUDA runtime) or "auto"
+    (asks CUDA where it can, else host)."""
+    if isinstance(value, str):
+        value = [value] * n
+    elif value is None:
+        value = ["auto"] * n
+    elif isinstance(value, bytes) or not isinstance(value, Sequence):
+        raise TypeError("mem_kinds must be 'host', 'cuda', 'auto' or a sequence of them")
+    value = list(value)
+    if len(value) != n:
+        raise ValueError(f"mem_kinds has {len(value)} entries for {n} buffers (KV buffers first, "
+                         "then aux)")
+    for i, k in enumerate(value):
+        if not isinstance(k, str):
+            raise TypeError(f"mem_kinds[{i}] must be a str, not {type(k).__name__}")
+        if k not in MEM_KINDS:
+            raise ValueError(f"mem_kinds[{i}]={k!r} is not one of 'host', 'cuda', 'auto'")
+    return value
 
 
 class BootstrapServer:
@@ -260,6 +290,7 @@ class KVManager:
             host,
             bootstrap_addr or "",
             self.config.resolved(),
+            [MEM_KINDS[k] for k in args.mem_kinds],
         )
         # The core's events reach logging.getLogger("kvrecv") through one
         # thread per manager that waits (without the GIL) for them.  It holds
@@ -284,8 +315,16 @@ class KVManager:
 
     def stats(self) -> dict:
         """Rooms by state, bytes moved, RMA operations posted, control
-        messages dropped, failures by code, ..."""
+        messages dropped, failures by code, ...; gpu_path ("host",
+        "ucx-cuda" or "staged") and gpu_path_why; staging counters."""
         return self._core.stats()
+
+    @property
+    def mem_kinds(self) -> list:
+        """The memory kind in use per buffer, "host" or "cuda" (KV buffers
+        first, then aux), after "auto" was resolved."""
+        n = len(self.kv_args.kv_data_ptrs) + len(self.kv_args.aux_data_ptrs)
+        return ["cuda" if self._core.is_device(i) else "host" for i in range(n)]
 
     def set_siblings(self, endpoints: Sequence[str]) -> None:
         """Joins this rank with the other ranks of its instance: pass every

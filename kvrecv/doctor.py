@@ -116,6 +116,40 @@ def check_ucx() -> List[Finding]:
     return out
 
 
+def check_gpu() -> List[Finding]:
+    """CUDA runtime (dlopen'ed: KVRECV_CUDART, libcudart.so.12, libcudart.so),
+    GPU count, UCX's memory types, and the path device buffers would take."""
+    from . import _core
+
+    out = []
+    info = _core.cuda_info()
+    if info["loaded"]:
+        v = info["runtime_version"]
+        out.append(Finding("cuda runtime", OK, f"{info['path']} (runtime {v // 1000}.{v % 1000 // 10}), "
+                           f"{info['devices']} GPU(s)"))
+    else:
+        out.append(Finding("cuda runtime", INFO, f"not loaded: {info['error']}",
+                           "only needed for GPU buffers: install the CUDA runtime or set "
+                           "KVRECV_CUDART to libcudart.so"))
+    try:
+        names, cuda = _core.ucx_memory_types()
+        out.append(Finding("ucx memory types", OK, names))
+    except RuntimeError as e:
+        names, cuda = "", False
+        out.append(Finding("ucx memory types", FAIL, str(e), "check the UCX installation"))
+    if not info["loaded"] or info["devices"] < 1:
+        path, why = "host", "no usable CUDA runtime/GPU: device buffers cannot be used"
+    elif cuda:
+        path, why = "ucx-cuda", "UCX moves cuda memory itself (KVConfig.force_staging=True stages instead)"
+    else:
+        path, why = "staged", ("this UCX has no cuda memory support: device buffers go through pinned "
+                               "host slots (KVConfig staging_slots / staging_slot_bytes)")
+    out.append(Finding("gpu path", INFO, f"{path}: {why}",
+                       "" if path != "staged" else "a UCX built with CUDA (UCX_HOME, or the libucx "
+                       "wheels) moves VRAM directly"))
+    return out
+
+
 def _probe_buffers(kv_item_lens, aux_item_lens, pages=4, rows=4):
     import numpy as np
 
@@ -219,6 +253,7 @@ def run(argv=None) -> int:
         opts.aux_item_lens = []
 
     findings = check_ucx()
+    findings += check_gpu()
     found, mgr = check_manager(opts)
     findings += found
     if opts.bootstrap:

@@ -98,22 +98,26 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     kvr_py_manager_t *self = (kvr_py_manager_t *)op;
     static char *kwlist[] = {"mode", "engine_rank", "kv_data_ptrs", "kv_data_lens",
                              "kv_item_lens", "aux_data_ptrs", "aux_data_lens", "aux_item_lens",
-                             "page_size", "host", "bootstrap_addr", "config", NULL};
+                             "page_size", "host", "bootstrap_addr", "config", "mem_kinds",
+                             NULL};
     int mode, rank;
     unsigned int page_size = 1;
-    PyObject *kp, *kl, *ki, *ap, *al, *ai, *cfg = Py_None;
+    PyObject *kp, *kl, *ki, *ap, *al, *ai, *cfg = Py_None, *kinds = Py_None;
     const char *host = "127.0.0.1", *bs = "";
     if (self->engine != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Manager is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiOOOOOO|IssO", kwlist, &mode, &rank, &kp, &kl,
-                                     &ki, &ap, &al, &ai, &page_size, &host, &bs, &cfg)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiOOOOOO|IssOO", kwlist, &mode, &rank, &kp, &kl,
+                                     &ki, &ap, &al, &ai, &page_size, &host, &bs, &cfg,
+                                     &kinds)) {
         return -1;
     }
     kvr_engine_params_t p;
     memset(&p, 0, sizeof(p));
     uint64_t *bufs[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
+    uint64_t *kind_list = NULL;
+    uint8_t *kind_bytes = NULL;
     uint32_t ns[6] = {0, 0, 0, 0, 0, 0};
     PyObject *lists[6] = {kp, kl, ki, ap, al, ai};
     static const char *names[6] = {"kv_data_ptrs", "kv_data_lens", "kv_item_lens",
@@ -151,6 +155,32 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     p.aux_ptrs = bufs[3];
     p.aux_lens = bufs[4];
     p.aux_item_lens = bufs[5];
+    if (kinds != Py_None) {
+        /* KVR_MEM_* per buffer, KV buffers first, then aux. */
+        uint32_t nk = 0;
+        if (kvr_py_u64_list(kinds, "mem_kinds", &kind_list, &nk) < 0) {
+            goto out;
+        }
+        if (nk != ns[0] + ns[3]) {
+            PyErr_Format(PyExc_ValueError, "mem_kinds has %u entries for %u buffers", nk,
+                         ns[0] + ns[3]);
+            goto out;
+        }
+        kind_bytes = PyMem_Calloc(nk ? nk : 1, 1);
+        if (kind_bytes == NULL) {
+            PyErr_NoMemory();
+            goto out;
+        }
+        for (uint32_t i = 0; i < nk; i++) {
+            if (kind_list[i] > KVR_MEM_CUDA) {
+                PyErr_Format(PyExc_ValueError, "mem_kinds[%u] is not a memory kind", i);
+                goto out;
+            }
+            kind_bytes[i] = (uint8_t)kind_list[i];
+        }
+        p.kv_kinds = kind_bytes;
+        p.aux_kinds = kind_bytes + ns[0];
+    }
     kvr_config_default(&p.cfg);
     uint64_t v;
 #define KVR_CFG(field, max)                                                                   \
@@ -172,6 +202,9 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     KVR_CFG(coalesce_bytes, UINT32_MAX)
     KVR_CFG(coalesce_run_bytes, UINT32_MAX)
     KVR_CFG(max_rooms_per_peer, UINT32_MAX)
+    KVR_CFG(staging_slots, 65536)
+    KVR_CFG(staging_slot_bytes, 1u << 30)
+    KVR_CFG(force_staging, 1)
 #undef KVR_CFG
     if (kvr_cfg_secret(cfg, &p.cfg) < 0) {
         goto out;
@@ -193,6 +226,8 @@ out:
     for (int i = 0; i < 6; i++) {
         PyMem_Free(bufs[i]);
     }
+    PyMem_Free(kind_list);
+    PyMem_Free(kind_bytes);
     return ret;
 }
 
@@ -355,8 +390,25 @@ static PyObject *kvr_manager_stats(PyObject *op, PyObject *unused)
         kvr_dict_set_u64(d, "auth_refused_by_peer", s.auth_refused_by_peer) < 0 ||
         kvr_dict_set_u64(d, "ctrl_oversized", s.ctrl_oversized) < 0 ||
         kvr_dict_set_u64(d, "data_foreign", s.data_foreign) < 0 ||
-        kvr_dict_set_u64(d, "requests_refused", s.requests_refused) < 0) {
+        kvr_dict_set_u64(d, "requests_refused", s.requests_refused) < 0 ||
+        kvr_dict_set_u64(d, "staged_ops", s.staged_ops) < 0 ||
+        kvr_dict_set_u64(d, "staged_bytes", s.staged_bytes) < 0 ||
+        kvr_dict_set_u64(d, "staging_overflow", s.staging_overflow) < 0 ||
+        kvr_dict_set_u64(d, "staging_waits", s.staging_waits) < 0) {
         goto fail;
+    }
+    {
+        const char *why = "";
+        int path = kvr_engine_gpu_path(self->engine, &why);
+        PyObject *pn = PyUnicode_FromString(kvr_gpu_path_name(path));
+        PyObject *pw = pn ? PyUnicode_FromString(why) : NULL;
+        int bad = pn == NULL || pw == NULL || PyDict_SetItemString(d, "gpu_path", pn) < 0 ||
+                  PyDict_SetItemString(d, "gpu_path_why", pw) < 0;
+        Py_XDECREF(pn);
+        Py_XDECREF(pw);
+        if (bad) {
+            goto fail;
+        }
     }
     Py_DECREF(byst);
     Py_DECREF(fails);
@@ -483,7 +535,22 @@ static PyObject *kvr_manager_read_logs(PyObject *op, PyObject *arg)
     return out;
 }
 
+static PyObject *kvr_manager_is_device(PyObject *op, PyObject *arg)
+{
+    kvr_py_manager_t *self = (kvr_py_manager_t *)op;
+    if (kvr_manager_check(self) < 0) {
+        return NULL;
+    }
+    long i = PyLong_AsLong(arg);
+    if (i == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    return PyBool_FromLong(i >= 0 && kvr_engine_buffer_is_device(self->engine, (uint32_t)i));
+}
+
 static PyMethodDef kvr_manager_methods[] = {
+    {"is_device", kvr_manager_is_device, METH_O,
+     "True if buffer i (KV buffers first, then aux) is device memory."},
     {"read_logs", kvr_manager_read_logs, METH_O,
      "Wait up to timeout_ms for core log records; None once closed."},
     {"set_siblings", kvr_manager_set_siblings, METH_O,

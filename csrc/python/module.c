@@ -2,6 +2,9 @@
 
 #include <string.h>
 
+#include "../cuda.h"
+#include "../transport.h"
+
 kvr_py_state_t *kvr_py_state_of_type(PyTypeObject *tp)
 {
     PyObject *mod = PyType_GetModuleByDef(tp, &kvr_py_module_def);
@@ -267,7 +270,47 @@ static PyObject *kvr_status_names(PyObject *m, PyObject *unused)
     return d;
 }
 
+/* cuda_info() -> {loaded, path, error, runtime_version, devices, device_error} */
+static PyObject *kvr_cuda_info(PyObject *m, PyObject *unused)
+{
+    (void)m;
+    (void)unused;
+    char err[512] = "", derr[256] = "";
+    int rc, n = -1;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvr_cuda_load(err, sizeof(err));
+    if (rc == 0) {
+        n = kvr_cuda_device_count(derr, sizeof(derr));
+    }
+    Py_END_ALLOW_THREADS
+    return Py_BuildValue("{s:O,s:s,s:s,s:i,s:i,s:s}", "loaded", rc == 0 ? Py_True : Py_False,
+                         "path", kvr_cuda_path(), "error", err, "runtime_version",
+                         kvr_cuda_runtime_version(), "devices", n < 0 ? 0 : n, "device_error",
+                         derr);
+}
+
+/* ucx_memory_types() -> (["host", ...], supports_cuda) */
+static PyObject *kvr_ucx_memory_types(PyObject *m, PyObject *unused)
+{
+    (void)m;
+    (void)unused;
+    char names[128] = "", err[256] = "";
+    unsigned mask = 0;
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    rc = kvr_tp_probe_memory_types(&mask, names, sizeof(names), err, sizeof(err));
+    Py_END_ALLOW_THREADS
+    if (rc != 0) {
+        PyErr_SetString(PyExc_RuntimeError, err);
+        return NULL;
+    }
+    return Py_BuildValue("(sO)", names, (mask & KVR_TP_MEM_CUDA) ? Py_True : Py_False);
+}
+
 static PyMethodDef kvr_module_methods[] = {
+    {"cuda_info", kvr_cuda_info, METH_NOARGS, "Loads the CUDA runtime if it can; what it found."},
+    {"ucx_memory_types", kvr_ucx_memory_types, METH_NOARGS,
+     "Memory types UCX supports here (comma separated) and whether cuda is one."},
     {"_set_poll_values", kvr_set_poll_values, METH_O, "Install the KVPoll members."},
     {"failure_codes", kvr_status_names, METH_NOARGS, "Failure codes and their meaning."},
     {NULL, NULL, 0, NULL},
