@@ -83,6 +83,7 @@ typedef struct kvr_op {
     struct kvr_op *prev, *next; /* the room's operations in flight */
     /* staging (device memory without UCX support for it) */
     int stage;                  /* KVR_STAGE_* */
+    int mixed;                  /* decode: pieces of several buffers, host or device */
     kvr_slot_t *slot;           /* the pinned slot, or */
     void *bounce;               /* a heap buffer (decode, no slot fit) */
     void *event;                /* recorded after the copy */
@@ -989,10 +990,12 @@ static int kvr_stage_copy_locked(kvr_engine_t *e, kvr_op_t *op, int d2h, char *e
     for (uint32_t i = 0; i < op->niov; i++) {
         char *dev = op->iov[i].buf;
         size_t n = op->iov[i].len;
+        /* A message of several buffers may mix host and device pieces: the
+         * runtime tells them apart (unified addressing). */
+        int h2d = op->mixed ? KVR_CUDA_DEFAULT : KVR_CUDA_H2D;
         int rc = d2h ? kvr_cuda_memcpy_async(stage + off, dev, n, KVR_CUDA_D2H, e->stream, err,
                                              errlen)
-                     : kvr_cuda_memcpy_async(dev, stage + off, n, KVR_CUDA_H2D, e->stream, err,
-                                             errlen);
+                     : kvr_cuda_memcpy_async(dev, stage + off, n, h2d, e->stream, err, errlen);
         if (rc != 0) {
             goto fail;
         }
@@ -1103,6 +1106,47 @@ static void kvr_on_send_done(void *arg, kvr_tp_op_t *op, int failed, const char 
     kvr_op_end_locked(arg, (kvr_op_t *)op, failed, status_text);
 }
 
+/*
+ * The pieces of the data message h, in order: for each buffer of
+ * [h->buf, h->buf + h->nbuf) of its kind, the runs of consecutive pages of
+ * `pages` over positions [h->pos, h->pos + h->npages) (KV), or row `row`
+ * (aux).  The prefill passes its source pages and row, the decode its own
+ * destination pages and row.  With out == NULL only counts.  Returns the
+ * number of pieces; *bytes gets their total length.  h was checked against
+ * the layout and the room.
+ */
+static uint32_t kvr_msg_pieces(const kvr_engine_t *e, const kvr_am_header_t *h,
+                               const int32_t *pages, int64_t row, kvr_tp_iov_t *out,
+                               uint64_t *bytes)
+{
+    uint32_t n = 0, end = h->pos + h->npages;
+    uint64_t total = 0;
+    for (uint32_t b = h->buf; b < (uint32_t)h->buf + h->nbuf; b++) {
+        if (h->kind == KVR_AM_KIND_AUX) {
+            if (out != NULL) {
+                out[n].buf = (char *)(uintptr_t)e->aux_ptrs[b] + (uint64_t)row * e->aux_item[b];
+                out[n].len = e->aux_item[b];
+            }
+            total += e->aux_item[b];
+            n++;
+            continue;
+        }
+        char *base = (char *)(uintptr_t)e->kv_ptrs[b];
+        uint64_t item = e->kv_item[b];
+        for (uint32_t at = h->pos; at < end; n++) {
+            uint32_t run = kvr_run_length(NULL, pages, at, end);
+            if (out != NULL) {
+                out[n].buf = base + (uint64_t)pages[at] * item;
+                out[n].len = (size_t)run * item;
+            }
+            at += run;
+        }
+        total += (uint64_t)h->npages * item;
+    }
+    *bytes = total;
+    return n;
+}
+
 /* Decode: a data message arrived; decide where (if anywhere) it lands. */
 static void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, int rndv,
                         kvr_tp_accept_t *acc)
@@ -1126,27 +1170,25 @@ static void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, 
         why = "room is not receiving";
         goto reject;
     }
-    /* The message covers positions [pos, pos + npages) of one buffer; the
-     * destination is what this room asked for there, never an address the
-     * sender names: one piece per run of consecutive destination pages. */
-    uint32_t niov = 1;
+    /* The message covers positions [pos, pos + npages) of buffers
+     * [buf, buf + nbuf); the destination is what this room asked for there,
+     * never an address the sender names: one piece per buffer and run of
+     * consecutive destination pages. */
     if (h.kind == KVR_AM_KIND_KV) {
-        if (h.buf >= e->nkv || h.npages == 0 || h.pos >= r->npages ||
+        if ((uint32_t)h.buf + h.nbuf > e->nkv || h.npages == 0 || h.pos >= r->npages ||
             h.npages > r->npages - h.pos) {
             why = "run outside the room";
             goto protocol;
         }
-        if ((uint64_t)len != (uint64_t)h.npages * e->kv_item[h.buf]) {
-            why = "run length does not match item_len";
-            goto protocol;
-        }
-        niov = 0;
-        for (uint32_t at = h.pos, end = h.pos + h.npages; at < end; niov++) {
-            at += kvr_run_length(NULL, r->pages, at, end);
-        }
-    } else if (h.buf >= e->naux || r->aux_index < 0 || h.npages != 1 ||
-               (uint64_t)len != e->aux_item[h.buf]) {
+    } else if ((uint32_t)h.buf + h.nbuf > e->naux || r->aux_index < 0 || h.npages != 1) {
         why = "aux row does not match the room";
+        goto protocol;
+    }
+    uint64_t want = 0;
+    uint32_t niov = kvr_msg_pieces(e, &h, r->pages, r->aux_index, NULL, &want);
+    if ((uint64_t)len != want) {
+        why = h.kind == KVR_AM_KIND_KV ? "run length does not match item_len"
+                                       : "aux row does not match the room";
         goto protocol;
     }
     if (r->received + len > r->expected) {
@@ -1159,24 +1201,14 @@ static void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, 
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory receiving data");
         goto reject;
     }
-    if (h.kind == KVR_AM_KIND_KV) {
-        char *base = (char *)(uintptr_t)e->kv_ptrs[h.buf];
-        uint64_t item = e->kv_item[h.buf];
-        uint32_t i = 0;
-        for (uint32_t at = h.pos, end = h.pos + h.npages; at < end; i++) {
-            uint32_t n = kvr_run_length(NULL, r->pages, at, end);
-            op->iov[i].buf = base + (uint64_t)r->pages[at] * item;
-            op->iov[i].len = (size_t)n * item;
-            at += n;
-        }
-    } else {
-        op->iov[0].buf =
-            (char *)(uintptr_t)e->aux_ptrs[h.buf] + (uint64_t)r->aux_index * e->aux_item[h.buf];
-        op->iov[0].len = len;
-    }
+    kvr_msg_pieces(e, &h, r->pages, r->aux_index, op->iov, &want);
     kvr_room_advance(r, KVR_POLL_TRANSFERRING); /* first byte */
     r->peer->last_data_ns = kvr_now_ns();
-    int dev = h.kind == KVR_AM_KIND_KV ? e->kv_dev[h.buf] : e->aux_dev[h.buf];
+    int dev = 0;
+    for (uint32_t b = h.buf; b < (uint32_t)h.buf + h.nbuf; b++) {
+        dev |= h.kind == KVR_AM_KIND_KV ? e->kv_dev[b] : e->aux_dev[b];
+    }
+    op->mixed = h.nbuf > 1;
     /* Device pages are staged unless UCX moves device memory itself; even
      * then eager data (copied here with memcpy) and scattered pieces (UCX's
      * iov datatype is for host memory) go through a staging buffer. */
@@ -1301,23 +1333,15 @@ static int kvr_prefill_stages(const kvr_engine_t *e, int kind, uint32_t buf)
 }
 
 /* Returns 0 (posted, or the room failed), 1 if it must wait for a slot. */
-static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_header_t *h,
-                               const char *src, uint64_t len)
+static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_header_t *h)
 {
-    uint32_t niov = 1;
     kvr_slot_t *slot = NULL;
     if (kvr_prefill_stages(e, h->kind, h->buf) && (slot = kvr_slot_get(e)) == NULL) {
         kvr_slot_wait(e, r);
         return 1;
     }
-    uint32_t end = h->pos + h->npages;
-    if (src == NULL) {
-        niov = 0;
-        for (uint32_t at = h->pos; at < end; niov++) {
-            at += kvr_run_length(NULL, r->src_pages, at, end);
-        }
-        len = (uint64_t)h->npages * e->kv_item[h->buf];
-    }
+    uint64_t len = 0;
+    uint32_t niov = kvr_msg_pieces(e, h, r->src_pages, r->src_aux, NULL, &len);
     kvr_op_t *op = kvr_op_new(r, len, niov);
     if (op == NULL) {
         if (slot != NULL) {
@@ -1326,20 +1350,7 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory posting data");
         return 0;
     }
-    if (src == NULL) {
-        char *base = (char *)(uintptr_t)e->kv_ptrs[h->buf];
-        uint64_t item = e->kv_item[h->buf];
-        uint32_t i = 0;
-        for (uint32_t at = h->pos; at < end; i++) {
-            uint32_t n = kvr_run_length(NULL, r->src_pages, at, end);
-            op->iov[i].buf = base + (uint64_t)r->src_pages[at] * item;
-            op->iov[i].len = (size_t)n * item;
-            at += n;
-        }
-    } else {
-        op->iov[0].buf = (void *)(uintptr_t)src;
-        op->iov[0].len = len;
-    }
+    kvr_msg_pieces(e, h, r->src_pages, r->src_aux, op->iov, &len);
     kvr_am_header_encode(op->hdr, h);
     e->stats.ops_posted++;
     if (slot != NULL) {
@@ -1356,6 +1367,24 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
     }
     kvr_op_send_locked(e, r, op, op->iov, niov);
     return 0;
+}
+
+/*
+ * How many buffers from b on (of n, item lengths items) share one message of
+ * npages pages with `pieces` pieces per buffer: at least one; more while the
+ * message stays within `merge` bytes and KVR_MAX_IOV pieces.
+ */
+static uint16_t kvr_buf_group(const uint64_t *items, uint32_t n, uint32_t b, uint32_t npages,
+                              uint32_t pieces, uint64_t merge)
+{
+    uint32_t nb = 1;
+    uint64_t bytes = (uint64_t)npages * items[b];
+    while (b + nb < n && nb < UINT16_MAX && (uint64_t)(nb + 1) * pieces <= KVR_MAX_IOV &&
+           bytes + (uint64_t)npages * items[b + nb] <= merge) {
+        bytes += (uint64_t)npages * items[b + nb];
+        nb++;
+    }
+    return (uint16_t)nb;
 }
 
 /* Prefill: post the operations for pages [posted, given) and, after the last
@@ -1425,6 +1454,10 @@ static void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
             cap = e->cfg.staging_slot_bytes;
         }
     }
+    /* Buffers share a message while it stays within `merge` bytes: every
+     * buffer of a small room in one message.  Not with device buffers (each
+     * is staged or handed to UCX on its own). */
+    uint64_t merge = e->ndev > 0 ? 0 : run_bytes < cap ? run_bytes : cap;
     while (r->posted < r->given) {
         uint32_t pos = r->posted, end = r->post_end;
         if (end <= pos) {
@@ -1452,12 +1485,18 @@ static void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
         h.kind = KVR_AM_KIND_KV;
         h.pos = pos;
         h.npages = end - pos;
-        for (uint32_t b = r->post_buf; b < e->nkv && !r->failing; b++) {
+        uint32_t pieces = 0; /* per buffer: runs of consecutive source pages */
+        for (uint32_t at = pos; at < end; pieces++) {
+            at += kvr_run_length(NULL, r->src_pages, at, end);
+        }
+        for (uint32_t b = r->post_buf; b < e->nkv && !r->failing;) {
             h.buf = (uint16_t)b;
-            if (kvr_post_one_locked(e, r, &h, NULL, 0) == 1) {
+            h.nbuf = kvr_buf_group(e->kv_item, e->nkv, b, h.npages, pieces, merge);
+            if (kvr_post_one_locked(e, r, &h) == 1) {
                 r->post_buf = b; /* no free slot: resume here */
                 return;
             }
+            b += h.nbuf;
         }
         if (r->failing) {
             return;
@@ -1472,15 +1511,14 @@ static void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
             h.kind = KVR_AM_KIND_AUX;
             h.pos = 0;
             h.npages = 1;
-            for (uint32_t a = r->aux_post_buf; a < e->naux && !r->failing; a++) {
+            for (uint32_t a = r->aux_post_buf; a < e->naux && !r->failing;) {
                 h.buf = (uint16_t)a;
-                if (kvr_post_one_locked(e, r, &h,
-                                        (const char *)(uintptr_t)e->aux_ptrs[a] +
-                                            (uint64_t)r->src_aux * e->aux_item[a],
-                                        e->aux_item[a]) == 1) {
+                h.nbuf = kvr_buf_group(e->aux_item, e->naux, a, 1, 1, merge);
+                if (kvr_post_one_locked(e, r, &h) == 1) {
                     r->aux_post_buf = a;
                     return;
                 }
+                a += h.nbuf;
             }
         }
         r->aux_posted = 1;
@@ -1929,7 +1967,7 @@ static void kvr_describe_sender(kvr_engine_t *e, kvr_ctl_conn_t *conn, void *con
             k += (size_t)snprintf(id + k, sizeof(id) - k, "%02x", b[i]);
         }
     }
-    snprintf(out, n, "%s%s%.64s (%s)", p ? p->name : "", p ? " at " : "",
+    snprintf(out, n, "%.100s%s%.64s (%.60s)", p ? p->name : "", p ? " at " : "",
              from[0] ? from : "an unknown address", id);
 }
 

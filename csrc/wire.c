@@ -365,6 +365,8 @@ void kvr_am_header_encode(unsigned char out[KVR_AM_HEADER_LEN], const kvr_am_hea
     kvr_put_u32(&b, KVR_WIRE_MAGIC);
     kvr_put_u16(&b, h->kind);
     kvr_put_u16(&b, h->buf);
+    kvr_put_u16(&b, h->nbuf);
+    kvr_put_u16(&b, 0);
     kvr_put_u32(&b, h->pos);
     kvr_put_u32(&b, h->npages);
     kvr_put_u64(&b, h->tag);
@@ -385,16 +387,25 @@ int kvr_am_header_decode(const void *buf, size_t len, kvr_am_header_t *h, const 
     }
     h->kind = (uint16_t)kvr_le(p + 4, 2);
     h->buf = (uint16_t)kvr_le(p + 6, 2);
-    h->pos = (uint32_t)kvr_le(p + 8, 4);
-    h->npages = (uint32_t)kvr_le(p + 12, 4);
-    h->tag = kvr_le(p + 16, 8);
-    h->epoch = kvr_le(p + 24, 8);
+    h->nbuf = (uint16_t)kvr_le(p + 8, 2);
+    h->pos = (uint32_t)kvr_le(p + 12, 4);
+    h->npages = (uint32_t)kvr_le(p + 16, 4);
+    h->tag = kvr_le(p + 20, 8);
+    h->epoch = kvr_le(p + 28, 8);
+    if (kvr_le(p + 10, 2) != 0) {
+        *why = "data header has a nonzero reserved field";
+        return -1;
+    }
     if (h->kind != KVR_AM_KIND_KV && h->kind != KVR_AM_KIND_AUX) {
         *why = "data header has an unknown kind";
         return -1;
     }
     if (h->npages == 0) {
         *why = "data header names no pages";
+        return -1;
+    }
+    if (h->nbuf == 0) {
+        *why = "data header names no buffers";
         return -1;
     }
     return 0;

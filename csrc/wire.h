@@ -115,15 +115,22 @@ int32_t kvr_wire_i32_at(const unsigned char *arr, uint32_t i);
 /* Header of a data message (UCX active message), fixed size. */
 #define KVR_AM_KIND_KV 1
 #define KVR_AM_KIND_AUX 2
-#define KVR_AM_HEADER_LEN 32
+#define KVR_AM_HEADER_LEN 36
 
+/*
+ * A data message carries positions [pos, pos + npages) of the buffers
+ * [buf, buf + nbuf) of one kind, buffer after buffer (aux: one row each,
+ * npages 1).  Wire layout, little-endian: magic u32, kind u16, buf u16,
+ * nbuf u16, reserved u16 (0), pos u32, npages u32, tag u64, epoch u64.
+ */
 typedef struct {
     uint16_t kind;     /* KVR_AM_KIND_* */
-    uint16_t buf;      /* buffer index of that kind */
+    uint16_t buf;      /* first buffer index of that kind */
     uint32_t pos;      /* first position in the room's page list */
-    uint32_t npages;   /* pages in this run (1 for aux) */
+    uint32_t npages;   /* positions in this message (1 for aux) */
     uint64_t tag;      /* the receiving room's tag */
     uint64_t epoch;    /* the sender's instance epoch */
+    uint16_t nbuf;     /* buffers in this message (>= 1) */
 } kvr_am_header_t;
 
 void kvr_am_header_encode(unsigned char out[KVR_AM_HEADER_LEN], const kvr_am_header_t *h);

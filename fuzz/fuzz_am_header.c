@@ -43,13 +43,13 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     }
     CHECK(size == KVR_AM_HEADER_LEN);
     CHECK(h.kind == KVR_AM_KIND_KV || h.kind == KVR_AM_KIND_AUX);
-    CHECK(h.npages != 0);
+    CHECK(h.npages != 0 && h.nbuf != 0);
     unsigned char out[KVR_AM_HEADER_LEN];
     kvr_am_header_encode(out, &h);
     CHECK(memcmp(out, data, KVR_AM_HEADER_LEN) == 0);
     why = NULL;
     CHECK(kvr_am_header_decode(out, sizeof(out), &h2, &why) == 0);
     CHECK(h.kind == h2.kind && h.buf == h2.buf && h.pos == h2.pos && h.npages == h2.npages &&
-          h.tag == h2.tag && h.epoch == h2.epoch);
+          h.tag == h2.tag && h.epoch == h2.epoch && h.nbuf == h2.nbuf);
     return 0;
 }

@@ -64,12 +64,13 @@ def wire_seeds():
 
 
 def am_seeds():
-    def am(kind, buf, pos, npages, tag, epoch):
-        return struct.pack("<IHHIIQQ", MAGIC, kind, buf, pos, npages, tag, epoch)
+    def am(kind, buf, nbuf, pos, npages, tag, epoch):
+        return struct.pack("<IHHHHIIQQ", MAGIC, kind, buf, nbuf, 0, pos, npages, tag, epoch)
     return {
-        "kv": am(1, 0, 0, 4, 7, 0x0123456789ABCDEF),
-        "kv_max": am(1, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 2**64 - 1, 2**64 - 1),
-        "aux": am(2, 1, 0, 1, 8, 1),
+        "kv": am(1, 0, 1, 0, 4, 7, 0x0123456789ABCDEF),
+        "kv_bufs": am(1, 2, 6, 0, 1, 7, 0x0123456789ABCDEF),
+        "kv_max": am(1, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 2**64 - 1, 2**64 - 1),
+        "aux": am(2, 1, 1, 0, 1, 8, 1),
     }
 
 

@@ -6,7 +6,21 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
-KVRECV_SANITIZE=address,undefined $PY setup.py -q build_ext --inplace --force 2>&1 | grep -v -i warn || true
+build() {
+    # A failed build must fail the pass: the tests would otherwise run the
+    # previous, uninstrumented extension.
+    local log
+    log=$(mktemp)
+    if ! env "$@" $PY setup.py -q build_ext --inplace --force >"$log" 2>&1; then
+        cat "$log" >&2
+        rm -f "$log"
+        echo "sanitize: build failed" >&2
+        exit 1
+    fi
+    grep -v -i warn "$log" || true
+    rm -f "$log"
+}
+build KVRECV_SANITIZE=address,undefined
 ASAN_LIB=$(gcc -print-file-name=libasan.so)
 UBSAN_LIB=$(gcc -print-file-name=libubsan.so)
 status=0
@@ -15,5 +29,5 @@ env LD_PRELOAD="$ASAN_LIB $UBSAN_LIB" PYTHONMALLOC=malloc \
     UBSAN_OPTIONS=print_stacktrace=1:halt_on_error=1 \
     $PY -m pytest tests -q -p no:cacheprovider "$@" || status=$?
 # Leave a normal build behind.
-$PY setup.py -q build_ext --inplace --force 2>&1 | grep -v -i warn || true
+build KVRECV_SANITIZE=
 exit $status

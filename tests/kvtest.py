@@ -181,33 +181,67 @@ def auto_run_bytes(transport: str) -> int:
     return 1 << 62 if transport == "shm" else 16 << 10
 
 
-def count_messages(src, dst, item_max: int, run_bytes: int, cap: int = COALESCE_BYTES) -> int:
-    """Data messages per buffer for pages handed over at once: the engine's
-    rule (engine.c, kvr_post_locked).  A run (consecutive on both sides) of
-    at least run_bytes goes alone; shorter runs in a row share a message of
-    at most cap bytes and MAX_IOV runs (the first run of a message always
-    fits)."""
+def position_groups(src, dst, item_max: int, run_bytes: int, cap: int = COALESCE_BYTES):
+    """The position ranges of a room's data messages, for pages handed over
+    at once: the engine's rule (engine.c, kvr_post_locked).  A run
+    (consecutive on both sides) of at least run_bytes goes alone; shorter
+    runs in a row share a range of at most cap bytes and MAX_IOV runs (the
+    first run of a range always fits).  Returns (pages, source pieces) per
+    range: pieces are the runs of consecutive source pages."""
     runs = []
     for i in range(len(src)):
         if i == 0 or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
-            runs.append(1)
+            runs.append([i, 1])
         else:
-            runs[-1] += 1
-    msgs = 0
+            runs[-1][1] += 1
+    groups = []
     i = 0
     while i < len(runs):
-        msgs += 1
-        if runs[i] * item_max >= run_bytes:
-            i += 1
-            continue
-        pages, k = runs[i], 1
+        start, pages, k = runs[i][0], runs[i][1], 1
         i += 1
-        while (i < len(runs) and k < MAX_IOV and runs[i] * item_max < run_bytes
-               and (pages + runs[i]) * item_max <= cap):
-            pages += runs[i]
-            k += 1
-            i += 1
+        if pages * item_max < run_bytes:
+            while (i < len(runs) and k < MAX_IOV and runs[i][1] * item_max < run_bytes
+                   and (pages + runs[i][1]) * item_max <= cap):
+                pages += runs[i][1]
+                k += 1
+                i += 1
+        seg = src[start:start + pages]
+        pieces = 1 + sum(1 for j in range(1, len(seg)) if seg[j] != seg[j - 1] + 1)
+        groups.append((pages, pieces))
+    return groups
+
+
+def count_messages(src, dst, item_max: int, run_bytes: int, cap: int = COALESCE_BYTES) -> int:
+    """Position ranges (data messages per buffer when buffers do not share)."""
+    return len(position_groups(src, dst, item_max, run_bytes, cap))
+
+
+def buffer_groups(items, npages: int, pieces: int, merge: int) -> int:
+    """Messages for the buffers of one position range (engine.c,
+    kvr_buf_group): consecutive buffers share one while it stays within
+    merge bytes and MAX_IOV pieces."""
+    msgs, b = 0, 0
+    while b < len(items):
+        nb, size = 1, npages * items[b]
+        while (b + nb < len(items) and (nb + 1) * pieces <= MAX_IOV
+               and size + npages * items[b + nb] <= merge):
+            size += npages * items[b + nb]
+            nb += 1
+        msgs += 1
+        b += nb
     return msgs
+
+
+def room_messages(src, dst, kv_items, aux_items, run_bytes: int, cap: int = COALESCE_BYTES) -> int:
+    """All data messages of a room of host buffers handed over at once
+    (aux_items: the aux buffers' item lengths if the room has an aux row,
+    else empty).  cap 0: no coalescing, one message per run and buffer."""
+    merge = min(run_bytes, cap)
+    total = sum(buffer_groups(kv_items, pages, pieces, merge)
+                for pages, pieces in position_groups(src, dst, max(kv_items), run_bytes, cap))
+    if aux_items:
+        total += buffer_groups(aux_items, 1, 1, merge)
+    return total
 
 
 def min_messages(src, dst, item_max: int, cap: int = COALESCE_BYTES) -> int:

@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from kvtest import STD, auto_run_bytes, count_messages, count_runs, wait_for
+from kvtest import STD, auto_run_bytes, count_runs, room_messages, wait_for
 
 from kvrecv import KVPoll, KVReceiver, KVSender
 from kvrecv.metrics import histogram_buckets, prometheus_text
@@ -92,9 +92,12 @@ def test_histograms_in_stats(pair):
     # room B: 3 runs, no aux; the prefill holds its send() 300 ms
     src_b, dst_b = [5, 6, 40, 7], [30, 31, 32, 33]
     assert count_runs(src_b, dst_b) == 3
-    # data messages per buffer: the three short runs share one (tcp, auto)
-    runs_b = count_messages(src_b, dst_b, max(STD.kv_item_lens), auto_run_bytes("tcp"))
-    assert runs_b == 1
+    # data messages (tcp, auto: runs and buffers share messages up to 16 KiB)
+    tcp = auto_run_bytes("tcp")
+    ops_a = room_messages([10, 11, 12, 13], [20, 21, 22, 23], STD.kv_item_lens,
+                          STD.aux_item_lens, tcp)
+    ops_b = room_messages(src_b, dst_b, STD.kv_item_lens, (), tcp)
+    assert ops_a == 4 and ops_b == 3  # 6 buffers | 1 | 1 (+ aux) of 4 pages
     hold = 0.3
     transfer(pair, 2, src_b, dst_b, hold_s=hold)
     # room C: aborted before anything moved: not observed
@@ -108,10 +111,10 @@ def test_histograms_in_stats(pair):
     for st in (dec, pre):
         ops = st["room_ops"]
         assert ops["count"] == 2 == st["rooms_succeeded"]
-        assert ops["sum"] == (1 * NKV + NAUX) + runs_b * NKV
+        assert ops["sum"] == ops_a + ops_b
         want = [0] * len(ops["counts"])
-        want[bucket_of(ops, NKV + NAUX)] += 1
-        want[bucket_of(ops, runs_b * NKV)] += 1
+        want[bucket_of(ops, ops_a)] += 1
+        want[bucket_of(ops, ops_b)] += 1
         assert ops["counts"] == want
         assert st["transfer_latency"]["count"] == 2
         assert sum(st["transfer_latency"]["counts"]) == 2
@@ -170,10 +173,11 @@ def test_prometheus_text_matches_stats(pair):
     assert stats["decode"]["bytes_moved"] == STD.transfer_bytes(4, True)
     assert samples[("kvrecv_bytes_total", (("mode", "decode"), ("rank", "0")))] == STD.transfer_bytes(4, True)
     assert samples[("kvrecv_failures_total", (("code", "ABORTED"), ("mode", "decode"), ("rank", "0")))] >= 1
-    # [9, 8, 7, 6] -> [0, 1, 2, 3] is 4 runs of one page, coalesced into one
-    # message per buffer (tcp, auto)
-    assert count_messages([9, 8, 7, 6], [0, 1, 2, 3], max(STD.kv_item_lens), auto_run_bytes("tcp")) == 1
-    assert samples[("kvrecv_rma_ops_per_room_sum", (("mode", "prefill"), ("rank", "0")))] == NKV + NAUX
+    # [9, 8, 7, 6] -> [0, 1, 2, 3] is 4 runs of one page, coalesced (tcp, auto)
+    ops = room_messages([9, 8, 7, 6], [0, 1, 2, 3], STD.kv_item_lens, STD.aux_item_lens,
+                        auto_run_bytes("tcp"))
+    assert ops == 4
+    assert samples[("kvrecv_rma_ops_per_room_sum", (("mode", "prefill"), ("rank", "0")))] == ops
     # a closed manager is left out
     pair.prefill.close()
     samples, _ = parse_prometheus(prometheus_text(mgrs))
@@ -241,4 +245,7 @@ def test_prometheus_client_collector(pair):
             assert value(fam, fam + "_count", mode) == 1
             assert value(fam, fam + "_sum", mode) == pytest.approx(h["sum"])
     assert value("kvrecv_failures", "kvrecv_failures_total", "decode", code="ABORTED") >= 1
-    assert value("kvrecv_rma_ops_per_room", "kvrecv_rma_ops_per_room_sum", "prefill") == NKV + NAUX
+    ops = room_messages([1, 2, 3], [4, 5, 6], STD.kv_item_lens, STD.aux_item_lens,
+                        auto_run_bytes("tcp"))
+    assert ops == 3  # one run of 3 pages: 7 buffers | the widest | aux (tcp, auto)
+    assert value("kvrecv_rma_ops_per_room", "kvrecv_rma_ops_per_room_sum", "prefill") == ops

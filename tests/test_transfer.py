@@ -18,10 +18,12 @@ from kvtest import (
     WIDE,
     Side,
     auto_run_bytes,
+    buffer_groups,
     count_messages,
     count_runs,
     describe_failure,
     min_messages,
+    room_messages,
     split_chunks,
     terminal,
     wait_all,
@@ -118,21 +120,19 @@ def make_plans(rng, layout, room0=1):
     return plans
 
 
-def ops_bounds(plans, layout, transport):
-    """rma_ops_posted lies between the fewest messages any split of a room
-    can give and the messages when every chunk is posted on its own
-    (posting races the send() calls)."""
-    nkv, naux, item = len(layout.kv_item_lens), len(layout.aux_item_lens), max(layout.kv_item_lens)
+def ops_bounds(plans, layout):
+    """rma_ops_posted lies between one KV message (and one aux message) per
+    room and one message per buffer and run of every send() chunk (posting
+    races the send() calls; the exact rule is tested below)."""
+    nkv, naux = len(layout.kv_item_lens), len(layout.aux_item_lens)
     lo = hi = 0
     for p in plans:
-        aux = naux if p.with_aux else 0
-        lo += min_messages(p.src, p.dst, item) * nkv + aux
+        lo += 1 + (1 if p.with_aux else 0)
         pos = 0
         for c in p.chunks:
-            hi += count_messages(p.src[pos:pos + len(c)], p.dst[pos:pos + len(c)], item,
-                                 auto_run_bytes(transport)) * nkv
+            hi += count_runs(p.src[pos:pos + len(c)], p.dst[pos:pos + len(c)]) * nkv
             pos += len(c)
-        hi += aux
+        hi += naux if p.with_aux else 0
     return lo, hi
 
 
@@ -170,7 +170,7 @@ def test_byte_exact_transfer(transport, pair):
         assert zero_failures(st), (side, st)
         assert st["ctrl_dropped"] == 0 and st["data_rejected"] == 0, (side, st)
         assert st["pending_requests"] == 0, (side, st)
-    lo, hi = ops_bounds(plans, STD, transport)
+    lo, hi = ops_bounds(plans, STD)
     assert lo <= pair.prefill.stats()["rma_ops_posted"] <= hi
     assert pair.decode.stats()["rma_ops_posted"] == 0
 
@@ -320,11 +320,12 @@ def coalesce_model(name, transport):
     return run_bytes, cap
 
 
-def expect_messages(src, dst, name, transport):
+def expect_messages(src, dst, name, transport, with_aux):
     run_bytes, cap = coalesce_model(name, transport)
+    aux = STD.aux_item_lens if with_aux else ()
     if cap == 0:
-        return count_runs(src, dst)
-    return count_messages(src, dst, max(STD.kv_item_lens), run_bytes, cap)
+        return count_runs(src, dst) * len(STD.kv_item_lens) + len(aux)
+    return room_messages(src, dst, STD.kv_item_lens, aux, run_bytes, cap)
 
 
 def coalesce_pair(res, bootstrap, name):
@@ -349,6 +350,14 @@ def test_message_model_counts():
     scattered = list(range(0, 4000, 2))
     assert count_messages(scattered, scattered, 8, 1 << 62) == 2      # 1024 pieces, then 976
     assert min_messages(scattered, scattered, 8) == 2
+    # buffers sharing messages: [64, 96, 128, 256] x 2 pages within 400 bytes
+    assert buffer_groups([64, 96, 128, 256], 2, 1, 400) == 3          # 64+96 | 128 | 256
+    assert buffer_groups([64, 96, 128, 256], 2, 1, 0) == 4
+    assert buffer_groups([64, 96, 128, 256], 2, 1, 1 << 20) == 1
+    assert buffer_groups([8] * 10, 1, 300, 1 << 20) == 4              # 3 x 300 pieces <= 1024
+    # a whole small room: 8 KV buffers and 2 aux in 2 messages
+    assert room_messages([1, 2], [5, 6], STD.kv_item_lens, STD.aux_item_lens, 1 << 62) == 2
+    assert room_messages([1, 2], [5, 6], STD.kv_item_lens, STD.aux_item_lens, 1 << 62, cap=0) == 10
 
 
 @pytest.mark.parametrize("with_aux", [True, False], ids=["aux", "noaux"])
@@ -361,9 +370,8 @@ def test_runs_are_coalesced(transport, res, bootstrap, name, mode, with_aux):
     plan = Plan(77, np.array(src), np.array(dst, dtype=np.int32), [np.array(src)],
                 3 if with_aux else None, 9 if with_aux else None)
     run_in_process(prefill, decode, bootstrap.address, [plan])
-    nkv, naux = len(STD.kv_item_lens), len(STD.aux_item_lens)
-    want = expect_messages(src, dst, mode, transport)
-    assert prefill.stats()["rma_ops_posted"] == want * nkv + (naux if with_aux else 0)
+    want = expect_messages(src, dst, mode, transport, with_aux)
+    assert prefill.stats()["rma_ops_posted"] == want
     expected = Side(STD, 0).snapshot()
     expected.apply(side_src, plan.src, plan.dst, plan.src_aux, plan.dst_aux)
     expected.check(side_dst)

@@ -547,20 +547,21 @@ static void am_same(const kvr_am_header_t *a, const kvr_am_header_t *b)
     ASSERT_U64_EQ(a->npages, b->npages);
     ASSERT_U64_EQ(a->tag, b->tag);
     ASSERT_U64_EQ(a->epoch, b->epoch);
+    ASSERT_EQ(a->nbuf, b->nbuf);
 }
 
 TEST_IMPL(am_header_round_trip)
 {
     kvr_am_header_t cases[] = {
-        {KVR_AM_KIND_KV, 0, 0, 1, 0, 0},
-        {KVR_AM_KIND_KV, 0xffff, 0xffffffffu, 0xffffffffu, UINT64_MAX, UINT64_MAX},
-        {KVR_AM_KIND_AUX, 3, 17, 1, 0x0102030405060708ULL, 0x1112131415161718ULL},
+        {KVR_AM_KIND_KV, 0, 0, 1, 0, 0, 1},
+        {KVR_AM_KIND_KV, 0xffff, 0xffffffffu, 0xffffffffu, UINT64_MAX, UINT64_MAX, 0xffff},
+        {KVR_AM_KIND_AUX, 3, 17, 1, 0x0102030405060708ULL, 0x1112131415161718ULL, 2},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         unsigned char out[KVR_AM_HEADER_LEN + 8];
         memset(out, 0xEE, sizeof(out));
         kvr_am_header_encode(out, &cases[i]);
-        ASSERT_EQ(out[KVR_AM_HEADER_LEN], 0xEE); /* writes exactly 32 bytes */
+        ASSERT_EQ(out[KVR_AM_HEADER_LEN], 0xEE); /* writes exactly 36 bytes */
         unsigned char *h = malloc(KVR_AM_HEADER_LEN);
         memcpy(h, out, KVR_AM_HEADER_LEN);
         kvr_am_header_t d;
@@ -571,9 +572,9 @@ TEST_IMPL(am_header_round_trip)
     }
     /* golden layout */
     kvr_am_header_t g = {KVR_AM_KIND_AUX, 0x0a0b, 0x01020304, 0x05060708,
-                         0x1112131415161718ULL, 0x2122232425262728ULL};
+                         0x1112131415161718ULL, 0x2122232425262728ULL, 0x0c0d};
     unsigned char want[KVR_AM_HEADER_LEN] = {
-        'K', 'V', 'R', 'W', 2, 0, 0x0b, 0x0a, 4, 3, 2, 1, 8, 7, 6, 5,
+        'K', 'V', 'R', 'W', 2, 0, 0x0b, 0x0a, 0x0d, 0x0c, 0, 0, 4, 3, 2, 1, 8, 7, 6, 5,
         0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,
         0x28, 0x27, 0x26, 0x25, 0x24, 0x23, 0x22, 0x21};
     unsigned char got[KVR_AM_HEADER_LEN];
@@ -583,7 +584,7 @@ TEST_IMPL(am_header_round_trip)
 
 TEST_IMPL(am_header_rejects)
 {
-    kvr_am_header_t h = {KVR_AM_KIND_KV, 1, 2, 3, 4, 5}, d;
+    kvr_am_header_t h = {KVR_AM_KIND_KV, 1, 2, 3, 4, 5, 6}, d;
     unsigned char good[KVR_AM_HEADER_LEN], x[KVR_AM_HEADER_LEN + 1];
     const char *why;
     kvr_am_header_encode(good, &h);
@@ -613,9 +614,17 @@ TEST_IMPL(am_header_rejects)
         ASSERT(strcmp(why, "data header has an unknown kind") == 0);
     }
     memcpy(x, good, KVR_AM_HEADER_LEN);
-    put_le(x + 12, 0, 4);
+    put_le(x + 16, 0, 4);
     ASSERT_EQ(kvr_am_header_decode(x, KVR_AM_HEADER_LEN, &d, &why), -1);
     ASSERT(strcmp(why, "data header names no pages") == 0);
+    memcpy(x, good, KVR_AM_HEADER_LEN);
+    put_le(x + 8, 0, 2);
+    ASSERT_EQ(kvr_am_header_decode(x, KVR_AM_HEADER_LEN, &d, &why), -1);
+    ASSERT(strcmp(why, "data header names no buffers") == 0);
+    memcpy(x, good, KVR_AM_HEADER_LEN);
+    put_le(x + 10, 1, 2);
+    ASSERT_EQ(kvr_am_header_decode(x, KVR_AM_HEADER_LEN, &d, &why), -1);
+    ASSERT(strcmp(why, "data header has a nonzero reserved field") == 0);
 }
 
 TEST_IMPL(wire_room_req_prefix)
