@@ -33,14 +33,14 @@ import os
 import pickle
 import re
 import secrets
-import select
 import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from typing import Dict, List, Optional
+
+from child import JsonLineChild
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -367,11 +367,7 @@ def _cleanup_at_exit() -> None:
             pass
 
 
-class PeerError(AssertionError):
-    pass
-
-
-class NsPeer:
+class NsPeer(JsonLineChild):
     """One process (tests/netns_peer.py) inside a namespace: a bootstrap
     server, or a kvrecv manager that keeps its own rooms.  Driven by JSON
     lines on stdin/stdout; kill() is a real SIGKILL."""
@@ -388,83 +384,12 @@ class NsPeer:
         env["UCX_NET_DEVICES"] = pair.dev[side]
         for k in [k for k in env if k.startswith("KVRECV_")]:
             del env[k]
-        self._err = tempfile.TemporaryFile()
-        self.proc = subprocess.Popen(
+        super().__init__(
             ["ip", "netns", "exec", pair.ns[side], sys.executable, PEER_SCRIPT, json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._err, env=env, cwd=ROOT)
-        self._buf = b""
-        try:
-            self.hello = self._read(startup_timeout)
-        except BaseException:
-            self.proc.kill()
-            self.close()
-            raise
+            env, ROOT, f"{role} in {side} ns", startup_timeout)
         self.pid = self.proc.pid  # `ip netns exec` execs the interpreter: same pid
         self.endpoint = self.hello.get("endpoint")
         self.address = self.hello.get("address")
-
-    def stderr(self) -> str:
-        self._err.seek(0)
-        return self._err.read().decode(errors="replace")[-3000:]
-
-    def _read(self, timeout):
-        fd = self.proc.stdout.fileno()
-        deadline = time.monotonic() + timeout
-        while b"\n" not in self._buf:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise PeerError(f"{self.role} in {self.side} ns (pid {self.proc.pid}) silent for "
-                                f"{timeout} s; stderr:\n{self.stderr()}")
-            ready, _, _ = select.select([fd], [], [], left)
-            if ready:
-                chunk = os.read(fd, 1 << 20)
-                if not chunk:
-                    raise PeerError(f"{self.role} in {self.side} ns exited ({self.proc.wait()}); "
-                                    f"stderr:\n{self.stderr()}")
-                self._buf += chunk
-        line, self._buf = self._buf.split(b"\n", 1)
-        msg = json.loads(line)
-        if isinstance(msg, dict) and "error" in msg:
-            raise PeerError(f"{self.role} in {self.side} ns: {msg['error']}")
-        return msg
-
-    def call(self, op, timeout=60, **kw):
-        self.post(op, **kw)
-        return self._read(timeout)
-
-    def post(self, op, **kw) -> None:
-        """Sends a command without waiting for its answer (collect())."""
-        self.proc.stdin.write((json.dumps(dict(op=op, **kw)) + "\n").encode())
-        self.proc.stdin.flush()
-
-    def collect(self, timeout=60):
-        """The answer to the command post() sent."""
-        return self._read(timeout)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def kill(self) -> float:
-        """SIGKILL; returns the monotonic time of the kill."""
-        t = time.monotonic()
-        os.kill(self.proc.pid, signal.SIGKILL)
-        self.proc.wait(timeout=30)
-        return t
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.call("exit", timeout=15)
-                self.proc.wait(timeout=15)
-            except Exception:
-                self.proc.kill()
-                self.proc.wait(timeout=30)
-        for f in (self.proc.stdin, self.proc.stdout):
-            try:
-                f.close()
-            except Exception:
-                pass
-        self._err.close()
 
 
 def failure(outcome: dict):
