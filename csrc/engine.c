@@ -1268,10 +1268,11 @@ static void kvr_on_ep_error(void *arg, void *ep_ctx, const char *status_text)
  * aux row (src given).
  */
 static void kvr_op_send_locked(kvr_engine_t *e, kvr_room_t *r, kvr_op_t *op,
-                               const kvr_tp_iov_t *iov, uint32_t niov)
+                               const kvr_tp_iov_t *iov, uint32_t niov, int host)
 {
     const char *st = NULL;
-    int rc = kvr_tp_send(e->tp, r->peer->ep, op->hdr, sizeof(op->hdr), iov, niov, &op->base, &st);
+    int rc = kvr_tp_send(e->tp, r->peer->ep, op->hdr, sizeof(op->hdr), iov, niov, host,
+                         &op->base, &st);
     if (rc <= 0) {
         kvr_op_end_locked(e, op, rc == 0 ? KVR_TP_OK : rc == -2 ? KVR_TP_PEER_GONE : KVR_TP_ERROR,
                           st);
@@ -1288,7 +1289,7 @@ static void kvr_stage_send_locked(kvr_engine_t *e, kvr_op_t *op)
     } else if (r->peer == NULL || r->peer->ep == NULL) {
         kvr_op_end_locked(e, op, KVR_TP_PEER_GONE, "not sent: no endpoint");
     } else {
-        kvr_op_send_locked(e, r, op, &op->siov, 1);
+        kvr_op_send_locked(e, r, op, &op->siov, 1, 1); /* a pinned host slot */
     }
 }
 
@@ -1365,7 +1366,11 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
         }
         return 0;
     }
-    kvr_op_send_locked(e, r, op, op->iov, niov);
+    /* Device pieces go to UCX as they are only on the ucx-cuda path, one
+     * buffer per message (merge is 0 with device buffers). */
+    int host = !(e->gpu_path == KVR_GPU_UCX &&
+                 (h->kind == KVR_AM_KIND_KV ? e->kv_dev[h->buf] : e->aux_dev[h->buf]));
+    kvr_op_send_locked(e, r, op, op->iov, niov, host);
     return 0;
 }
 

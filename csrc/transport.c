@@ -458,7 +458,7 @@ static ucp_mem_h kvr_tp_find_memh(kvr_transport_t *tp, const void *buf, size_t l
 }
 
 int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *e, const void *hdr, size_t hdr_len,
-                const kvr_tp_iov_t *iov, size_t iovcnt, kvr_tp_op_t *op,
+                const kvr_tp_iov_t *iov, size_t iovcnt, int host, kvr_tp_op_t *op,
                 const char **status_text)
 {
     op->tp = tp;
@@ -471,7 +471,7 @@ int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *e, const void *hdr, size_t hdr
     p.flags = UCP_AM_SEND_FLAG_REPLY;
     const void *buf = iov;
     size_t count = iovcnt;
-    if (iovcnt == 1) {
+    if (iovcnt == 1 && !(host && e->no_peer_errors)) {
         buf = iov[0].buf;
         count = iov[0].len;
         ucp_mem_h memh = kvr_tp_find_memh(tp, buf, count);
