@@ -50,7 +50,7 @@ _SCALARS = [
      "rooms_force_drained"),
     ("kvrecv_bytes_total", "counter", "Bytes moved (KV pages and aux rows).", "bytes_moved"),
     ("kvrecv_rma_ops_total", "counter",
-     "Data operations posted by the prefill (one per page run per buffer, one per aux row).",
+     "Data messages posted by the prefill (a run or coalesced runs, of one or more buffers).",
      "rma_ops_posted"),
     ("kvrecv_heartbeats_missed_total", "counter", "Heartbeats missed.", "heartbeats_missed"),
     ("kvrecv_ctrl_dropped_total", "counter", "Control messages dropped.", "ctrl_dropped"),
