@@ -281,6 +281,7 @@ void kvr_config_default(kvr_config_t *cfg)
     cfg->register_memory = 1;
     cfg->coalesce_bytes = 1u << 20;
     cfg->coalesce_run_bytes = 0; /* auto */
+    cfg->pack_bytes = (uint64_t)256 << 20;
     cfg->max_rooms_per_peer = 16384;
     cfg->secret_len = 0;
     cfg->staging_slots = 8;
@@ -3009,7 +3010,7 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
         goto err_free;
     }
     kvr_tp_callbacks_t tcb = {e, kvr_on_data, kvr_on_recv_done, kvr_on_send_done, kvr_on_ep_error};
-    if (kvr_tp_create(&tcb, &e->tp, err, errlen) != 0) {
+    if (kvr_tp_create(&tcb, (size_t)e->cfg.pack_bytes, &e->tp, err, errlen) != 0) {
         rc = KVR_ESYSTEM;
         goto err_free;
     }
@@ -3265,6 +3266,7 @@ void kvr_engine_stats(kvr_engine_t *e, kvr_stats_t *s)
     s->pending_requests = e->pending.count;
     pthread_mutex_unlock(&e->lock);
     s->log_dropped = kvr_log_dropped(&e->log);
+    s->data_packed = kvr_tp_packed(e->tp);
 }
 
 /* ------------------------------------------------------------------ */

@@ -43,6 +43,7 @@ typedef struct {
     int register_memory;            /* ucp_mem_map the buffers up front */
     uint32_t coalesce_bytes;        /* most bytes per buffer in one coalesced message */
     uint32_t coalesce_run_bytes;    /* runs shorter than this are coalesced */
+    uint64_t pack_bytes;            /* most bytes of packed scattered messages in flight (tcp) */
     uint32_t max_rooms_per_peer;    /* prefill: rooms one decode may have pending or bound */
     /* Shared secret authenticating every control message (auth.h); none if
      * secret_len is 0. */
@@ -99,6 +100,7 @@ typedef struct {
     uint64_t rooms_succeeded;
     uint64_t rooms_force_drained; /* declared drained with a dead peer's ops stuck */
     uint64_t log_dropped;         /* log records lost because nobody read them */
+    uint64_t data_packed;         /* prefill: scattered messages sent as a packed copy (tcp) */
     uint64_t auth_rejected;       /* control messages refused by authentication (also in ctrl_dropped) */
     uint64_t auth_refused_by_peer; /* AUTH_REJECT answers: a peer could not authenticate us */
     uint64_t ctrl_oversized;      /* control messages over the size limit (also in ctrl_dropped) */

@@ -8,6 +8,8 @@
 #include <ucp/api/ucp.h>
 
 #define KVR_AM_ID_DATA 7
+/* Freed bounce buffers kept for reuse. */
+#define KVR_TP_PACK_CACHE 16
 
 /* kvr_tp_iov_t arrays are handed to UCX as they are. */
 _Static_assert(sizeof(kvr_tp_iov_t) == sizeof(ucp_dt_iov_t) &&
@@ -32,6 +34,12 @@ struct kvr_transport {
     size_t nregions;
     unsigned eps_without_peer_errors;
     char describe[256];
+    size_t pack_max;                   /* most bytes of bounce buffers in flight */
+    size_t pack_inflight;              /* bytes of bounce buffers in flight */
+    uint64_t packed;                   /* messages sent packed */
+    void *pack_cache[KVR_TP_PACK_CACHE]; /* freed bounce buffers, for reuse */
+    size_t pack_cache_cap[KVR_TP_PACK_CACHE];
+    int npack_cache;
 };
 
 struct kvr_tp_ep {
@@ -41,6 +49,41 @@ struct kvr_tp_ep {
     int failed;
     int no_peer_errors; /* created without peer-failure handling */
 };
+
+/* ---- bounce buffers (packed scattered messages) ---- */
+
+/* A buffer of at least len bytes: a cached one if one is large enough. */
+static void *kvr_tp_bounce_get(kvr_transport_t *tp, size_t len, size_t *cap)
+{
+    for (int i = 0; i < tp->npack_cache; i++) {
+        if (tp->pack_cache_cap[i] >= len) {
+            void *b = tp->pack_cache[i];
+            *cap = tp->pack_cache_cap[i];
+            tp->npack_cache--;
+            tp->pack_cache[i] = tp->pack_cache[tp->npack_cache];
+            tp->pack_cache_cap[i] = tp->pack_cache_cap[tp->npack_cache];
+            return b;
+        }
+    }
+    *cap = len;
+    return malloc(len);
+}
+
+static void kvr_tp_bounce_put(kvr_transport_t *tp, kvr_tp_op_t *op)
+{
+    if (op->bounce == NULL) {
+        return;
+    }
+    tp->pack_inflight -= op->bounce_cap;
+    if (tp->npack_cache < KVR_TP_PACK_CACHE) {
+        tp->pack_cache[tp->npack_cache] = op->bounce;
+        tp->pack_cache_cap[tp->npack_cache] = op->bounce_cap;
+        tp->npack_cache++;
+    } else {
+        free(op->bounce);
+    }
+    op->bounce = NULL;
+}
 
 /* ---- completion callbacks ---- */
 
@@ -68,6 +111,7 @@ static void kvr_tp_send_cb(void *request, ucs_status_t status, void *user_data)
     kvr_tp_op_t *op = user_data;
     kvr_transport_t *tp = op->tp;
     op->req = NULL;
+    kvr_tp_bounce_put(tp, op);
     tp->cb.on_send_done(tp->cb.arg, op, kvr_tp_outcome(status),
                         status == UCS_OK ? NULL : ucs_status_string(status));
     ucp_request_free(request);
@@ -150,7 +194,8 @@ static void kvr_tp_ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
 
 /* ---- lifecycle ---- */
 
-int kvr_tp_create(const kvr_tp_callbacks_t *cb, kvr_transport_t **tp_p, char *err, size_t errlen)
+int kvr_tp_create(const kvr_tp_callbacks_t *cb, size_t pack_max, kvr_transport_t **tp_p, char *err,
+                  size_t errlen)
 {
     ucs_status_t st;
     ucp_config_t *config = NULL;
@@ -160,6 +205,7 @@ int kvr_tp_create(const kvr_tp_callbacks_t *cb, kvr_transport_t **tp_p, char *er
         return -1;
     }
     tp->cb = *cb;
+    tp->pack_max = pack_max;
     tp->efd = -1;
 
     st = ucp_config_read(NULL, NULL, &config);
@@ -250,6 +296,9 @@ void kvr_tp_destroy(kvr_transport_t *tp)
         ucp_mem_unmap(tp->context, tp->regions[i].memh);
     }
     free(tp->regions);
+    for (int i = 0; i < tp->npack_cache; i++) {
+        free(tp->pack_cache[i]);
+    }
     ucp_worker_release_address(tp->worker, tp->address);
     ucp_worker_destroy(tp->worker);
     ucp_cleanup(tp->context);
@@ -345,6 +394,11 @@ int kvr_tp_probe_memory_types(unsigned *mask, char *names, size_t len, char *err
     *mask = kvr_tp_mem_mask(ctx, names, len);
     ucp_cleanup(ctx);
     return 0;
+}
+
+uint64_t kvr_tp_packed(kvr_transport_t *tp)
+{
+    return tp->packed;
 }
 
 const char *kvr_tp_describe(kvr_transport_t *tp)
@@ -462,6 +516,7 @@ int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *e, const void *hdr, size_t hdr
                 const char **status_text)
 {
     op->tp = tp;
+    op->bounce = NULL;
     ucp_request_param_t p;
     memset(&p, 0, sizeof(p));
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |
@@ -471,7 +526,23 @@ int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *e, const void *hdr, size_t hdr
     p.flags = UCP_AM_SEND_FLAG_REPLY;
     const void *buf = iov;
     size_t count = iovcnt;
-    if (iovcnt == 1 && !(host && e->no_peer_errors)) {
+    size_t total = 0;
+    for (size_t i = 0; i < iovcnt && iovcnt > 1; i++) {
+        total += iov[i].len;
+    }
+    if (iovcnt > 1 && host && !e->no_peer_errors &&
+        tp->pack_inflight + total <= tp->pack_max &&
+        (op->bounce = kvr_tp_bounce_get(tp, total, &op->bounce_cap)) != NULL) {
+        char *b = op->bounce;
+        for (size_t i = 0; i < iovcnt; i++) {
+            memcpy(b, iov[i].buf, iov[i].len);
+            b += iov[i].len;
+        }
+        tp->pack_inflight += op->bounce_cap;
+        tp->packed++;
+        buf = op->bounce;
+        count = total;
+    } else if (iovcnt == 1 && !(host && e->no_peer_errors)) {
         buf = iov[0].buf;
         count = iov[0].len;
         ucp_mem_h memh = kvr_tp_find_memh(tp, buf, count);
@@ -479,11 +550,14 @@ int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *e, const void *hdr, size_t hdr
             p.op_attr_mask |= UCP_OP_ATTR_FIELD_MEMH;
             p.memh = memh;
         }
-    } else {
+    } else if (op->bounce == NULL) {
         p.op_attr_mask |= UCP_OP_ATTR_FIELD_DATATYPE;
         p.datatype = ucp_dt_make_iov();
     }
     ucs_status_ptr_t req = ucp_am_send_nbx(e->ep, KVR_AM_ID_DATA, hdr, hdr_len, buf, count, &p);
+    if (req == NULL || UCS_PTR_IS_ERR(req)) {
+        kvr_tp_bounce_put(tp, op); /* done with it, or never used */
+    }
     if (req == NULL) {
         return 0;
     }

@@ -49,6 +49,7 @@ class KVConfig:
     register_memory: bool = True
     coalesce_bytes: int = 1 << 20
     coalesce_run_bytes: int = 0  # 0: auto (see README)
+    pack_bytes: int = 256 << 20  # tcp: packed copies of scattered messages in flight
     max_rooms_per_peer: int = 16384
     secret: Any = dataclasses.field(default="", repr=False)
     staging_slots: int = 8  # pinned host slots for staging device memory

@@ -57,6 +57,8 @@ _SCALARS = [
     ("kvrecv_data_rejected_total", "counter",
      "Data messages refused by the decode's checks.", "data_rejected"),
     ("kvrecv_log_dropped_total", "counter", "Log records dropped.", "log_dropped"),
+    ("kvrecv_data_packed_total", "counter",
+     "Scattered data messages sent as a packed contiguous copy (tcp).", "data_packed"),
     ("kvrecv_auth_rejected_total", "counter",
      "Control messages refused by authentication.", "auth_rejected"),
     ("kvrecv_ctrl_oversized_total", "counter",

@@ -201,6 +201,7 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     KVR_CFG(register_memory, 1)
     KVR_CFG(coalesce_bytes, UINT32_MAX)
     KVR_CFG(coalesce_run_bytes, UINT32_MAX)
+    KVR_CFG(pack_bytes, (uint64_t)1 << 40)
     KVR_CFG(max_rooms_per_peer, UINT32_MAX)
     KVR_CFG(staging_slots, 65536)
     KVR_CFG(staging_slot_bytes, 1u << 30)
@@ -384,6 +385,7 @@ static PyObject *kvr_manager_stats(PyObject *op, PyObject *unused)
         kvr_dict_set_u64(d, "pending_requests", s.pending_requests) < 0 ||
         kvr_dict_set_u64(d, "peers", s.peers) < 0 ||
         kvr_dict_set_u64(d, "log_dropped", s.log_dropped) < 0 ||
+        kvr_dict_set_u64(d, "data_packed", s.data_packed) < 0 ||
         kvr_dict_set_hist(d, "transfer_latency", &s.transfer_latency, KVR_HIST_LATENCY, 1e9) < 0 ||
         kvr_dict_set_hist(d, "room_ops", &s.room_ops, KVR_HIST_OPS, 1.0) < 0 ||
         kvr_dict_set_u64(d, "auth_rejected", s.auth_rejected) < 0 ||
