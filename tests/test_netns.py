@@ -138,31 +138,18 @@ def test_link_down_mid_transfer(pair, side):
     # The rest is handed over while the link is down: it cannot arrive.
     pf.call("send", chunks=[[r, plan[r][2][4:]] for r in (1, 2, 3)] +
             [[r, plan[r][2]] for r in (4, 5)])
-    got = dc.call("wait", timeout=20)["rooms"]
-    times = {int(r): (o["t"] - t_down if o["t"] else None) for r, o in got.items()}
-    print(f"link down ({side} end): decode rooms Failed after {times}")
+    got, times = _ended(dc, t_down, f"link down ({side} end)")
     endpoint = f"prefill rank 0 at {netns.PREFILL_ADDR}:{_port(pf.endpoint)}"
     for rid, o in got.items():
-        assert o["state"] == FAILED, f"room {rid}: {o['state']} 20 s after the link went down"
-        e = failure(o)
-        assert isinstance(e, (KVPeerLostError, KVTimeoutError)), (rid, type(e), repr(e))
+        # heartbeat_timeout_ms=1000
+        e = _failure_of(rid, o, (KVPeerLostError, KVTimeoutError), endpoint, 1.0 + 2.5, times)
         assert e.code in ("PEER_LOST", "TIMEOUT") and e.bootstrap_room == int(rid)
-        assert endpoint in e.failure_reason, e.failure_reason
         if e.code == "PEER_LOST":
             assert "no heartbeat for" in e.failure_reason, e.failure_reason
-        assert times[int(rid)] < 1.0 + 2.5, (
-            f"room {rid}: {e.code} {times[int(rid)]:.3f} s after the link went down "
-            f"(heartbeat_timeout_ms=1000): {times}")
     # The prefill gives up on the silent decode too.
-    got = pf.call("wait", timeout=20)["rooms"]
-    ptimes = {int(r): (o["t"] - t_down if o["t"] else None) for r, o in got.items()}
-    print(f"link down ({side} end): prefill rooms Failed after {ptimes}")
+    got, ptimes = _ended(pf, t_down, f"link down ({side} end)")
     for rid, o in got.items():
-        assert o["state"] == FAILED, f"prefill room {rid}: {o['state']}"
-        e = failure(o)
-        assert isinstance(e, (KVPeerLostError, KVTimeoutError)), (rid, repr(e))
-        assert "decode rank 0" in e.failure_reason, e.failure_reason
-        assert ptimes[int(rid)] < 1.0 + 2.5, (rid, ptimes)
+        _failure_of(rid, o, (KVPeerLostError, KVTimeoutError), "decode rank 0", 1.0 + 2.5, ptimes)
 
     dc.call("clear")
     pf.call("clear")
@@ -190,6 +177,26 @@ def netns_items():
     import netns_peer
 
     return netns_peer.ITEMS
+
+
+def _ended(peer, t0, what, timeout=20):
+    """Waits until every room of peer ended; returns its rooms and, per room,
+    the seconds from t0 to its end (printed with what)."""
+    got = peer.call("wait", timeout=timeout)["rooms"]
+    times = {int(r): (o["t"] - t0 if o["t"] else None) for r, o in got.items()}
+    print(f"{what}: {peer.role} rooms ended after {times}")
+    return got, times
+
+
+def _failure_of(rid, o, classes, text, within, times):
+    """The exception of room rid (outcome o), after checking that it Failed
+    with one of classes, text in its reason, within `within` seconds."""
+    assert o["state"] == FAILED, f"room {rid}: {o['state']}"
+    e = failure(o)
+    assert isinstance(e, classes), (rid, repr(e))
+    assert text in e.failure_reason, e.failure_reason
+    assert times[int(rid)] < within, (rid, times)
+    return e
 
 
 def _wait_drained(peer, timeout=10):
@@ -229,27 +236,16 @@ def test_link_down_big_rooms_in_flight(pair):
     t_down = pair.set_link("decode", False)
     landed = dc.call("stats")["stats"]["bytes_moved"]
     assert landed < total, "the rooms finished before the link went down"
-    got = dc.call("wait", timeout=20)["rooms"]
-    times = {int(r): (o["t"] - t_down if o["t"] else None) for r, o in got.items()}
-    print(f"link down with {landed} of {total} bytes landed: decode rooms ended after {times}")
+    got, times = _ended(dc, t_down, f"link down with {landed} of {total} bytes landed")
     unfinished = {rid: o for rid, o in got.items() if o["state"] != SUCCESS}
     assert unfinished, "every room finished although the link went down"
     for rid, o in unfinished.items():
-        assert o["state"] == FAILED, f"room {rid}: {o['state']} 20 s after the link went down"
-        e = failure(o)
-        assert isinstance(e, (KVPeerLostError, KVTimeoutError)), (rid, repr(e))
-        assert f"prefill rank 0 at {netns.PREFILL_ADDR}" in e.failure_reason, e.failure_reason
-        assert times[int(rid)] < 1.0 + 2.5, (rid, times)
-    got = pf.call("wait", timeout=20)["rooms"]
-    ptimes = {int(r): (o["t"] - t_down if o["t"] else None) for r, o in got.items()}
-    print(f"link down mid-transfer: prefill rooms ended after {ptimes}")
+        _failure_of(rid, o, (KVPeerLostError, KVTimeoutError),
+                    f"prefill rank 0 at {netns.PREFILL_ADDR}", 1.0 + 2.5, times)
+    got, ptimes = _ended(pf, t_down, "link down mid-transfer")
     for rid in unfinished:
-        o = got[rid]
-        assert o["state"] == FAILED, f"prefill room {rid}: {o['state']}"
-        e = failure(o)
-        assert isinstance(e, (KVPeerLostError, KVTimeoutError)), (rid, repr(e))
-        assert "decode rank 0" in e.failure_reason, e.failure_reason
-        assert ptimes[int(rid)] < 1.0 + 2.5, (rid, ptimes)
+        _failure_of(rid, got[rid], (KVPeerLostError, KVTimeoutError), "decode rank 0", 1.0 + 2.5,
+                    ptimes)
     print(f"drained: decode after {_wait_drained(dc):.3f} s, prefill after {_wait_drained(pf):.3f} s")
     before = dc.call("digest")["digest"]
 
@@ -395,26 +391,16 @@ def test_control_port_blackholed_mid_transfer(pair):
         time.sleep(0.005)
     pair.drop_port(_FW, "prefill", _port(pf.endpoint))
     t_drop = time.monotonic()
-    got = dc.call("wait", timeout=20)["rooms"]
-    times = {int(r): (o["t"] - t_drop if o["t"] else None) for r, o in got.items()}
-    print(f"control port dropped mid-transfer: decode rooms ended after {times}")
+    got, times = _ended(dc, t_drop, "control port dropped mid-transfer")
     unfinished = {rid: o for rid, o in got.items() if o["state"] != SUCCESS}
     assert unfinished, "every room finished before the heartbeats ran out"
     for rid, o in unfinished.items():
-        assert o["state"] == FAILED, (rid, o)
-        e = failure(o)
-        assert isinstance(e, KVPeerLostError) and e.code == "PEER_LOST", (rid, repr(e))
-        assert "no heartbeat for" in e.failure_reason, e.failure_reason
-        assert times[int(rid)] < 1.0 + 2.5, times
-    got = pf.call("wait", timeout=20)["rooms"]
-    ptimes = {int(r): (o["t"] - t_drop if o["t"] else None) for r, o in got.items()}
-    print(f"control port dropped mid-transfer: prefill rooms ended after {ptimes}")
+        e = _failure_of(rid, o, KVPeerLostError, "no heartbeat for", 1.0 + 2.5, times)
+        assert e.code == "PEER_LOST", (rid, repr(e))
+    got, ptimes = _ended(pf, t_drop, "control port dropped mid-transfer")
     for rid in unfinished:
-        o = got[rid]
-        assert o["state"] == FAILED, (rid, o)
-        e = failure(o)
-        assert isinstance(e, KVPeerLostError) and e.code == "PEER_LOST", (rid, repr(e))
-        assert ptimes[int(rid)] < 1.0 + 2.5, ptimes
+        e = _failure_of(rid, got[rid], KVPeerLostError, "", 1.0 + 2.5, ptimes)
+        assert e.code == "PEER_LOST", (rid, repr(e))
     _wait_drained(dc)
     _wait_drained(pf)
     before = dc.call("digest")["digest"]
