@@ -1,6 +1,6 @@
 /*
  * libFuzzer target for kvr_am_header_decode: arbitrary bytes are rejected
- * or decoded; a decoded header re-encodes to the same 32 bytes and decodes
+ * or decoded; a decoded header re-encodes to the same 36 bytes and decodes
  * to the same fields.
  */
 #include <stdint.h>
@@ -8,26 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fuzz_util.h"
 #include "wire.h"
-
-#define CHECK(x)                                                              \
-    do {                                                                      \
-        if (!(x)) {                                                           \
-            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #x); \
-            abort();                                                          \
-        }                                                                     \
-    } while (0)
-
-/* FUZZ_EXPECT_VALID=1: every input must decode (used to check the seeds). */
-static int expect_valid(void)
-{
-    static int v = -1;
-    if (v < 0) {
-        const char *e = getenv("FUZZ_EXPECT_VALID");
-        v = e != NULL && e[0] == '1';
-    }
-    return v;
-}
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {

@@ -14,27 +14,10 @@
 #include <string.h>
 
 #include "auth.h"
+#include "fuzz_util.h"
 #include "wire.h"
 
-#define CHECK(x)                                                              \
-    do {                                                                      \
-        if (!(x)) {                                                           \
-            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #x); \
-            abort();                                                          \
-        }                                                                     \
-    } while (0)
-
 static const char key[] = "kvrecv-fuzz-key";
-
-static int expect_valid(void)
-{
-    static int v = -1;
-    if (v < 0) {
-        const char *e = getenv("FUZZ_EXPECT_VALID");
-        v = e != NULL && e[0] == '1';
-    }
-    return v;
-}
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
 {

@@ -8,15 +8,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "fuzz_util.h"
 #include "wire.h"
-
-#define CHECK(x)                                                              \
-    do {                                                                      \
-        if (!(x)) {                                                           \
-            fprintf(stderr, "%s:%d: check failed: %s\n", __FILE__, __LINE__, #x); \
-            abort();                                                          \
-        }                                                                     \
-    } while (0)
 
 static int same_bytes(const void *a, const void *b, size_t n)
 {
@@ -55,17 +48,6 @@ static void check_same(const kvr_msg_t *a, const kvr_msg_t *b)
     CHECK(same_bytes(a->layout.kv_item_lens, b->layout.kv_item_lens, (size_t)a->layout.nkv * 8));
     CHECK(a->layout.naux == b->layout.naux);
     CHECK(same_bytes(a->layout.aux_item_lens, b->layout.aux_item_lens, (size_t)a->layout.naux * 8));
-}
-
-/* FUZZ_EXPECT_VALID=1: every input must decode (used to check the seeds). */
-static int expect_valid(void)
-{
-    static int v = -1;
-    if (v < 0) {
-        const char *e = getenv("FUZZ_EXPECT_VALID");
-        v = e != NULL && e[0] == '1';
-    }
-    return v;
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)

@@ -49,6 +49,26 @@ def canary_buffers(nbuf: int = NBUF, scale: int = 64):
     return kv, aux
 
 
+def pages_equal(src_kv, dst_kv, src_pages, dst_pages) -> bool:
+    """Every KV buffer's destination pages hold the source pages' bytes."""
+    for b in range(len(dst_kv)):
+        it = len(dst_kv[b]) // PAGES
+        for sp, dp in zip(src_pages, dst_pages):
+            if not np.array_equal(src_kv[b][sp * it:(sp + 1) * it], dst_kv[b][dp * it:(dp + 1) * it]):
+                return False
+    return True
+
+
+def pages_canary(dst_kv, dst_pages) -> bool:
+    """Every KV buffer's dst_pages still hold CANARY (nothing landed)."""
+    for b in range(len(dst_kv)):
+        it = len(dst_kv[b]) // PAGES
+        for dp in dst_pages:
+            if not (dst_kv[b][dp * it:(dp + 1) * it] == CANARY).all():
+                return False
+    return True
+
+
 def _failure(room_obj, kvrecv):
     try:
         room_obj.failure_exception()

@@ -142,22 +142,8 @@ def _decode(config=None, rank=0, items=None, scale=64):
     return KVManager(args, "decode", config=config), kv, aux
 
 
-def _pages_equal(src_kv, dst_kv, src_pages, dst_pages):
-    for b in range(len(dst_kv)):
-        it = len(dst_kv[b]) // PAGES
-        for sp, dp in zip(src_pages, dst_pages):
-            if not np.array_equal(src_kv[b][sp * it:(sp + 1) * it], dst_kv[b][dp * it:(dp + 1) * it]):
-                return False
-    return True
-
-
-def _pages_canary(dst_kv, dst_pages):
-    for b in range(len(dst_kv)):
-        it = len(dst_kv[b]) // PAGES
-        for dp in dst_pages:
-            if not (dst_kv[b][dp * it:(dp + 1) * it] == CANARY).all():
-                return False
-    return True
+_pages_equal = peer_mod.pages_equal
+_pages_canary = peer_mod.pages_canary
 
 
 def _assert_still(bufs, seconds, what):
