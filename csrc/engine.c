@@ -33,6 +33,7 @@ enum { KVR_PEER_IS_PREFILL, KVR_PEER_IS_DECODE };
 #define KVR_MAX_DEAD 1024
 #define KVR_SCAN_NS (5 * KVR_MS) /* period of the timer scans over all rooms */
 #define KVR_BUSY_POLL_NS (100 * 1000) /* socket polls of a busy engine loop */
+#define KVR_TCP_RUN_BYTES (128u << 10)  /* auto coalesce_run_bytes over tcp */
 #define KVR_STAGE_NAP_NS (10 * 1000)  /* between polls of staging copies */
 
 typedef struct kvr_peer {
@@ -1443,9 +1444,10 @@ static void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
     uint32_t max_pages = UINT32_MAX;
     if (run_bytes == 0) {
         /* auto: over shared memory UCX moves a scattered message at memory
-         * speed, so every run is coalesced; over tcp a scattered message
-         * costs more per byte than a contiguous rendezvous from 16 KiB up. */
-        run_bytes = kvr_tp_ep_is_shm(r->peer->ep) ? UINT64_MAX : 16u << 10;
+         * speed, so every run is coalesced; over tcp a scattered message is
+         * packed into one copy first, which beats a rendezvous per run up
+         * to 64 KiB runs and loses from 256 KiB (measured, README). */
+        run_bytes = kvr_tp_ep_is_shm(r->peer->ep) ? UINT64_MAX : KVR_TCP_RUN_BYTES;
     }
     if (e->gpu_path == KVR_GPU_UCX && e->ndev > 0) {
         /* UCX moves device memory itself: contiguous messages only (one
@@ -2311,6 +2313,7 @@ static void kvr_timers_locked(kvr_engine_t *e)
 {
     uint64_t now = kvr_now_ns();
     kvr_register_tick_locked(e, now);
+    kvr_tp_pack_trim(e->tp, now);
     for (kvr_peer_t *p = e->peers; p; p = p->next) {
         if (p->kind == KVR_PEER_IS_PREFILL) {
             if (p->state == KVR_PEER_RESOLVING || p->state == KVR_PEER_CONNECTING) {
@@ -3267,6 +3270,7 @@ void kvr_engine_stats(kvr_engine_t *e, kvr_stats_t *s)
     pthread_mutex_unlock(&e->lock);
     s->log_dropped = kvr_log_dropped(&e->log);
     s->data_packed = kvr_tp_packed(e->tp);
+    s->pack_cached_bytes = kvr_tp_pack_cached(e->tp);
 }
 
 /* ------------------------------------------------------------------ */

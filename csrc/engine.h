@@ -101,6 +101,7 @@ typedef struct {
     uint64_t rooms_force_drained; /* declared drained with a dead peer's ops stuck */
     uint64_t log_dropped;         /* log records lost because nobody read them */
     uint64_t data_packed;         /* prefill: scattered messages sent as a packed copy (tcp) */
+    uint64_t pack_cached_bytes;   /* prefill: idle packing buffers kept for reuse */
     uint64_t auth_rejected;       /* control messages refused by authentication (also in ctrl_dropped) */
     uint64_t auth_refused_by_peer; /* AUTH_REJECT answers: a peer could not authenticate us */
     uint64_t ctrl_oversized;      /* control messages over the size limit (also in ctrl_dropped) */

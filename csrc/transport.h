@@ -151,6 +151,12 @@ int kvr_tp_probe_memory_types(unsigned *mask, char *names, size_t len, char *err
 
 /* Messages sent as a packed copy so far (read under the engine lock). */
 uint64_t kvr_tp_packed(kvr_transport_t *tp);
+/* Bytes of idle bounce buffers kept for reuse (read under the engine lock). */
+uint64_t kvr_tp_pack_cached(kvr_transport_t *tp);
+/* Frees the cached bounce buffers once no packed message has been in flight
+ * for a second (now_ns: a monotonic clock).  Called from the engine's
+ * timers. */
+void kvr_tp_pack_trim(kvr_transport_t *tp, uint64_t now_ns);
 
 /* Transports in use, comma separated (for stats and logs). */
 const char *kvr_tp_describe(kvr_transport_t *tp);

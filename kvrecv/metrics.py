@@ -13,6 +13,7 @@ Families (every one labelled by mode and rank):
     kvrecv_rooms_draining                    gauge    failed rooms still draining
     kvrecv_peers                             gauge    known peers
     kvrecv_pending_requests                  gauge    decode requests held for senders not yet created
+    kvrecv_pack_cached_bytes                 gauge    idle packing buffers kept for reuse (prefill, tcp)
     kvrecv_rooms_succeeded_total             counter
     kvrecv_rooms_force_drained_total         counter
     kvrecv_bytes_total                       counter  bytes moved
@@ -44,6 +45,9 @@ _SCALARS = [
     ("kvrecv_peers", "gauge", "Peers this manager knows.", "peers"),
     ("kvrecv_pending_requests", "gauge",
      "Decode requests held for prefill senders not created yet.", "pending_requests"),
+    ("kvrecv_pack_cached_bytes", "gauge",
+     "Idle packing buffers kept for reuse; freed after a second without packed messages.",
+     "pack_cached_bytes"),
     ("kvrecv_rooms_succeeded_total", "counter", "Rooms that succeeded.", "rooms_succeeded"),
     ("kvrecv_rooms_force_drained_total", "counter",
      "Rooms declared drained after cancelling operations a dead peer left hanging.",

@@ -177,8 +177,8 @@ COALESCE_BYTES = 1 << 20  # KVConfig.coalesce_bytes default
 
 def auto_run_bytes(transport: str) -> int:
     """KVConfig.coalesce_run_bytes=0 (auto): every run over shared memory,
-    runs under 16 KiB over tcp."""
-    return 1 << 62 if transport == "shm" else 16 << 10
+    runs under 128 KiB over tcp (KVR_TCP_RUN_BYTES)."""
+    return 1 << 62 if transport == "shm" else 128 << 10
 
 
 def position_groups(src, dst, item_max: int, run_bytes: int, cap: int = COALESCE_BYTES):

@@ -92,12 +92,12 @@ def test_histograms_in_stats(pair):
     # room B: 3 runs, no aux; the prefill holds its send() 300 ms
     src_b, dst_b = [5, 6, 40, 7], [30, 31, 32, 33]
     assert count_runs(src_b, dst_b) == 3
-    # data messages (tcp, auto: runs and buffers share messages up to 16 KiB)
+    # data messages (tcp, auto: runs and buffers share messages up to 128 KiB)
     tcp = auto_run_bytes("tcp")
     ops_a = room_messages([10, 11, 12, 13], [20, 21, 22, 23], STD.kv_item_lens,
                           STD.aux_item_lens, tcp)
     ops_b = room_messages(src_b, dst_b, STD.kv_item_lens, (), tcp)
-    assert ops_a == 4 and ops_b == 3  # 6 buffers | 1 | 1 (+ aux) of 4 pages
+    assert ops_a == 2 and ops_b == 1  # all 8 buffers' pages in one message (+ aux)
     hold = 0.3
     transfer(pair, 2, src_b, dst_b, hold_s=hold)
     # room C: aborted before anything moved: not observed
@@ -176,7 +176,7 @@ def test_prometheus_text_matches_stats(pair):
     # [9, 8, 7, 6] -> [0, 1, 2, 3] is 4 runs of one page, coalesced (tcp, auto)
     ops = room_messages([9, 8, 7, 6], [0, 1, 2, 3], STD.kv_item_lens, STD.aux_item_lens,
                         auto_run_bytes("tcp"))
-    assert ops == 4
+    assert ops == 2  # the 8 buffers' 4 pages in one message, and the aux row
     assert samples[("kvrecv_rma_ops_per_room_sum", (("mode", "prefill"), ("rank", "0")))] == ops
     # a closed manager is left out
     pair.prefill.close()
@@ -247,5 +247,5 @@ def test_prometheus_client_collector(pair):
     assert value("kvrecv_failures", "kvrecv_failures_total", "decode", code="ABORTED") >= 1
     ops = room_messages([1, 2, 3], [4, 5, 6], STD.kv_item_lens, STD.aux_item_lens,
                         auto_run_bytes("tcp"))
-    assert ops == 3  # one run of 3 pages: 7 buffers | the widest | aux (tcp, auto)
+    assert ops == 2  # one run of 3 pages: the 8 buffers in one message | aux (tcp, auto)
     assert value("kvrecv_rma_ops_per_room", "kvrecv_rma_ops_per_room_sum", "prefill") == ops

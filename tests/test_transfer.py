@@ -6,6 +6,7 @@ flight, and with the statistics that account for it."""
 from __future__ import annotations
 
 import dataclasses
+import time
 from typing import List, Optional
 
 import numpy as np
@@ -404,6 +405,16 @@ def test_packed_and_scattered_messages_are_byte_exact(transport, res, bootstrap,
         assert 0 < st["data_packed"] < st["rma_ops_posted"], st
     else:
         assert 0 < st["data_packed"] <= st["rma_ops_posted"], st
+    if st["data_packed"] == 0:
+        assert st["pack_cached_bytes"] == 0, st
+    else:
+        # The packing buffers are kept for the next messages (never more than
+        # pack_bytes), then freed after a second without packed messages.
+        assert 0 < st["pack_cached_bytes"] <= pack_bytes, st
+        deadline = time.monotonic() + 5
+        while prefill.stats()["pack_cached_bytes"] and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert prefill.stats()["pack_cached_bytes"] == 0
 
 
 def test_chunks_split_at_run_boundaries_keep_the_run_count(res, bootstrap):

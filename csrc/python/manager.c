@@ -386,6 +386,7 @@ static PyObject *kvr_manager_stats(PyObject *op, PyObject *unused)
         kvr_dict_set_u64(d, "peers", s.peers) < 0 ||
         kvr_dict_set_u64(d, "log_dropped", s.log_dropped) < 0 ||
         kvr_dict_set_u64(d, "data_packed", s.data_packed) < 0 ||
+        kvr_dict_set_u64(d, "pack_cached_bytes", s.pack_cached_bytes) < 0 ||
         kvr_dict_set_hist(d, "transfer_latency", &s.transfer_latency, KVR_HIST_LATENCY, 1e9) < 0 ||
         kvr_dict_set_hist(d, "room_ops", &s.room_ops, KVR_HIST_OPS, 1.0) < 0 ||
         kvr_dict_set_u64(d, "auth_rejected", s.auth_rejected) < 0 ||
