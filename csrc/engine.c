@@ -34,6 +34,7 @@ enum { KVR_PEER_IS_PREFILL, KVR_PEER_IS_DECODE };
 #define KVR_SCAN_NS (5 * KVR_MS) /* period of the timer scans over all rooms */
 #define KVR_BUSY_POLL_NS (100 * 1000) /* socket polls of a busy engine loop */
 #define KVR_TCP_RUN_BYTES (128u << 10)  /* auto coalesce_run_bytes over tcp */
+#define KVR_POLL_PROGRESS_NS (10 * 1000) /* poll(): at most one UCX progress per */
 #define KVR_STAGE_NAP_NS (10 * 1000)  /* between polls of staging copies */
 
 typedef struct kvr_peer {
@@ -60,6 +61,9 @@ typedef struct kvr_peer {
     uint64_t next_try_ns;
     uint64_t resolve_deadline_ns;
     uint32_t nrooms;            /* prefill: requests of this decode pending or bound */
+    int ep_err;                 /* an endpoint error seen off the engine thread */
+    kvr_tp_ep_t *ep_err_ep;     /* on this endpoint */
+    char ep_err_text[128];
     struct kvr_peer *next;
 } kvr_peer_t;
 
@@ -159,6 +163,10 @@ struct kvr_engine {
     kvr_table_t pending; /* room id -> kvr_pending_t* (prefill) */
     kvr_room_t *work_head;
     kvr_peer_t *peers;
+    /* decode: poll() progressing UCX from the caller's thread */
+    int off_thread;               /* set while it does (under the lock) */
+    int ep_err_pending;           /* a peer has ep_err set */
+    _Atomic uint64_t poll_progress_ns; /* when it last did */
 
     /* prefill registration with the bootstrap server */
     kvr_ctl_conn_t *bs_conn;
@@ -284,6 +292,7 @@ void kvr_config_default(kvr_config_t *cfg)
     cfg->coalesce_run_bytes = 0; /* auto */
     cfg->pack_bytes = (uint64_t)256 << 20;
     cfg->max_rooms_per_peer = 16384;
+    cfg->poll_progress = 1;
     cfg->secret_len = 0;
     cfg->staging_slots = 8;
     cfg->staging_slot_bytes = 4u << 20;
@@ -1034,6 +1043,20 @@ static void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r)
     }
 }
 
+/* Decode: tells the room's prefill that every byte landed. */
+static void kvr_send_done_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    r->done_pending = 0;
+    if (r->peer != NULL) {
+        kvr_msg_t m;
+        memset(&m, 0, sizeof(m));
+        m.type = KVR_MSG_ROOM_DONE;
+        m.room = r->id;
+        m.tag = r->tag;
+        kvr_send_ctrl_to_peer(e, r->peer, &m);
+    }
+}
+
 /* Ends one operation of a room: accounting, then settle or succeed. */
 static void kvr_op_end_locked(kvr_engine_t *e, kvr_op_t *op, int failed, const char *status_text)
 {
@@ -1069,12 +1092,14 @@ static void kvr_op_end_locked(kvr_engine_t *e, kvr_op_t *op, int failed, const c
         if (kvr_room_complete(r) && kvr_room_advance(r, KVR_POLL_SUCCESS)) {
             kvr_room_succeeded_locked(e, r);
             if (r->peer) {
-                kvr_msg_t m;
-                memset(&m, 0, sizeof(m));
-                m.type = KVR_MSG_ROOM_DONE;
-                m.room = r->id;
-                m.tag = r->tag;
-                kvr_send_ctrl_to_peer(e, r->peer, &m);
+                /* Sockets belong to the engine thread: from poll()'s
+                 * progress it sends the notice. */
+                r->done_pending = 1;
+                if (e->off_thread) {
+                    kvr_work_push_locked(e, r);
+                } else {
+                    kvr_send_done_locked(e, r);
+                }
             }
         }
     } else {
@@ -1259,9 +1284,33 @@ static void kvr_on_ep_error(void *arg, void *ep_ctx, const char *status_text)
 {
     kvr_engine_t *e = arg;
     kvr_peer_t *p = ep_ctx;
+    if (e->off_thread) {
+        /* Failing a peer may touch its sockets: the engine thread does it
+         * (kvr_ep_errors_locked). */
+        p->ep_err = 1;
+        p->ep_err_ep = p->ep;
+        snprintf(p->ep_err_text, sizeof(p->ep_err_text), "%s", status_text);
+        e->ep_err_pending = 1;
+        return;
+    }
     char what[256];
     snprintf(what, sizeof(what), "lost: %s", status_text);
     kvr_peer_fail_locked(e, p, KVR_PEER_LOST, what);
+}
+
+/* Engine thread: the endpoint errors poll()'s progress left for it (only
+ * those of endpoints the peers still use). */
+static void kvr_ep_errors_locked(kvr_engine_t *e)
+{
+    e->ep_err_pending = 0;
+    for (kvr_peer_t *p = e->peers; p; p = p->next) {
+        if (p->ep_err) {
+            p->ep_err = 0;
+            if (p->ep != NULL && p->ep == p->ep_err_ep) {
+                kvr_on_ep_error(e, p, p->ep_err_text);
+            }
+        }
+    }
 }
 
 /*
@@ -1560,6 +1609,9 @@ static void kvr_service_room_locked(kvr_engine_t *e, kvr_room_t *r)
 {
     if (r->notice) {
         kvr_send_notice_locked(e, r);
+    }
+    if (r->done_pending) {
+        kvr_send_done_locked(e, r);
     }
     if (r->failing) {
         kvr_room_settle(r);
@@ -2555,6 +2607,9 @@ static void *kvr_engine_main(void *arg)
         }
         kvr_drain_work_locked(e);
         kvr_tp_progress(e->tp);
+        if (e->ep_err_pending) {
+            kvr_ep_errors_locked(e);
+        }
         kvr_stage_poll_locked(e);
         kvr_timers_locked(e);
         kvr_drain_work_locked(e);
@@ -3267,10 +3322,12 @@ void kvr_engine_stats(kvr_engine_t *e, kvr_stats_t *s)
         }
     }
     s->pending_requests = e->pending.count;
+    if (e->tp != NULL) {
+        s->data_packed = kvr_tp_packed(e->tp);
+        s->pack_cached_bytes = kvr_tp_pack_cached(e->tp);
+    }
     pthread_mutex_unlock(&e->lock);
     s->log_dropped = kvr_log_dropped(&e->log);
-    s->data_packed = kvr_tp_packed(e->tp);
-    s->pack_cached_bytes = kvr_tp_pack_cached(e->tp);
 }
 
 /* ------------------------------------------------------------------ */
@@ -3623,6 +3680,42 @@ uint32_t kvr_handle_prefix_len(kvr_handle_t *h)
 
 int kvr_handle_poll(kvr_handle_t *h)
 {
+    int v = atomic_load_explicit(&h->visible, memory_order_acquire);
+    if (v != KVR_POLL_WAITING && v != KVR_POLL_TRANSFERRING) {
+        return v;
+    }
+    kvr_engine_t *e = kvr_handle_engine(h);
+    if (e->mode != KVR_MODE_DECODE || !e->cfg.poll_progress) {
+        return v;
+    }
+    /*
+     * A decode room waiting for data: progress UCX here, at most every
+     * KVR_POLL_PROGRESS_NS and only if the engine lock is free, so a
+     * scheduler polling its rooms takes their last bytes itself instead of
+     * waiting for the engine thread to be woken and scheduled (most of a
+     * one-page room's latency on a busy host).  What needs a socket is left
+     * to the engine thread (off_thread), which is woken if anything
+     * happened.
+     */
+    uint64_t now = kvr_now_ns();
+    uint64_t last = atomic_load_explicit(&e->poll_progress_ns, memory_order_relaxed);
+    if (now - last < KVR_POLL_PROGRESS_NS || pthread_mutex_trylock(&e->lock) != 0) {
+        return v;
+    }
+    atomic_store_explicit(&e->poll_progress_ns, now, memory_order_relaxed);
+    int wake = 0;
+    if (!e->stopping && e->tp != NULL && e->ndev == 0) {
+        e->off_thread = 1;
+        unsigned n = kvr_tp_progress(e->tp);
+        e->off_thread = 0;
+        e->stats.poll_progressed += n;
+        wake = n > 0;
+        wake |= e->work_head != NULL || e->ep_err_pending;
+    }
+    pthread_mutex_unlock(&e->lock);
+    if (wake) {
+        kvr_wake(e);
+    }
     return atomic_load_explicit(&h->visible, memory_order_acquire);
 }
 

@@ -5,9 +5,11 @@
  *
  * Threads: the kvr_engine_* and kvr_handle_* functions below are called by
  * the binding, from any thread, and take the engine lock briefly; none of
- * them waits on the network.  kvr_handle_poll takes no lock at all.  The
- * progress thread holds the lock while it handles events and releases it
- * while it sleeps in poll.
+ * them waits on the network.  kvr_handle_poll never waits for the lock: it
+ * reads the room's state, and for a decode room waiting for data it may
+ * progress UCX itself if the lock is free (try-lock, at most every 10 us).
+ * The progress thread holds the lock while it handles events and releases
+ * it while it sleeps in poll.
  *
  * Errors: functions returning int return 0 on success, or a negative
  * KVR_E* code with a message naming the argument in err (errlen bytes).
@@ -52,6 +54,7 @@ typedef struct {
     uint32_t staging_slots;         /* pinned host slots for staging device memory */
     uint32_t staging_slot_bytes;    /* bytes per slot (and most bytes per staged message) */
     int force_staging;              /* stage device memory even where UCX could move it */
+    int poll_progress;              /* decode: poll() may progress UCX (kvr_handle_poll) */
 } kvr_config_t;
 
 /* The defaults documented in the README. */
@@ -102,6 +105,7 @@ typedef struct {
     uint64_t log_dropped;         /* log records lost because nobody read them */
     uint64_t data_packed;         /* prefill: scattered messages sent as a packed copy (tcp) */
     uint64_t pack_cached_bytes;   /* prefill: idle packing buffers kept for reuse */
+    uint64_t poll_progressed;     /* decode: UCX events handled by poll()'s progress */
     uint64_t auth_rejected;       /* control messages refused by authentication (also in ctrl_dropped) */
     uint64_t auth_refused_by_peer; /* AUTH_REJECT answers: a peer could not authenticate us */
     uint64_t ctrl_oversized;      /* control messages over the size limit (also in ctrl_dropped) */
@@ -182,7 +186,10 @@ int kvr_handle_send_init(kvr_handle_t *h, int64_t num_pages, int64_t aux_index, 
                          size_t errlen);
 int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, size_t errlen);
 
-/* Both sides.  poll never blocks and never fails. */
+/* Both sides.  poll never blocks and never fails.  On the decode, a room
+ * waiting for data gets UCX progressed from the caller (config
+ * poll_progress): sockets and endpoint failures are left to the engine
+ * thread, which is woken if anything happened. */
 int kvr_handle_poll(kvr_handle_t *h);
 /* Copies out (pop=0) or pops (pop=1) the room's failure record; returns 1
  * if there was one.  With wait_ms > 0 and no record yet, waits that long for

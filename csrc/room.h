@@ -123,6 +123,7 @@ typedef struct kvr_room {
     /* the engine's work list */
     struct kvr_room *work_next;
     int on_work;
+    int done_pending;       /* decode: ROOM_DONE for the engine thread to send */
 } kvr_room_t;
 
 /* Allocates a room in Bootstrapping; NULL on ENOMEM. */

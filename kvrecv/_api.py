@@ -55,6 +55,7 @@ class KVConfig:
     staging_slots: int = 8  # pinned host slots for staging device memory
     staging_slot_bytes: int = 4 << 20  # bytes per slot: the most bytes of a staged message
     force_staging: bool = False  # stage device memory even where UCX could move it
+    poll_progress: bool = True  # decode: poll() of a room waiting for data progresses UCX
 
     def resolved(self) -> dict:
         out = {}
@@ -397,7 +398,8 @@ class _Room(_core.Room):
 
     # poll() is _core.Room.poll itself (no Python wrapper: it is called for
     # every receiver on every scheduler iteration): an atomic load that
-    # returns a KVPoll member, never blocks and never raises.
+    # returns a KVPoll member, never blocks and never raises (a decode room
+    # waiting for data may also progress UCX, see KVConfig.poll_progress).
 
 
 class KVReceiver(_Room):

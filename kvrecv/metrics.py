@@ -63,6 +63,8 @@ _SCALARS = [
     ("kvrecv_log_dropped_total", "counter", "Log records dropped.", "log_dropped"),
     ("kvrecv_data_packed_total", "counter",
      "Scattered data messages sent as a packed contiguous copy (tcp).", "data_packed"),
+    ("kvrecv_poll_progressed_total", "counter",
+     "UCX events handled by poll() on the scheduler's thread (decode).", "poll_progressed"),
     ("kvrecv_auth_rejected_total", "counter",
      "Control messages refused by authentication.", "auth_rejected"),
     ("kvrecv_ctrl_oversized_total", "counter",

@@ -417,6 +417,47 @@ def test_packed_and_scattered_messages_are_byte_exact(transport, res, bootstrap,
         assert prefill.stats()["pack_cached_bytes"] == 0
 
 
+@pytest.mark.parametrize("poll_progress", [True, False], ids=["on", "off"])
+def test_poll_progresses_rooms_waiting_for_data(transport, res, bootstrap, poll_progress):
+    """A decode room waiting for data is progressed by poll() on the
+    caller's thread (KVConfig.poll_progress, default on): a scheduler
+    spinning on poll() takes its rooms' bytes itself, and the completion
+    notices it leaves to the engine thread still reach the prefill (its
+    senders succeed).  Off, poll() only reads the state."""
+    src = Side(STD, rank=0, seed=79)
+    dst = Side(STD, rank=0)
+    prefill = res.manager(src, "prefill", bootstrap.address)
+    decode = res.manager(dst, "decode", poll_progress=poll_progress)
+    expected = dst.snapshot()
+    rng = np.random.default_rng(12)
+    # The engine thread races poll() for every event: a few rounds make sure
+    # poll() won some (each round is a few milliseconds).
+    for round_no in range(5):
+        plans = make_plans(rng, STD, room0=100 + 10 * round_no)
+        rs = open_receivers(decode, bootstrap.address, plans)
+        send_metadata_all(rs, plans)
+        ss = start_senders(prefill, bootstrap.address, plans)
+        deadline = time.monotonic() + 30
+        while any(r.poll() not in terminal() for r in rs) and time.monotonic() < deadline:
+            pass  # a scheduler spinning on poll()
+        assert_all_success(rs)
+        assert_all_success(ss)  # ROOM_DONE reached the prefill
+        for p in plans:
+            expected.apply(src, p.src, p.dst, p.src_aux, p.dst_aux)
+        expected.check(dst)
+        for r in rs + ss:
+            r.clear()
+        if not poll_progress or decode.stats()["poll_progressed"] > 0:
+            break
+    st = decode.stats()
+    assert zero_failures(st) and zero_failures(prefill.stats())
+    if poll_progress:
+        assert st["poll_progressed"] > 0, st
+    else:
+        assert st["poll_progressed"] == 0, st
+    assert prefill.stats()["poll_progressed"] == 0  # only the decode's poll() progresses
+
+
 def test_chunks_split_at_run_boundaries_keep_the_run_count(res, bootstrap):
     """With coalescing off, chunks that end where runs end cost no extra
     message."""

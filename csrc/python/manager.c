@@ -206,6 +206,7 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     KVR_CFG(staging_slots, 65536)
     KVR_CFG(staging_slot_bytes, 1u << 30)
     KVR_CFG(force_staging, 1)
+    KVR_CFG(poll_progress, 1)
 #undef KVR_CFG
     if (kvr_cfg_secret(cfg, &p.cfg) < 0) {
         goto out;
@@ -387,6 +388,7 @@ static PyObject *kvr_manager_stats(PyObject *op, PyObject *unused)
         kvr_dict_set_u64(d, "log_dropped", s.log_dropped) < 0 ||
         kvr_dict_set_u64(d, "data_packed", s.data_packed) < 0 ||
         kvr_dict_set_u64(d, "pack_cached_bytes", s.pack_cached_bytes) < 0 ||
+        kvr_dict_set_u64(d, "poll_progressed", s.poll_progressed) < 0 ||
         kvr_dict_set_hist(d, "transfer_latency", &s.transfer_latency, KVR_HIST_LATENCY, 1e9) < 0 ||
         kvr_dict_set_hist(d, "room_ops", &s.room_ops, KVR_HIST_OPS, 1.0) < 0 ||
         kvr_dict_set_u64(d, "auth_rejected", s.auth_rejected) < 0 ||
