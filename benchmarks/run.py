@@ -9,8 +9,9 @@ For UCX_TLS=tcp and for shared memory (UCX_TLS=posix,sysv,cma,self):
   latency     one-page rooms, prefill send() -> decode poll()==Success
   poll        poll() per call and per sweep over 4096 receivers
   scale       1, 64, 1024, 8192 rooms in flight; RSS per 1000 rooms
-  references  ucx_perftest (tag_bw at each point's message size; ucp_am_bw,
-              ucp_put_bw), NIXL (UCX backend, DRAM->DRAM), a plain C
+  references  ucx_perftest (tag_bw at each point's message size; over tcp
+              at 16 MiB also tag_bw -e, with the peer-failure handling
+              kvrecv's endpoints have; ucp_am_bw, ucp_put_bw), NIXL (UCX backend, DRAM->DRAM), a plain C
               ucp_put_nbx / ucp_get_nbx loop (ref_ucx_put.c) on the same
               plans, and memcpy of the same bytes
 
@@ -253,9 +254,13 @@ def machine_info():
 # --------------------------------------------------------------------------
 
 
-def perftest(tls, test, size, reps, total_bytes=64 * MiB):
+def perftest(tls, test, size, reps, total_bytes=64 * MiB, err=False):
     """ucx_perftest server + client on 127.0.0.1; GB/s of the client's
-    "overall" bandwidth (ucx_perftest prints MiB/s)."""
+    "overall" bandwidth (ucx_perftest prints MiB/s).  err: endpoints with
+    peer-failure handling (-e), as kvrecv's and NIXL's are: over tcp UCX 1.13
+    then selects no RMA lane, so a rendezvous moves its data as active
+    messages that the receiver copies out of its socket buffer."""
+    flags = ["-e"] if err else []
     iters = int(min(200000, max(8 if size >= 16 * MiB else 32, total_bytes // size)))
     warm = max(4, iters // 10)
     runs, errors = [], []
@@ -263,12 +268,12 @@ def perftest(tls, test, size, reps, total_bytes=64 * MiB):
         for _attempt in range(3):
             port = free_port()
             env = env_for(tls)
-            srv = subprocess.Popen(["ucx_perftest", "-p", str(port)], env=env,
+            srv = subprocess.Popen(["ucx_perftest", "-p", str(port)] + flags, env=env,
                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
             time.sleep(0.25)
             try:
                 cli = subprocess.run(["ucx_perftest", "127.0.0.1", "-p", str(port), "-t", test,
-                                      "-s", str(size), "-n", str(iters), "-w", str(warm)],
+                                      "-s", str(size), "-n", str(iters), "-w", str(warm)] + flags,
                                      env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                      text=True, timeout=120)
                 out = cli.stdout
@@ -286,11 +291,12 @@ def perftest(tls, test, size, reps, total_bytes=64 * MiB):
                 runs.append(float(f[6]) * MiB / 1e9)
                 break
             errors.append(out[-500:])
-    return {"test": test, "size": size, "iters": iters, "UCX_TLS": tls,
+    e = " -e" if err else ""
+    return {"test": test + e, "size": size, "iters": iters, "UCX_TLS": tls,
             "gbps": C.median(runs) if runs else None, "gbps_all": runs,
             "errors": errors[:2] if not runs else [],
-            "command": f"UCX_TLS={tls} ucx_perftest -p PORT & UCX_TLS={tls} ucx_perftest "
-                       f"127.0.0.1 -p PORT -t {test} -s {size} -n {iters} -w {warm}"}
+            "command": f"UCX_TLS={tls} ucx_perftest -p PORT{e} & UCX_TLS={tls} ucx_perftest "
+                       f"127.0.0.1 -p PORT -t {test} -s {size} -n {iters} -w {warm}{e}"}
 
 
 def perftest_lat(tls, test, size, reps, iters=2000):
@@ -424,9 +430,10 @@ def pooled_perftest(tr, test, size):
     series): ucx_perftest busy-polls both sides, so on a shared 2-core
     machine single series swing by 3x with the background load."""
     xs = []
+    key = {"tag_bw": "tag_bw", "tag_bw -e": "tag_bw_e"}.get(test)
     for p in tr.get("points", []):
-        if test == "tag_bw" and p.get("msg_size") == size and p.get("tag_bw"):
-            xs.extend(p["tag_bw"].get("gbps_all", []))
+        if key and p.get("msg_size") == size and p.get(key):
+            xs.extend(p[key].get("gbps_all", []))
     xs.extend(_get(tr, "perftest", f"{test}:{size}", "gbps_all") or [])
     return {"gbps": C.median(xs) if xs else None, "gbps_all": xs}
 
@@ -513,6 +520,13 @@ def evaluate(res):
                 p["kvrecv"], pool, 0.8,
                 {"ratio_adjacent": ratio(_get(p, "kvrecv", "gbps"), _get(p, "tag_bw", "gbps")),
                  "reference_samples": len(pool["gbps_all"])})
+            pool = pooled_perftest(trs["tcp"], "tag_bw -e", 16 * MiB)
+            if pool["gbps_all"]:
+                add("tcp: >= 0.8x ucx_perftest tag_bw at 16 MiB, endpoints with peer-failure "
+                    "handling (-e) as kvrecv's", f"{p['name']} (msg 16 MiB)", p["kvrecv"], pool,
+                    0.8, {"ratio_adjacent": ratio(_get(p, "kvrecv", "gbps"),
+                                                   _get(p, "tag_bw_e", "gbps")),
+                          "reference_samples": len(pool["gbps_all"])})
     return t
 
 
@@ -641,8 +655,9 @@ def summary_md(res):
     for label, tr in res["transports"].items():
         rows = {}
         for p in tr.get("points", []):
-            if p.get("tag_bw"):
-                rows.setdefault(("tag_bw", p["msg_size"]), []).extend(p["tag_bw"].get("gbps_all", []))
+            for key, test in (("tag_bw", "tag_bw"), ("tag_bw_e", "tag_bw -e")):
+                if p.get(key):
+                    rows.setdefault((test, p["msg_size"]), []).extend(p[key].get("gbps_all", []))
         for v in (tr.get("perftest") or {}).values():
             rows.setdefault((v["test"], v["size"]), []).extend(v.get("gbps_all", []))
         for (test, size), xs in sorted(rows.items()):
@@ -787,6 +802,11 @@ def run_transport(label, res, a, points, skip, exe, tmp, reps_pt):
                 rec["tag_bw"] = r
                 log(f"  {label} {name:<30} ucx_perftest tag_bw {rec['msg_size'] // KiB} KiB "
                     f"{fmt(r.get('gbps'))} GB/s")
+                if label == "tcp" and rec["msg_size"] == 16 * MiB:
+                    r = perftest(tls, "tag_bw", rec["msg_size"], reps_pt, err=True)
+                    rec["tag_bw_e"] = r
+                    log(f"  {label} {name:<30} ucx_perftest tag_bw -e {rec['msg_size'] // KiB} "
+                        f"KiB {fmt(r.get('gbps'))} GB/s")
             C.dump(a.out, res)
         if kv:
             tr["latency"] = []
@@ -845,8 +865,10 @@ def run_transport(label, res, a, points, skip, exe, tmp, reps_pt):
         tr["perftest"] = {}
         tests = [("tag_bw", 16 * MiB)] + [(t, s) for t in ("ucp_am_bw", "ucp_put_bw")
                                             for s in (1 * MiB, 16 * MiB)]
+        if label == "tcp":
+            tests.append(("tag_bw -e", 16 * MiB))
         for test, size in tests:
-            r = perftest(tls, test, size, reps_pt)
+            r = perftest(tls, test.split()[0], size, reps_pt, err=test.endswith("-e"))
             tr["perftest"][f"{test}:{size}"] = r
             log(f"  {label} ucx_perftest {test} {size // KiB} KiB {fmt(r.get('gbps'))} GB/s")
         C.dump(a.out, res)
