@@ -2,16 +2,18 @@
  * transport: everything that touches UCX.
  *
  * One UCP context and one worker per manager, progressed by the engine
- * thread.  Data moves as UCX active
+ * thread (and, on the decode, by poll() callers under the same lock).  Data
+ * moves as UCX active
  * messages: the sender posts (header, pages); the receiver's handler asks the
  * engine where the bytes may go and either copies eager data or starts a
  * rendezvous receive straight into the destination pages.  So the receiver
- * decides every byte it writes, in its own thread: completion and abort are
+ * decides every byte it writes, in its own process: completion and abort are
  * local facts on the decode side.
  *
  * All functions here are called with the engine lock held (the worker runs
- * in serialized mode): on the engine thread, and kvr_tp_send/ep_create also
- * from the prefill's send() caller; create/destroy before the thread starts
+ * in serialized mode): on the engine thread, kvr_tp_send/ep_create also
+ * from the prefill's send() caller, kvr_tp_progress also from the decode's
+ * poll() caller; create/destroy before the thread starts
  * / after it stopped.  None blocks, except kvr_tp_destroy and
  * kvr_tp_ep_close, which drain for a bounded time.
  */
