@@ -409,8 +409,9 @@ def test_packed_and_scattered_messages_are_byte_exact(transport, res, bootstrap,
         assert st["pack_cached_bytes"] == 0, st
     else:
         # The packing buffers are kept for the next messages (never more than
-        # pack_bytes), then freed after a second without packed messages.
-        assert 0 < st["pack_cached_bytes"] <= pack_bytes, st
+        # pack_bytes), then freed after a second without packed messages (a
+        # slow, instrumented run may already have freed them here).
+        assert st["pack_cached_bytes"] <= pack_bytes, st
         deadline = time.monotonic() + 5
         while prefill.stats()["pack_cached_bytes"] and time.monotonic() < deadline:
             time.sleep(0.05)
