@@ -47,6 +47,7 @@ struct kvr_transport {
     int npack_cache;
     size_t pack_cached;                /* bytes in pack_cache */
     uint64_t pack_busy_ns;             /* last time a packed message was in flight */
+    int pack_used;                     /* a buffer was taken since the last trim */
 };
 
 struct kvr_tp_ep {
@@ -62,6 +63,7 @@ struct kvr_tp_ep {
 /* A buffer of at least len bytes: a cached one if one is large enough. */
 static void *kvr_tp_bounce_get(kvr_transport_t *tp, size_t len, size_t *cap)
 {
+    tp->pack_used = 1;
     for (int i = 0; i < tp->npack_cache; i++) {
         if (tp->pack_cache_cap[i] >= len) {
             void *b = tp->pack_cache[i];
@@ -424,8 +426,9 @@ uint64_t kvr_tp_pack_cached(kvr_transport_t *tp)
 
 void kvr_tp_pack_trim(kvr_transport_t *tp, uint64_t now_ns)
 {
-    if (tp->pack_inflight > 0) {
+    if (tp->pack_inflight > 0 || tp->pack_used) {
         tp->pack_busy_ns = now_ns;
+        tp->pack_used = 0;
         return;
     }
     if (tp->npack_cache > 0 && now_ns - tp->pack_busy_ns >= KVR_TP_PACK_IDLE_NS) {
