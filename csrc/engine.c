@@ -1033,9 +1033,30 @@ fail:
     return -1;
 }
 
+/* Prefill: room r's decode refused its data and then said it had every
+ * byte (done_received), or said nothing for waited_ms: the data path failed. */
+static void kvr_rejected_fail_locked(kvr_engine_t *e, kvr_room_t *r, uint64_t waited_ms)
+{
+    char why[96];
+    if (r->done_received) {
+        snprintf(why, sizeof(why), "then reported every byte landed");
+    } else {
+        snprintf(why, sizeof(why), "sent no reason within %" PRIu64 " ms", waited_ms);
+    }
+    kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "data operation with %s failed: %s (the decode %s)",
+                          r->peer ? r->peer->name : "peer", r->rejected_why, why);
+}
+
 static void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r)
 {
-    if (r->failing || kvr_room_terminal(r) || !r->done_received || r->inflight > 0) {
+    if (r->failing || kvr_room_terminal(r) || !r->done_received) {
+        return;
+    }
+    if (r->rejected_ns) {
+        kvr_rejected_fail_locked(e, r, 0);
+        return;
+    }
+    if (r->inflight > 0) {
         return;
     }
     if (kvr_room_advance(r, KVR_POLL_SUCCESS)) {
@@ -1073,9 +1094,21 @@ static void kvr_op_end_locked(kvr_engine_t *e, kvr_op_t *op, int failed, const c
         /* The same cause as the endpoint error or the heartbeat: the peer. */
         kvr_room_failf_locked(e, r, KVR_PEER_LOST, 1, "%s lost: %s",
                               r->peer ? r->peer->name : "peer", status_text);
+    } else if (failed == KVR_TP_REJECTED && e->mode == KVR_MODE_PREFILL && !r->failing) {
+        /*
+         * The decode refused the data: it failed or dropped the room (an
+         * abort, a deadline, a sibling's failure), and its ROOM_FAIL naming
+         * the cause travels on the control channel, which may deliver it
+         * after this.  Post nothing more and wait for it; without it
+         * (kvr_timers_locked) the room fails here with TRANSPORT.
+         */
+        e->stats.data_rejected++;
+        if (r->rejected_ns == 0) {
+            r->rejected_ns = kvr_now_ns();
+            r->rejected_why = status_text ? status_text : "rejected";
+        }
     } else if (failed) {
-        if (e->mode == KVR_MODE_PREFILL && status_text &&
-            strstr(status_text, "rejected") != NULL) {
+        if (failed == KVR_TP_REJECTED && e->mode == KVR_MODE_PREFILL) {
             e->stats.data_rejected++;
         }
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "data operation with %s failed: %s",
@@ -1447,8 +1480,8 @@ static uint16_t kvr_buf_group(const uint64_t *items, uint32_t n, uint32_t b, uin
  * page, the aux rows.  Called on the engine thread with the lock held. */
 static void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
 {
-    if (!r->bound || !r->inited || r->failing || kvr_room_terminal(r) || r->peer == NULL ||
-        r->peer->state != KVR_PEER_READY) {
+    if (!r->bound || !r->inited || r->failing || kvr_room_terminal(r) || r->rejected_ns ||
+        r->peer == NULL || r->peer->state != KVR_PEER_READY) {
         return;
     }
     if (r->peer->ep == NULL) {
@@ -2500,6 +2533,10 @@ static void kvr_timers_locked(kvr_engine_t *e)
     for (size_t i = 0; i < e->rooms.capacity; i++) {
         kvr_room_t *r = e->rooms.slots[i].value;
         if (r == NULL || r->failing || kvr_room_terminal(r)) {
+            continue;
+        }
+        if (r->rejected_ns && now - r->rejected_ns > 2 * e->cfg.heartbeat_interval_ms * KVR_MS) {
+            kvr_rejected_fail_locked(e, r, (now - r->rejected_ns) / KVR_MS);
             continue;
         }
         if (r->deadline_ns && now > r->deadline_ns) {

@@ -102,6 +102,8 @@ typedef struct kvr_room {
     int64_t dst_aux;
     uint64_t dst_tag;
     int done_received;
+    uint64_t rejected_ns;   /* the decode refused a data message (0: never) */
+    const char *rejected_why; /* UCX's text for it (static) */
     uint64_t ready_ns;      /* the last page was handed to send() (or init() of 0 pages) */
 
     /* both: data operations (prefill: posted; decode: data messages accepted) */

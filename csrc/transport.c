@@ -121,6 +121,8 @@ static int kvr_tp_outcome(ucs_status_t status)
     case UCS_ERR_CANCELED:
     case UCS_ERR_TIMED_OUT:
         return KVR_TP_PEER_GONE;
+    case UCS_ERR_REJECTED:
+        return KVR_TP_REJECTED;
     default:
         return KVR_TP_ERROR;
     }

@@ -43,6 +43,7 @@ enum {
     KVR_TP_OK = 0,
     KVR_TP_ERROR = 1,     /* the operation failed */
     KVR_TP_PEER_GONE = 2, /* it failed because the peer or connection is gone */
+    KVR_TP_REJECTED = 3,  /* the receiver refused the data message */
 };
 
 /* One piece of a scattered buffer (laid out like UCX's ucp_dt_iov_t). */

@@ -61,8 +61,12 @@ class JsonLineChild:
 
     def post(self, op, **kw) -> None:
         """Sends a command without waiting for its answer (collect())."""
-        self.proc.stdin.write((json.dumps(dict(op=op, **kw)) + "\n").encode())
-        self.proc.stdin.flush()
+        try:
+            self.proc.stdin.write((json.dumps(dict(op=op, **kw)) + "\n").encode())
+            self.proc.stdin.flush()
+        except BrokenPipeError:
+            raise ChildError(f"{self.label} (pid {self.proc.pid}) exited ({self.proc.wait()}) "
+                             f"before {op!r}; stderr:\n{self.stderr()}") from None
 
     def collect(self, timeout=60):
         """The answer to the command post() sent."""

@@ -1004,6 +1004,57 @@ def test_abort_in_flight_no_late_writes(fail_bs, fail_closer, monkeypatch):
     _assert_no_rooms(p, d)
 
 
+def test_decode_abort_racing_its_data_reaches_prefill_as_aborted(fail_bs, fail_closer):
+    """The decode aborts rooms whose data is being posted.  Rendezvous
+    messages that reach it afterwards are refused, and the prefill sees each
+    refusal on the data path, often before the decode's ROOM_FAIL arrives
+    on the control channel.  The prefill still reports the root cause
+    (ABORTED, from the decode), never TRANSPORT for the refused data; every
+    room ends on both sides."""
+    items = [BIG_ITEM] * BIG_NBUF
+    npages = 16
+    rng = np.random.default_rng(93)
+    pkv = [rng.integers(0, 256, npages * BIG_ITEM, dtype=np.uint8) for _ in range(BIG_NBUF)]
+    dkv = [np.full(npages * BIG_ITEM, CANARY, dtype=np.uint8) for _ in range(BIG_NBUF)]
+    p = KVManager(KVArgs.from_buffers(0, pkv, items), "prefill", bootstrap_addr=fail_bs.address)
+    fail_closer(p)
+    d = KVManager(KVArgs.from_buffers(0, dkv, items), "decode")
+    fail_closer(d)
+    assert "UCX_TLS=tcp" in d.transport, d.transport
+    dst = np.arange(npages - 1, -1, -1, dtype=np.int32)
+    src = np.arange(npages, dtype=np.int32)
+    outcomes = {}
+    for rid in range(3000, 3300):
+        r = _open_receiver(d, fail_bs.address, rid, dst)
+        s = KVSender(p, fail_bs.address, rid)
+        s.init(npages)
+        s.send(src)  # posted as soon as the decode's request arrives
+        t0 = time.perf_counter()
+        delay = rng.random() * 0.002
+        while time.perf_counter() - t0 < delay:
+            r.poll()
+        r.abort()
+        for obj in (r, s):
+            st, el = _wait_state(obj, TERMINAL, 10)
+            assert st in TERMINAL, f"room {rid}: {st} after {el:.3f} s"
+        if s.poll() == KVPoll.Failed:
+            e = _exc(s)
+            assert type(e) is KVAbortedError and "aborted by decode rank 0" in e.failure_reason, \
+                (rid, e.code, e.failure_reason)
+            outcomes["ABORTED"] = outcomes.get("ABORTED", 0) + 1
+        else:
+            outcomes["Success"] = outcomes.get("Success", 0) + 1
+        r.clear()
+        s.clear()
+    st = p.stats()
+    print(f"decode aborts racing their data: {outcomes}, {st['data_rejected']} data messages "
+          f"refused")
+    # The race was run: refusals reached the prefill.
+    assert st["data_rejected"] > 0, (outcomes, st)
+    assert st["failures_by_code"]["TRANSPORT"] == 0
+    _assert_no_rooms(p, d)
+
+
 def test_transport_error_reaches_both_sides(fail_bs, fail_closer, monkeypatch):
     """A real UCX error: the decode may use only tcp, the prefill only shared
     memory, so the endpoint between them cannot be created ("Destination is

@@ -19,6 +19,7 @@ from kvrecv import (
     KVReceiver,
     KVRefusedError,
     KVSender,
+    KVTransportError,
 )
 from kvtest import (
     MSG_BS_QUERY_REPLY,
@@ -30,6 +31,7 @@ from kvtest import (
     MSG_ROOM_FAIL,
     MSG_ROOM_REQ,
     SMALL,
+    STD,
     Side,
     assert_all_canary,
     auth_reject_reason,
@@ -327,7 +329,9 @@ def test_data_from_a_prefill_the_room_is_not_bound_to_is_refused(res, bootstrap,
     the real prefill, which then sends the room's data with its own epoch.
     The decode refuses every byte: the sender is not the room's peer."""
     caplog.set_level(logging.WARNING, logger="kvrecv")
-    src, dst = Side(SMALL, 0, seed=9), Side(SMALL, 0)
+    # STD pages: the data goes in rendezvous messages, whose refusal the
+    # sender sees (a refused eager message is dropped silently).
+    src, dst = Side(STD, 0, seed=9), Side(STD, 0)
     prefill = res.manager(src, "prefill", bootstrap.address)
     decode = res.manager(dst, "decode")
     assert wait_until(lambda: bootstrap.stats()["registrations"] == 1)
@@ -348,7 +352,7 @@ def test_data_from_a_prefill_the_room_is_not_bound_to_is_refused(res, bootstrap,
     relay.send(ok[:8] + struct.pack("<Q", relay_epoch) + ok[16:])
     assert wait_for(r, (KVPoll.WaitingForInput, KVPoll.Failed)) == KVPoll.WaitingForInput, \
         describe_failure(r)
-    r.send_metadata([5, 6])
+    r.send_metadata(list(range(100, 132)))
     req = recv_type(relay, MSG_ROOM_REQ)
     room, tag = struct.unpack_from("<QQ", req, 16)
     assert room == 41
@@ -363,8 +367,8 @@ def test_data_from_a_prefill_the_room_is_not_bound_to_is_refused(res, bootstrap,
 
     to_prefill.send(req)
     s = KVSender(prefill, bootstrap.address, 41)
-    s.init(2)
-    s.send([1, 2])
+    s.init(32)
+    s.send(list(range(32)))
     assert wait_until(lambda: decode.stats()["data_foreign"] >= 1), decode.stats()
     time.sleep(0.2)
     assert r.poll() != KVPoll.Success
@@ -373,6 +377,17 @@ def test_data_from_a_prefill_the_room_is_not_bound_to_is_refused(res, bootstrap,
     assert_all_canary(dst)
     assert wait_until(lambda: warnings_with(caplog, "refused a data message",
                                             "sender is not the room's prefill"))
+    # The prefill learns its data was refused; a refusing decode that says
+    # nothing more (this one never heard of the sender's room) leaves it
+    # with TRANSPORT after two heartbeat intervals, told to the decode.
+    assert wait_for(s, KVPoll.Failed) == KVPoll.Failed, (prefill.stats(), decode.stats())
+    with pytest.raises(KVTransportError) as ei:
+        s.failure_exception()
+    assert "Operation rejected by remote peer" in ei.value.failure_reason
+    assert "the decode sent no reason within" in ei.value.failure_reason
+    assert prefill.stats()["data_rejected"] >= 1
+    fail = recv_type(to_prefill, MSG_ROOM_FAIL)
+    assert struct.unpack_from("<QQH", fail, 16) == (41, tag, 5)  # TRANSPORT
 
     # C: indices a decode's registration cannot have are refused by the
     # prefill with a reason the decode sees.
