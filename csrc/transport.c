@@ -318,9 +318,9 @@ void kvr_tp_destroy(kvr_transport_t *tp)
         ucp_mem_unmap(tp->context, tp->regions[i].memh);
     }
     free(tp->regions);
-    kvr_tp_pack_free_cache(tp);
     ucp_worker_release_address(tp->worker, tp->address);
     ucp_worker_destroy(tp->worker);
+    kvr_tp_pack_free_cache(tp); /* after the worker: nothing refers to them */
     ucp_cleanup(tp->context);
     free(tp);
 }
