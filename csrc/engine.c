@@ -1094,13 +1094,13 @@ static void kvr_op_end_locked(kvr_engine_t *e, kvr_op_t *op, int failed, const c
         /* The same cause as the endpoint error or the heartbeat: the peer. */
         kvr_room_failf_locked(e, r, KVR_PEER_LOST, 1, "%s lost: %s",
                               r->peer ? r->peer->name : "peer", status_text);
-    } else if (failed == KVR_TP_REJECTED && e->mode == KVR_MODE_PREFILL && !r->failing) {
+    } else if (failed == KVR_TP_REJECTED) {
         /*
-         * The decode refused the data: it failed or dropped the room (an
-         * abort, a deadline, a sibling's failure), and its ROOM_FAIL naming
-         * the cause travels on the control channel, which may deliver it
-         * after this.  Post nothing more and wait for it; without it
-         * (kvr_timers_locked) the room fails here with TRANSPORT.
+         * Prefill: the decode refused the data: it failed or dropped the
+         * room (an abort, a deadline, a sibling's failure), and its
+         * ROOM_FAIL naming the cause travels on the control channel, which
+         * may deliver it after this.  Post nothing more and wait for it;
+         * without it (kvr_timers_locked) the room fails with TRANSPORT.
          */
         e->stats.data_rejected++;
         if (r->rejected_ns == 0) {
@@ -1108,9 +1108,6 @@ static void kvr_op_end_locked(kvr_engine_t *e, kvr_op_t *op, int failed, const c
             r->rejected_why = status_text ? status_text : "rejected";
         }
     } else if (failed) {
-        if (failed == KVR_TP_REJECTED && e->mode == KVR_MODE_PREFILL) {
-            e->stats.data_rejected++;
-        }
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "data operation with %s failed: %s",
                               r->peer ? r->peer->name : "peer", status_text);
     } else {
