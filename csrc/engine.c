@@ -1034,14 +1034,15 @@ fail:
 }
 
 /* Prefill: room r's decode refused its data and then said it had every
- * byte (done_received), or said nothing for waited_ms: the data path failed. */
-static void kvr_rejected_fail_locked(kvr_engine_t *e, kvr_room_t *r, uint64_t waited_ms)
+ * byte (done_received), or said nothing since: the data path failed. */
+static void kvr_rejected_fail_locked(kvr_engine_t *e, kvr_room_t *r)
 {
     char why[96];
     if (r->done_received) {
         snprintf(why, sizeof(why), "then reported every byte landed");
     } else {
-        snprintf(why, sizeof(why), "sent no reason within %" PRIu64 " ms", waited_ms);
+        snprintf(why, sizeof(why), "sent no reason within %" PRIu64 " ms",
+                 (kvr_now_ns() - r->rejected_ns) / KVR_MS);
     }
     kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "data operation with %s failed: %s (the decode %s)",
                           r->peer ? r->peer->name : "peer", r->rejected_why, why);
@@ -1053,7 +1054,7 @@ static void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r)
         return;
     }
     if (r->rejected_ns) {
-        kvr_rejected_fail_locked(e, r, 0);
+        kvr_rejected_fail_locked(e, r);
         return;
     }
     if (r->inflight > 0) {
@@ -2533,7 +2534,7 @@ static void kvr_timers_locked(kvr_engine_t *e)
             continue;
         }
         if (r->rejected_ns && now - r->rejected_ns > 2 * e->cfg.heartbeat_interval_ms * KVR_MS) {
-            kvr_rejected_fail_locked(e, r, (now - r->rejected_ns) / KVR_MS);
+            kvr_rejected_fail_locked(e, r);
             continue;
         }
         if (r->deadline_ns && now > r->deadline_ns) {
