@@ -33,7 +33,7 @@ enum { KVR_PEER_IS_PREFILL, KVR_PEER_IS_DECODE };
 #define KVR_MAX_DEAD 1024
 #define KVR_SCAN_NS (5 * KVR_MS) /* period of the timer scans over all rooms */
 #define KVR_BUSY_POLL_NS (100 * 1000) /* socket polls of a busy engine loop */
-#define KVR_TCP_RUN_BYTES (128u << 10)  /* auto coalesce_run_bytes over tcp */
+#define KVR_TCP_RUN_BYTES (64u << 10)  /* auto coalesce_run_bytes over tcp */
 #define KVR_POLL_PROGRESS_NS (10 * 1000) /* poll(): at most one UCX progress per */
 #define KVR_STAGE_NAP_NS (10 * 1000)  /* between polls of staging copies */
 
@@ -764,6 +764,8 @@ static void kvr_peer_hello(kvr_engine_t *e, kvr_peer_t *p)
     kvr_tp_address(e->tp, &addr, &alen);
     m.addr = addr;
     m.addr_len = (uint32_t)alen;
+    size_t rx = kvr_tp_tcp_rx_seg(e->tp);
+    m.tcp_rx_seg = rx > UINT32_MAX ? UINT32_MAX : (uint32_t)rx;
     kvr_send_ctrl_to_peer(e, p, &m);
 }
 
@@ -1525,8 +1527,9 @@ static void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
     if (run_bytes == 0) {
         /* auto: over shared memory UCX moves a scattered message at memory
          * speed, so every run is coalesced; over tcp a scattered message is
-         * packed into one copy first, which beats a rendezvous per run up
-         * to 64 KiB runs and loses from 256 KiB (measured, README). */
+         * packed into one copy first, which beats a message per run for
+         * 16 KiB runs and loses from 64 KiB (with 256 KiB tcp fragments;
+         * measured, README). */
         run_bytes = kvr_tp_ep_is_shm(r->peer->ep) ? UINT64_MAX : KVR_TCP_RUN_BYTES;
     }
     if (e->gpu_path == KVR_GPU_UCX && e->ndev > 0) {
@@ -1751,6 +1754,32 @@ static kvr_peer_t *kvr_decode_peer_by_ident(kvr_engine_t *e, const void *ident, 
     return kvr_peer_find(e, KVR_PEER_IS_DECODE, key);
 }
 
+/*
+ * Prefill: refuses a decode rank's HELLO with code and reason: tells the
+ * decode, logs, and releases the rooms the decode already asked for through
+ * this peer (they cannot move).
+ */
+static void kvr_hello_reject_locked(kvr_engine_t *e, kvr_peer_t *p, int code, const char *reason)
+{
+    kvr_msg_t reply;
+    memset(&reply, 0, sizeof(reply));
+    reply.type = KVR_MSG_HELLO_REJECT;
+    reply.rank = (uint32_t)e->rank;
+    reply.code = (uint16_t)code;
+    reply.str = reason;
+    reply.str_len = (uint16_t)strnlen(reason, KVR_WIRE_MAX_STR);
+    kvr_send_ctrl_to_peer(e, p, &reply);
+    kvr_log_write(&e->log, KVR_LOG_WARNING, "%s", reason);
+    p->state = KVR_PEER_FAILED;
+    for (size_t i = 0; i < e->pending.capacity; i++) {
+        kvr_pending_t *pd = e->pending.slots[i].value;
+        if (pd && pd->peer == p) {
+            p->nrooms--;
+            pd->peer = NULL;
+        }
+    }
+}
+
 /* Prefill: HELLO from a decode rank. */
 static void kvr_handle_hello_locked(kvr_engine_t *e, const void *ident, size_t ident_len,
                                     const kvr_msg_t *m)
@@ -1779,25 +1808,25 @@ static void kvr_handle_hello_locked(kvr_engine_t *e, const void *ident, size_t i
              m->epoch);
     p->last_heard_ns = kvr_now_ns();
     p->state = KVR_PEER_READY; /* so that the reply can be sent */
+    char reason[1024];
     if (kvr_layout_diff(e, &m->layout, why, sizeof(why)) != 0) {
-        reply.type = KVR_MSG_HELLO_REJECT;
-        reply.code = KVR_LAYOUT_MISMATCH;
-        char reason[1024];
         snprintf(reason, sizeof(reason), "layout mismatch between prefill rank %d (%s) and %s: %s",
                  e->rank, kvr_ctl_endpoint(e->ctl), p->name, why);
-        reply.str = reason;
-        reply.str_len = (uint16_t)strlen(reason);
-        kvr_send_ctrl_to_peer(e, p, &reply);
-        kvr_log_write(&e->log, KVR_LOG_WARNING, "%s", reason);
-        p->state = KVR_PEER_FAILED;
-        /* Rooms the decode already asked for through this peer cannot move. */
-        for (size_t i = 0; i < e->pending.capacity; i++) {
-            kvr_pending_t *pd = e->pending.slots[i].value;
-            if (pd && pd->peer == p) {
-                p->nrooms--;
-                pd->peer = NULL;
-            }
-        }
+        kvr_hello_reject_locked(e, p, KVR_LAYOUT_MISMATCH, reason);
+        return;
+    }
+    /* A decode that does not say (an older build) receives into UCX's
+     * default buffers. */
+    size_t tx = kvr_tp_tcp_tx_seg(e->tp);
+    uint32_t rx = m->tcp_rx_seg ? m->tcp_rx_seg : KVR_TP_TCP_RX_SEG_UCX_DEFAULT;
+    if (tx > rx) {
+        snprintf(reason, sizeof(reason),
+                 "UCX tcp fragments of prefill rank %d (%s) are up to %zu bytes "
+                 "(UCX_TCP_TX_SEG_SIZE), %s receives into %" PRIu32 "-byte buffers "
+                 "(UCX_TCP_RX_SEG_SIZE): UCX would abort the decode; set its "
+                 "UCX_TCP_RX_SEG_SIZE >= the prefill's UCX_TCP_TX_SEG_SIZE",
+                 e->rank, kvr_ctl_endpoint(e->ctl), tx, p->name, rx);
+        kvr_hello_reject_locked(e, p, KVR_TRANSPORT, reason);
         return;
     }
     /* The endpoint is created on the first data sent to this decode: a
@@ -1810,12 +1839,7 @@ static void kvr_handle_hello_locked(kvr_engine_t *e, const void *ident, size_t i
         if (p->worker_addr == NULL && err[0] == '\0') {
             snprintf(err, sizeof(err), "out of memory");
         }
-        reply.type = KVR_MSG_HELLO_REJECT;
-        reply.code = KVR_TRANSPORT;
-        reply.str = err;
-        reply.str_len = (uint16_t)strlen(err);
-        kvr_send_ctrl_to_peer(e, p, &reply);
-        p->state = KVR_PEER_FAILED;
+        kvr_hello_reject_locked(e, p, KVR_TRANSPORT, err);
         return;
     }
     memcpy(p->worker_addr, m->addr, m->addr_len);

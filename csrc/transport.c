@@ -6,6 +6,7 @@
 #include <string.h>
 
 #include <ucp/api/ucp.h>
+#include <ucs/sys/string.h>
 
 #define KVR_AM_ID_DATA 7
 /* Freed bounce buffers kept for reuse (at most pack_max bytes of them, so
@@ -26,11 +27,12 @@
  * GB/s, benchmarks/README.md).  ucp_config_modify() applies a name to every
  * transport with a field of that name: among UCX 1.13's transports only tcp
  * has TX_SEG_SIZE and RX_SEG_SIZE (ucx_info -c). */
+enum { KVR_TP_TCP_TX_SEG, KVR_TP_TCP_RX_SEG, KVR_TP_NTUNE };
 static const struct {
     const char *env, *name, *value;
-} kvr_tp_ucx_defaults[] = {
-    {"UCX_TCP_TX_SEG_SIZE", "TX_SEG_SIZE", "256K"},
-    {"UCX_TCP_RX_SEG_SIZE", "RX_SEG_SIZE", "512K"},
+} kvr_tp_ucx_defaults[KVR_TP_NTUNE] = {
+    [KVR_TP_TCP_TX_SEG] = {"UCX_TCP_TX_SEG_SIZE", "TX_SEG_SIZE", "256K"},
+    [KVR_TP_TCP_RX_SEG] = {"UCX_TCP_RX_SEG_SIZE", "RX_SEG_SIZE", "512K"},
 };
 
 /* kvr_tp_iov_t arrays are handed to UCX as they are. */
@@ -57,6 +59,7 @@ struct kvr_transport {
     unsigned eps_without_peer_errors;
     char describe[256];
     char tuned[128];                   /* UCX settings kvrecv changed (kvr_tp_tune) */
+    size_t tuned_bytes[KVR_TP_NTUNE];  /* their values in effect, bytes (0: not known) */
     size_t pack_max;                   /* most bytes of bounce buffers in flight */
     size_t pack_inflight;              /* bytes of bounce buffers in flight */
     uint64_t packed;                   /* messages sent packed */
@@ -234,20 +237,28 @@ static void kvr_tp_ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
 
 /* ---- lifecycle ---- */
 
-/* Applies kvr_tp_ucx_defaults to `config`; names what it changed in `out`
- * ("" if nothing). */
-static void kvr_tp_tune(ucp_config_t *config, char *out, size_t outlen)
+/* Applies kvr_tp_ucx_defaults to tp's config; names what it changed in
+ * tp->tuned ("" if nothing) and records the values in effect. */
+static void kvr_tp_tune(kvr_transport_t *tp, ucp_config_t *config)
 {
-    out[0] = '\0';
-    for (size_t i = 0; i < sizeof(kvr_tp_ucx_defaults) / sizeof(kvr_tp_ucx_defaults[0]); i++) {
+    tp->tuned[0] = '\0';
+    for (int i = 0; i < KVR_TP_NTUNE; i++) {
         const char *env = kvr_tp_ucx_defaults[i].env;
-        if (getenv(env) != NULL ||
-            ucp_config_modify(config, kvr_tp_ucx_defaults[i].name, kvr_tp_ucx_defaults[i].value) !=
-                UCS_OK) {
-            continue;
+        const char *set = getenv(env);
+        if (set == NULL) {
+            if (ucp_config_modify(config, kvr_tp_ucx_defaults[i].name,
+                                  kvr_tp_ucx_defaults[i].value) != UCS_OK) {
+                continue; /* UCX's default, whatever it is: not known */
+            }
+            set = kvr_tp_ucx_defaults[i].value;
+            size_t n = strlen(tp->tuned);
+            snprintf(tp->tuned + n, sizeof(tp->tuned) - n, "%s%s=%s", n ? " " : "", env, set);
         }
-        size_t n = strlen(out);
-        snprintf(out + n, outlen - n, "%s%s=%s", n ? " " : "", env, kvr_tp_ucx_defaults[i].value);
+        size_t v = 0;
+        if (ucs_str_to_memunits(set, &v) != UCS_OK || v == UCS_MEMUNITS_AUTO) {
+            v = 0;
+        }
+        tp->tuned_bytes[i] = v;
     }
 }
 
@@ -270,7 +281,7 @@ int kvr_tp_create(const kvr_tp_callbacks_t *cb, size_t pack_max, kvr_transport_t
         snprintf(err, errlen, "ucp_config_read: %s", ucs_status_string(st));
         goto err_free;
     }
-    kvr_tp_tune(config, tp->tuned, sizeof(tp->tuned));
+    kvr_tp_tune(tp, config);
     ucp_params_t params;
     memset(&params, 0, sizeof(params));
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
@@ -472,6 +483,16 @@ void kvr_tp_pack_trim(kvr_transport_t *tp, uint64_t now_ns)
     if (tp->npack_cache > 0 && now_ns - tp->pack_busy_ns >= KVR_TP_PACK_IDLE_NS) {
         kvr_tp_pack_free_cache(tp);
     }
+}
+
+size_t kvr_tp_tcp_tx_seg(const kvr_transport_t *tp)
+{
+    return tp->tuned_bytes[KVR_TP_TCP_TX_SEG];
+}
+
+size_t kvr_tp_tcp_rx_seg(const kvr_transport_t *tp)
+{
+    return tp->tuned_bytes[KVR_TP_TCP_RX_SEG];
 }
 
 const char *kvr_tp_describe(kvr_transport_t *tp)

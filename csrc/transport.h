@@ -161,6 +161,19 @@ uint64_t kvr_tp_pack_cached(kvr_transport_t *tp);
  * timers. */
 void kvr_tp_pack_trim(kvr_transport_t *tp, uint64_t now_ns);
 
+/*
+ * The size of this context's tcp send fragments (UCX_TCP_TX_SEG_SIZE) and
+ * receive buffers (UCX_TCP_RX_SEG_SIZE) in bytes, as set by the environment
+ * or by kvrecv (0: not known).  UCX aborts a receiver on a fragment larger
+ * than its receive buffer (an assertion in tcp_ep.c), so the decode says
+ * what it can receive and the prefill refuses a decode it would crash.
+ */
+size_t kvr_tp_tcp_tx_seg(const kvr_transport_t *tp);
+size_t kvr_tp_tcp_rx_seg(const kvr_transport_t *tp);
+/* UCX's own default UCX_TCP_RX_SEG_SIZE: what a decode that does not say
+ * (an older build) receives into. */
+#define KVR_TP_TCP_RX_SEG_UCX_DEFAULT (64u << 10)
+
 /* Transports in use, comma separated (for stats and logs). */
 const char *kvr_tp_describe(kvr_transport_t *tp);
 

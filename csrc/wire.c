@@ -126,6 +126,9 @@ int kvr_wire_encode(kvr_wbuf_t *b, const kvr_msg_t *m)
         kvr_put_layout(b, &m->layout);
         kvr_put_u32(b, m->addr_len);
         kvr_wbuf_put(b, m->addr, m->addr_len);
+        if (m->type == KVR_MSG_HELLO && m->tcp_rx_seg) {
+            kvr_put_u32(b, m->tcp_rx_seg);
+        }
         break;
     case KVR_MSG_HELLO_REJECT:
         kvr_put_u32(b, m->rank);
@@ -288,6 +291,12 @@ int kvr_wire_decode(const void *buf, size_t len, kvr_msg_t *m, const char **why)
         }
         if (kvr_rd_take(&r, m->addr_len, &p, "truncated worker address") == 0) {
             m->addr = p;
+        }
+        if (m->type == KVR_MSG_HELLO && !r.why && r.left >= 4) { /* the optional size */
+            m->tcp_rx_seg = (uint32_t)kvr_rd_int(&r, 4, "truncated tcp receive size");
+            if (m->tcp_rx_seg == 0) {
+                r.why = "explicit zero tcp receive size";
+            }
         }
         break;
     }

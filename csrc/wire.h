@@ -32,7 +32,7 @@ typedef enum {
     KVR_MSG_BS_REGISTER_OK,   /* bootstrap -> prefill: rank */
     KVR_MSG_BS_QUERY,         /* decode -> bootstrap: rank */
     KVR_MSG_BS_QUERY_REPLY,   /* bootstrap -> decode: rank, found, peer_epoch, endpoint */
-    KVR_MSG_HELLO,            /* decode -> prefill: rank, layout, worker address */
+    KVR_MSG_HELLO,            /* decode -> prefill: rank, layout, worker address[, tcp_rx_seg] */
     KVR_MSG_HELLO_OK,         /* prefill -> decode: rank, layout, worker address */
     KVR_MSG_HELLO_REJECT,     /* prefill -> decode: rank, code, reason */
     KVR_MSG_ROOM_REQ,         /* decode -> prefill: room, tag, aux_index, pages[, prefix_len] */
@@ -71,6 +71,9 @@ typedef struct {
      * On the wire only when > 0 (so a request without one is encoded as
      * before, and there is still one encoding per message). */
     uint32_t prefix_len;
+    /* HELLO: the decode's UCX tcp receive buffer size in bytes (0: not
+     * known); on the wire only when > 0, like prefix_len. */
+    uint32_t tcp_rx_seg;
     uint8_t found;
     uint64_t peer_epoch;
     uint16_t code;

@@ -40,6 +40,7 @@ def wire_seeds():
     out["bs_query_reply_notfound"] = header(BS_QUERY_REPLY) + struct.pack("<IBQ", 2, 0, 0) + s(b"")
     out["hello"] = (header(HELLO) + struct.pack("<I", 0) + layout(16, [4096, 4096, 8192], [128])
                     + struct.pack("<I", 8) + bytes(range(8)))
+    out["hello_tcp_rx"] = out["hello"] + struct.pack("<I", 512 << 10)
     out["hello_ok"] = (header(HELLO_OK) + struct.pack("<I", 0) + layout(16, [4096, 4096], [])
                        + struct.pack("<I", 8) + bytes(range(8)))
     out["hello_ok_empty"] = (header(HELLO_OK) + struct.pack("<I", 0) + layout(1, [], [])

@@ -177,8 +177,8 @@ COALESCE_BYTES = 1 << 20  # KVConfig.coalesce_bytes default
 
 def auto_run_bytes(transport: str) -> int:
     """KVConfig.coalesce_run_bytes=0 (auto): every run over shared memory,
-    runs under 128 KiB over tcp (KVR_TCP_RUN_BYTES)."""
-    return 1 << 62 if transport == "shm" else 128 << 10
+    runs under 64 KiB over tcp (KVR_TCP_RUN_BYTES)."""
+    return 1 << 62 if transport == "shm" else 64 << 10
 
 
 def position_groups(src, dst, item_max: int, run_bytes: int, cap: int = COALESCE_BYTES):
@@ -503,9 +503,13 @@ def bs_query(rank: int, **hk) -> bytes:
     return header(MSG_BS_QUERY, **hk) + struct.pack("<I", rank)
 
 
-def hello(rank: int, layout: Layout, worker_addr: bytes, **hk) -> bytes:
+def hello(rank: int, layout: Layout, worker_addr: bytes, tcp_rx_seg: int = 512 << 10,
+          **hk) -> bytes:
+    """HELLO as a decode sends it; tcp_rx_seg (the decode's UCX tcp receive
+    buffer size) is on the wire only when > 0."""
     return (header(MSG_HELLO, **hk) + struct.pack("<I", rank) + wire_layout(layout)
-            + struct.pack("<I", len(worker_addr)) + worker_addr)
+            + struct.pack("<I", len(worker_addr)) + worker_addr
+            + (struct.pack("<I", tcp_rx_seg) if tcp_rx_seg else b""))
 
 
 # --------------------------------------------------------------------------

@@ -431,6 +431,56 @@ def test_layout_mismatch(fail_bs, fail_closer, decode_items, words):
 
 
 # --------------------------------------------------------------------------
+# 3b. UCX tcp settings that do not fit
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.timeout(90)
+def test_tcp_fragments_larger_than_the_decode_receives_are_refused(fail_bs, fail_closer,
+                                                                     fail_spawn, monkeypatch):
+    """A decode whose UCX tcp receive buffers are smaller than the prefill's
+    fragments is aborted by UCX (an assertion in tcp_ep.c) on the first large
+    message.  The decode says its size in its HELLO and the prefill refuses
+    it: the rooms fail with TRANSPORT naming both settings, on both sides,
+    no byte lands, the decode process lives on, and the prefill still serves
+    a decode whose settings fit."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    scale = 16384  # items of 16..64 KiB: 8 pages are a 512 KiB message
+    p, pkv, paux = _prefill(fail_bs.address, seed=23, scale=scale)  # 256 KiB fragments
+    fail_closer(p)
+    assert "kvrecv sets UCX_TCP_TX_SEG_SIZE=256K" in p.transport, p.transport
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "8K")  # UCX's own defaults
+    monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "64K")
+    child = fail_spawn("decode", fail_bs.address, scale=scale)
+    pages = list(range(8))
+    s = KVSender(p, fail_bs.address, 61)
+    s.init(len(pages), aux_index=0)
+    s.send(np.asarray(pages, dtype=np.int32))
+    st = child.call("open_receiver", room=61, pages=pages, aux=0)["state"]
+    st = child.call("wait", room=61, states=[int(KVPoll.Failed), int(KVPoll.Success)])["state"]
+    assert st == KVPoll.Failed, st
+    f = child.call("failure", room=61)
+    assert (f["cls"], f["code"], f["room"]) == ("KVTransportError", "TRANSPORT", 61), f
+    for part in ("UCX tcp fragments of prefill rank 0", "up to 262144 bytes (UCX_TCP_TX_SEG_SIZE)",
+                 "receives into 65536-byte buffers (UCX_TCP_RX_SEG_SIZE)",
+                 "UCX would abort the decode"):
+        assert part in f["reason"], f["reason"]
+    st, el = _wait_state(s, TERMINAL, 10)
+    assert st == KVPoll.Failed, (st, el)
+    e = _exc(s)
+    assert type(e) is KVTransportError and e.code == "TRANSPORT", (type(e), e.failure_reason)
+    assert child.call("stats")["bytes_moved"] == 0
+    assert child.alive()
+
+    monkeypatch.delenv("UCX_TCP_TX_SEG_SIZE")
+    monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "256K")  # fits: fragments of at most 256 KiB
+    d2, dkv2, daux2 = _decode(scale=scale)
+    fail_closer(d2)
+    _check_new_room_in_process(p, pkv, paux, d2, dkv2, daux2, fail_bs.address, 62, [8, 9, 10, 11], 1)
+    s.clear()
+
+
+# --------------------------------------------------------------------------
 # 4. The prefill process dies
 # --------------------------------------------------------------------------
 
@@ -1021,7 +1071,10 @@ def test_decode_abort_racing_its_data_reaches_prefill_as_aborted(fail_bs, fail_c
     d = KVManager(KVArgs.from_buffers(0, dkv, items), "decode")
     fail_closer(d)
     assert "UCX_TLS=tcp" in d.transport, d.transport
-    dst = np.arange(npages - 1, -1, -1, dtype=np.int32)
+    # One 1 MiB run per buffer: rendezvous messages, whose refusal the
+    # prefill sees (UCX sends up to its 256 KiB tcp fragment eager, and a
+    # refused eager message is dropped without a word to the sender).
+    dst = np.arange(npages, dtype=np.int32)
     src = np.arange(npages, dtype=np.int32)
     outcomes = {}
     for rid in range(3000, 3300):

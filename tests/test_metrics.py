@@ -92,7 +92,7 @@ def test_histograms_in_stats(pair):
     # room B: 3 runs, no aux; the prefill holds its send() 300 ms
     src_b, dst_b = [5, 6, 40, 7], [30, 31, 32, 33]
     assert count_runs(src_b, dst_b) == 3
-    # data messages (tcp, auto: runs and buffers share messages up to 128 KiB)
+    # data messages (tcp, auto: runs and buffers share messages up to 64 KiB)
     tcp = auto_run_bytes("tcp")
     ops_a = room_messages([10, 11, 12, 13], [20, 21, 22, 23], STD.kv_item_lens,
                           STD.aux_item_lens, tcp)

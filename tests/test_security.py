@@ -329,8 +329,9 @@ def test_data_from_a_prefill_the_room_is_not_bound_to_is_refused(res, bootstrap,
     the real prefill, which then sends the room's data with its own epoch.
     The decode refuses every byte: the sender is not the room's peer."""
     caplog.set_level(logging.WARNING, logger="kvrecv")
-    # STD pages: the data goes in rendezvous messages, whose refusal the
-    # sender sees (a refused eager message is dropped silently).
+    # 128 STD pages (1 MiB): the data goes in rendezvous messages, whose
+    # refusal the sender sees (a refused eager message is dropped silently;
+    # over tcp UCX sends up to about its fragment size, 256 KiB, eager).
     src, dst = Side(STD, 0, seed=9), Side(STD, 0)
     prefill = res.manager(src, "prefill", bootstrap.address)
     decode = res.manager(dst, "decode")
@@ -352,7 +353,7 @@ def test_data_from_a_prefill_the_room_is_not_bound_to_is_refused(res, bootstrap,
     relay.send(ok[:8] + struct.pack("<Q", relay_epoch) + ok[16:])
     assert wait_for(r, (KVPoll.WaitingForInput, KVPoll.Failed)) == KVPoll.WaitingForInput, \
         describe_failure(r)
-    r.send_metadata(list(range(100, 132)))
+    r.send_metadata(list(range(100, 228)))
     req = recv_type(relay, MSG_ROOM_REQ)
     room, tag = struct.unpack_from("<QQ", req, 16)
     assert room == 41
@@ -367,8 +368,8 @@ def test_data_from_a_prefill_the_room_is_not_bound_to_is_refused(res, bootstrap,
 
     to_prefill.send(req)
     s = KVSender(prefill, bootstrap.address, 41)
-    s.init(32)
-    s.send(list(range(32)))
+    s.init(128)
+    s.send(list(range(128)))
     assert wait_until(lambda: decode.stats()["data_foreign"] >= 1), decode.stats()
     time.sleep(0.2)
     assert r.poll() != KVPoll.Success

@@ -15,6 +15,7 @@ import pytest
 from kvrecv import KVPoll, KVReceiver, KVSender
 from kvtest import (
     STD,
+    Layout,
     TRANSPORTS,
     WIDE,
     Side,
@@ -209,33 +210,26 @@ def test_two_ranks_each_decode_rank_reads_its_prefill_rank(transport, res, boots
         assert prefills[r].stats()["bytes_moved"] == want
 
 
-@pytest.mark.timeout(90)
-def test_prefill_ranks_in_child_processes(transport, res, bootstrap):
-    addr = bootstrap.address
-    children = [res.child_prefill(STD, r, 700 + r, addr) for r in range(2)]
-    assert all(c.transport.endswith("UCX_TLS=" + TRANSPORTS[transport]) for c in children), [
-        c.transport for c in children
-    ]
-    dsts = [Side(STD, rank=r) for r in range(2)]
-    decodes = [res.manager(dsts[r], "decode") for r in range(2)]
-    plans = make_plans(np.random.default_rng(13), STD, room0=40)
+def _transfer_from_children(children, decodes, dsts, addr, layout, plans):
+    """Moves plans from prefill ranks in child processes (children[r]) to
+    the decode managers of this process (decodes[r], memory dsts[r]) and
+    checks states, statistics and every destination byte."""
     expected = [d.snapshot() for d in dsts]
-
-    rs = [open_receivers(decodes[r], addr, plans) for r in range(2)]
-    for r in range(2):
-        send_metadata_all(rs[r], plans)
+    rs = [open_receivers(dec, addr, plans) for dec in decodes]
+    for r in rs:
+        send_metadata_all(r, plans)
     # The decode's requests are already on their way: the child's senders
     # are created after them (the prefill holds them as pending requests).
     work = [(p.room, len(p.src), p.src_aux, [c.tolist() for c in p.chunks]) for p in plans]
     for c in children:
         c.call("send", work)
-    for r in range(2):
-        assert_all_success(rs[r])
+    for r in rs:
+        assert_all_success(r)
+    want = sum(layout.transfer_bytes(len(p.src), p.with_aux) for p in plans)
     for r, c in enumerate(children):
         states = c.call("wait", ([p.room for p in plans], 30))
         assert all(s == int(KVPoll.Success) for s, _ in states.values()), states
         st = c.call("stats")
-        want = sum(STD.transfer_bytes(len(p.src), p.with_aux) for p in plans)
         assert st["rooms_succeeded"] == len(plans), st
         assert st["bytes_moved"] == want, st
         assert zero_failures(st), st
@@ -243,6 +237,47 @@ def test_prefill_ranks_in_child_processes(transport, res, bootstrap):
             expected[r].apply(c.side(), p.src, p.dst, p.src_aux, p.dst_aux)
         expected[r].check(dsts[r])
         assert decodes[r].stats()["bytes_moved"] == want
+
+
+@pytest.mark.timeout(90)
+def test_prefill_ranks_in_child_processes(transport, res, bootstrap):
+    addr = bootstrap.address
+    children = [res.child_prefill(STD, r, 700 + r, addr) for r in range(2)]
+    assert all("UCX_TLS=" + TRANSPORTS[transport] in c.transport.split(", ") for c in children), [
+        c.transport for c in children
+    ]
+    dsts = [Side(STD, rank=r) for r in range(2)]
+    decodes = [res.manager(dsts[r], "decode") for r in range(2)]
+    plans = make_plans(np.random.default_rng(13), STD, room0=40)
+    _transfer_from_children(children, decodes, dsts, addr, STD, plans)
+
+
+# Items up to 64 KiB: the long run is messages of about 1.3 MiB per buffer
+# (several 256 KiB fragments), random 64 KiB pages go alone, the others packed.
+SEG = Layout((4096, 65536), 160, (24,), 64)
+TUNED = "kvrecv sets UCX_TCP_TX_SEG_SIZE=256K UCX_TCP_RX_SEG_SIZE=512K"
+UCX_DEFAULT_SEGS = {"UCX_TCP_TX_SEG_SIZE": "8K", "UCX_TCP_RX_SEG_SIZE": "64K"}
+
+
+@pytest.mark.timeout(90)
+def test_tcp_fragment_sizes_a_decode_at_ucx_defaults_receives_from(res, bootstrap, monkeypatch):
+    """kvrecv sets UCX's tcp fragment sizes (256 KiB sends into 512 KiB
+    receive buffers) where the environment does not: its transport
+    description says so, and a variable set in the environment wins.  A
+    tuned decode receives every byte from a prefill left at UCX's defaults
+    (8 KiB fragments) by its environment."""
+    addr = bootstrap.address
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    child = res.child_prefill(SEG, 0, 900, addr, env=dict(UCX_DEFAULT_SEGS))
+    dst = Side(SEG, rank=0)
+    decode = res.manager(dst, "decode")
+    assert decode.transport.endswith(", " + TUNED), decode.transport
+    assert "kvrecv sets" not in child.transport, child.transport
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "16K")
+    third = res.manager(Side(SEG, rank=1), "decode")
+    assert third.transport.endswith(", kvrecv sets UCX_TCP_RX_SEG_SIZE=512K"), third.transport
+    plans = make_plans(np.random.default_rng(17), SEG, room0=90)
+    _transfer_from_children([child], [decode], [dst], addr, SEG, plans)
 
 
 @pytest.mark.timeout(90)

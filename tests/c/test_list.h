@@ -24,6 +24,7 @@
     X(wire_every_truncation_rejected, 60, 0)                                  \
     X(wire_trailing_bytes_rejected, 10, 0)                                    \
     X(wire_room_req_prefix, 10, 0)                                    \
+    X(wire_hello_tcp_rx_seg, 10, 0)                                   \
     X(wire_bad_header, 10, 0)                                                 \
     X(wire_limits, 30, 0)                                                     \
     X(wire_encoder_edges, 10, 0)                                              \

@@ -672,3 +672,50 @@ TEST_IMPL(wire_room_req_prefix)
     kvr_wbuf_free(&b);
     kvr_wbuf_free(&b0);
 }
+
+TEST_IMPL(wire_hello_tcp_rx_seg)
+{
+    kvr_wbuf_t b, b0;
+    kvr_wbuf_init(&b);
+    kvr_wbuf_init(&b0);
+    kvr_msg_t m = sample(KVR_MSG_HELLO), d;
+    const char *why = NULL;
+    ASSERT_EQ(kvr_wire_encode(&b0, &m), 0); /* not said: as before */
+    ASSERT_EQ(decode_exact(b0.data, b0.len, &d, &why), 0);
+    ASSERT_EQ(d.tcp_rx_seg, 0);
+    m.tcp_rx_seg = 512u << 10;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    ASSERT_EQ(b.len, b0.len + 4); /* appended after the worker address, little-endian */
+    ASSERT(memcmp(b.data, b0.data, b0.len) == 0);
+    ASSERT(b.data[b0.len] == 0 && b.data[b0.len + 2] == 8);
+    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
+    ASSERT_U64_EQ(d.tcp_rx_seg, 512u << 10);
+    ASSERT_EQ(d.addr_len, m.addr_len);
+    unsigned char x[512];
+    ASSERT(b.len + 1 <= sizeof(x));
+    for (size_t extra = 1; extra < 4; extra++) {
+        why = NULL;
+        ASSERT_EQ(decode_exact(b.data, b0.len + extra, &d, &why), -1);
+        ASSERT(why != NULL && strcmp(why, "trailing bytes") == 0);
+    }
+    memcpy(x, b.data, b.len);
+    x[b.len] = 0;
+    ASSERT_EQ(decode_exact(x, b.len + 1, &d, &why), -1);
+    ASSERT(strcmp(why, "trailing bytes") == 0);
+    memcpy(x, b.data, b.len);
+    memset(x + b0.len, 0, 4);
+    ASSERT_EQ(decode_exact(x, b.len, &d, &why), -1);
+    ASSERT(strcmp(why, "explicit zero tcp receive size") == 0);
+    /* HELLO_OK carries no such field */
+    kvr_msg_t ok = sample(KVR_MSG_HELLO_OK);
+    ok.tcp_rx_seg = 9;
+    ASSERT_EQ(kvr_wire_encode(&b, &ok), 0);
+    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
+    ASSERT_EQ(d.tcp_rx_seg, 0);
+    memcpy(x, b.data, b.len);
+    memcpy(x + b.len, "\0\0\2\0", 4);
+    ASSERT_EQ(decode_exact(x, b.len + 4, &d, &why), -1);
+    ASSERT(strcmp(why, "trailing bytes") == 0);
+    kvr_wbuf_free(&b);
+    kvr_wbuf_free(&b0);
+}
