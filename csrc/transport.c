@@ -237,11 +237,37 @@ static void kvr_tp_ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
 
 /* ---- lifecycle ---- */
 
-/* Applies kvr_tp_ucx_defaults to tp's config; names what it changed in
+/* 1 if UCX_TLS lets UCX use tcp: unset, "all" or "tcp" among the names,
+ * or a "^" list (all but those) without "tcp". */
+static int kvr_tp_tls_has_tcp(const char *tls)
+{
+    if (tls == NULL || *tls == '\0') {
+        return 1;
+    }
+    int exclude = tls[0] == '^';
+    int named = 0, all = 0;
+    const char *p = tls + exclude;
+    while (*p) {
+        size_t n = strcspn(p, ",");
+        if (n == 3 && (strncmp(p, "tcp", 3) == 0 || strncmp(p, "all", 3) == 0)) {
+            named |= p[0] == 't';
+            all |= p[0] == 'a';
+        }
+        p += n + (p[n] == ',');
+    }
+    return exclude ? !named : named || all;
+}
+
+/* Applies kvr_tp_ucx_defaults to tp's config where UCX may use tcp (UCX
+ * warns about settings no transport in use has); names what it changed in
  * tp->tuned ("" if nothing) and records the values in effect. */
 static void kvr_tp_tune(kvr_transport_t *tp, ucp_config_t *config)
 {
     tp->tuned[0] = '\0';
+    if (!kvr_tp_tls_has_tcp(getenv("UCX_TLS"))) {
+        tp->tuned_bytes[KVR_TP_TCP_RX_SEG] = SIZE_MAX; /* nothing arrives over tcp */
+        return;
+    }
     for (int i = 0; i < KVR_TP_NTUNE; i++) {
         const char *env = kvr_tp_ucx_defaults[i].env;
         const char *set = getenv(env);

@@ -72,7 +72,8 @@ typedef struct {
      * before, and there is still one encoding per message). */
     uint32_t prefix_len;
     /* HELLO: the decode's UCX tcp receive buffer size in bytes (0: not
-     * known); on the wire only when > 0, like prefix_len. */
+     * known, UINT32_MAX: no tcp); on the wire only when > 0, like
+     * prefix_len. */
     uint32_t tcp_rx_seg;
     uint8_t found;
     uint64_t peer_epoch;

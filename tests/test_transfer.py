@@ -281,6 +281,24 @@ def test_tcp_fragment_sizes_a_decode_at_ucx_defaults_receives_from(res, bootstra
 
 
 @pytest.mark.timeout(90)
+def test_tcp_fragment_sizes_only_where_ucx_may_use_tcp(res, bootstrap, monkeypatch, capfd):
+    """Where UCX_TLS leaves tcp out, kvrecv sets no tcp setting (UCX would
+    warn about settings no transport uses), and such a decode receives from
+    a prefill that has tcp and its 256 KiB fragments (over shared memory)."""
+    addr = bootstrap.address
+    child = res.child_prefill(SEG, 0, 902, addr, env={"UCX_TLS": "posix,sysv,cma,self,tcp"})
+    assert TUNED in child.transport, child.transport
+    monkeypatch.setenv("UCX_TLS", "posix,sysv,cma,self")
+    dst = Side(SEG, rank=0)
+    decode = res.manager(dst, "decode")
+    assert "kvrecv sets" not in decode.transport, decode.transport
+    plans = make_plans(np.random.default_rng(23), SEG, room0=98)
+    _transfer_from_children([child], [decode], [dst], addr, SEG, plans)
+    err = capfd.readouterr().err
+    assert "invalid configurations" not in err, err
+
+
+@pytest.mark.timeout(90)
 def test_hundreds_of_rooms_in_flight(transport, res, bootstrap):
     addr = bootstrap.address
     n_rooms, per_room = 300, 3
