@@ -165,9 +165,10 @@ void kvr_tp_pack_trim(kvr_transport_t *tp, uint64_t now_ns);
  * The size of this context's tcp send fragments (UCX_TCP_TX_SEG_SIZE) and
  * receive buffers (UCX_TCP_RX_SEG_SIZE) in bytes, as set by the environment
  * or by kvrecv; 0 if not known.  Where UCX_TLS leaves tcp out, tx is 0 and
- * rx SIZE_MAX (nothing is sent or received over tcp).  UCX aborts a receiver on a fragment larger
- * than its receive buffer (an assertion in tcp_ep.c), so the decode says
- * what it can receive and the prefill refuses a decode it would crash.
+ * rx SIZE_MAX (nothing is sent or received over tcp).  UCX aborts a
+ * receiver on a fragment larger than its receive buffer (an assertion in
+ * tcp_ep.c), so the decode says what it can receive and the prefill refuses
+ * a decode it would crash.
  */
 size_t kvr_tp_tcp_tx_seg(const kvr_transport_t *tp);
 size_t kvr_tp_tcp_rx_seg(const kvr_transport_t *tp);
