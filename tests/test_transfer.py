@@ -14,6 +14,7 @@ import pytest
 
 from kvrecv import KVPoll, KVReceiver, KVSender
 from kvtest import (
+    SMALL,
     STD,
     Layout,
     TRANSPORTS,
@@ -296,6 +297,17 @@ def test_tcp_fragment_sizes_only_where_ucx_may_use_tcp(res, bootstrap, monkeypat
     _transfer_from_children([child], [decode], [dst], addr, SEG, plans)
     err = capfd.readouterr().err
     assert "invalid configurations" not in err, err
+
+
+@pytest.mark.parametrize("tls, tuned", [("tcp", True), ("all", True), ("^posix", True),
+                                       ("sm,tcp,self", True), ("^tcp", False),
+                                       ("posix,sysv,cma,self", False), ("sm,self", False)])
+def test_tcp_fragment_sizes_follow_ucx_tls(res, monkeypatch, tls, tuned):
+    """kvrecv sets its tcp fragment sizes exactly where UCX_TLS lets UCX
+    use tcp (a "^" list excludes what it names)."""
+    monkeypatch.setenv("UCX_TLS", tls)
+    m = res.manager(Side(SMALL, rank=0), "decode")
+    assert (TUNED in m.transport) is tuned, m.transport
 
 
 @pytest.mark.timeout(90)

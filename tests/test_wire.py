@@ -249,6 +249,34 @@ def test_hello_with_a_different_layout_is_rejected_with_the_reason(res, pair):
     transfer_works(pair.prefill, pair.decode, pair.addr, pair.src, pair.dst, 33)
 
 
+@pytest.mark.parametrize("rx, refused", [(0, True), (64 << 10, True), ((256 << 10) - 1, True),
+                                         (256 << 10, False), (0xFFFFFFFF, False)],
+                         ids=["not_said", "ucx_default", "one_byte_short", "equal", "no_tcp"])
+def test_hello_tcp_receive_size_against_the_prefill_fragments(res, bootstrap, monkeypatch, rx,
+                                                             refused):
+    """A prefill sending 256 KiB tcp fragments refuses, with TRANSPORT and a
+    reason naming both sizes, a decode whose HELLO says it receives into
+    smaller buffers, or says nothing (an older build: UCX's default, 64
+    KiB); it accepts one that receives at least as much, or has no tcp."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    prefill = res.manager(Side(STD, 0, seed=2), "prefill", bootstrap.address)
+    assert "UCX_TCP_TX_SEG_SIZE=256K" in prefill.transport, prefill.transport
+    d = res.dealer(prefill.endpoint)
+    d.send(hello(0, STD, b"\x01" * 32, tcp_rx_seg=rx))
+    reply = d.recv()
+    assert reply is not None
+    assert parse_header(reply)[2] == MSG_HELLO_REJECT
+    rank, code, n = struct.unpack_from("<IHH", reply, 16)
+    reason = reply[24:24 + n].decode()
+    assert code == 5, reason  # TRANSPORT
+    if not refused:  # past the size check, refused for the made-up worker address
+        assert "UCX_TCP" not in reason and "worker address" in reason, reason
+        return
+    assert "up to 262144 bytes (UCX_TCP_TX_SEG_SIZE)" in reason, reason
+    assert f"receives into {rx or 65536}-byte buffers (UCX_TCP_RX_SEG_SIZE)" in reason, reason
+    ping_pong(d)
+
+
 @pytest.mark.timeout(90)
 def test_hello_with_a_garbage_worker_address_does_not_crash_the_prefill(res, bootstrap):
     # In a child process: the failure mode is an abort().
