@@ -627,95 +627,85 @@ TEST_IMPL(am_header_rejects)
     ASSERT(strcmp(why, "data header has a nonzero reserved field") == 0);
 }
 
-TEST_IMPL(wire_room_req_prefix)
+/*
+ * An optional u32 at the end of a message: `without` encodes as before,
+ * `with` (the same message with the field set to `value`) appends it
+ * little-endian; 1..3 bytes or anything after it are trailing bytes, and an
+ * explicit zero (a second encoding of "not there") is refused with
+ * zero_why.  Decodes `with` into *d.
+ */
+static void check_optional_u32_tail(const kvr_msg_t *without, const kvr_msg_t *with,
+                                    uint32_t value, const char *zero_why, kvr_msg_t *d)
 {
     kvr_wbuf_t b, b0;
     kvr_wbuf_init(&b);
     kvr_wbuf_init(&b0);
-    kvr_msg_t m = sample(KVR_MSG_ROOM_REQ), d;
     const char *why = NULL;
-    ASSERT_EQ(kvr_wire_encode(&b0, &m), 0); /* no prefix: as before */
-    ASSERT_EQ(decode_exact(b0.data, b0.len, &d, &why), 0);
-    ASSERT_EQ(d.prefix_len, 0);
-    m.prefix_len = 0x01020304;
-    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
-    ASSERT_EQ(b.len, b0.len + 4); /* appended, little-endian */
+    ASSERT_EQ(kvr_wire_encode(&b0, without), 0);
+    ASSERT_EQ(decode_exact(b0.data, b0.len, d, &why), 0);
+    ASSERT_EQ(kvr_wire_encode(&b, with), 0);
+    ASSERT_EQ(b.len, b0.len + 4);
     ASSERT(memcmp(b.data, b0.data, b0.len) == 0);
-    ASSERT(b.data[b0.len] == 4 && b.data[b0.len + 3] == 1);
-    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
-    ASSERT_U64_EQ(d.prefix_len, 0x01020304);
-    ASSERT_EQ(d.npages, m.npages);
-    unsigned char x[256];
+    ASSERT((uint32_t)kvr_wire_i32_at(b.data + b0.len, 0) == value);
+    unsigned char x[512];
     ASSERT(b.len + 1 <= sizeof(x));
-    /* 1..3 bytes after the page list are not a prefix length */
     for (size_t extra = 1; extra < 4; extra++) {
-        why = NULL;
-        ASSERT_EQ(decode_exact(b.data, b0.len + extra, &d, &why), -1);
+        ASSERT_EQ(decode_exact(b.data, b0.len + extra, d, &why), -1);
         ASSERT(why != NULL && strcmp(why, "trailing bytes") == 0);
     }
-    /* nor is anything after it */
     memcpy(x, b.data, b.len);
     x[b.len] = 0;
-    ASSERT_EQ(decode_exact(x, b.len + 1, &d, &why), -1);
+    ASSERT_EQ(decode_exact(x, b.len + 1, d, &why), -1);
     ASSERT(strcmp(why, "trailing bytes") == 0);
-    /* an explicit zero would be a second encoding of "no prefix" */
     memcpy(x, b.data, b.len);
     memset(x + b0.len, 0, 4);
-    ASSERT_EQ(decode_exact(x, b.len, &d, &why), -1);
-    ASSERT(strcmp(why, "explicit zero prefix length") == 0);
-    /* other types ignore the field */
-    kvr_msg_t done = sample(KVR_MSG_ROOM_DONE);
-    done.prefix_len = 9;
-    ASSERT_EQ(kvr_wire_encode(&b, &done), 0);
-    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
-    ASSERT_EQ(d.prefix_len, 0);
+    ASSERT_EQ(decode_exact(x, b.len, d, &why), -1);
+    ASSERT(strcmp(why, zero_why) == 0);
+    ASSERT_EQ(decode_exact(b.data, b.len, d, &why), 0);
     kvr_wbuf_free(&b);
     kvr_wbuf_free(&b0);
 }
 
-TEST_IMPL(wire_hello_tcp_rx_seg)
+/* A type without the field does not encode it, and 4 more bytes are
+ * trailing.  Decodes m's encoding into *d. */
+static void check_no_u32_tail(const kvr_msg_t *m, kvr_msg_t *d)
 {
-    kvr_wbuf_t b, b0;
+    kvr_wbuf_t b;
     kvr_wbuf_init(&b);
-    kvr_wbuf_init(&b0);
-    kvr_msg_t m = sample(KVR_MSG_HELLO), d;
     const char *why = NULL;
-    ASSERT_EQ(kvr_wire_encode(&b0, &m), 0); /* not said: as before */
-    ASSERT_EQ(decode_exact(b0.data, b0.len, &d, &why), 0);
-    ASSERT_EQ(d.tcp_rx_seg, 0);
-    m.tcp_rx_seg = 512u << 10;
-    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
-    ASSERT_EQ(b.len, b0.len + 4); /* appended after the worker address, little-endian */
-    ASSERT(memcmp(b.data, b0.data, b0.len) == 0);
-    ASSERT(b.data[b0.len] == 0 && b.data[b0.len + 2] == 8);
-    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
-    ASSERT_U64_EQ(d.tcp_rx_seg, 512u << 10);
-    ASSERT_EQ(d.addr_len, m.addr_len);
     unsigned char x[512];
-    ASSERT(b.len + 1 <= sizeof(x));
-    for (size_t extra = 1; extra < 4; extra++) {
-        why = NULL;
-        ASSERT_EQ(decode_exact(b.data, b0.len + extra, &d, &why), -1);
-        ASSERT(why != NULL && strcmp(why, "trailing bytes") == 0);
-    }
-    memcpy(x, b.data, b.len);
-    x[b.len] = 0;
-    ASSERT_EQ(decode_exact(x, b.len + 1, &d, &why), -1);
-    ASSERT(strcmp(why, "trailing bytes") == 0);
-    memcpy(x, b.data, b.len);
-    memset(x + b0.len, 0, 4);
-    ASSERT_EQ(decode_exact(x, b.len, &d, &why), -1);
-    ASSERT(strcmp(why, "explicit zero tcp receive size") == 0);
-    /* HELLO_OK carries no such field */
-    kvr_msg_t ok = sample(KVR_MSG_HELLO_OK);
-    ok.tcp_rx_seg = 9;
-    ASSERT_EQ(kvr_wire_encode(&b, &ok), 0);
-    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
-    ASSERT_EQ(d.tcp_rx_seg, 0);
+    ASSERT_EQ(kvr_wire_encode(&b, m), 0);
+    ASSERT(b.len + 4 <= sizeof(x));
     memcpy(x, b.data, b.len);
     memcpy(x + b.len, "\0\0\2\0", 4);
-    ASSERT_EQ(decode_exact(x, b.len + 4, &d, &why), -1);
+    ASSERT_EQ(decode_exact(x, b.len + 4, d, &why), -1);
     ASSERT(strcmp(why, "trailing bytes") == 0);
+    ASSERT_EQ(decode_exact(b.data, b.len, d, &why), 0);
     kvr_wbuf_free(&b);
-    kvr_wbuf_free(&b0);
+}
+
+TEST_IMPL(wire_room_req_prefix)
+{
+    kvr_msg_t m = sample(KVR_MSG_ROOM_REQ), with = m, d;
+    with.prefix_len = 0x01020304;
+    check_optional_u32_tail(&m, &with, 0x01020304, "explicit zero prefix length", &d);
+    ASSERT_U64_EQ(d.prefix_len, 0x01020304);
+    ASSERT_EQ(d.npages, m.npages);
+    kvr_msg_t done = sample(KVR_MSG_ROOM_DONE); /* other types ignore the field */
+    done.prefix_len = 9;
+    check_no_u32_tail(&done, &d);
+    ASSERT_EQ(d.prefix_len, 0);
+}
+
+TEST_IMPL(wire_hello_tcp_rx_seg)
+{
+    kvr_msg_t m = sample(KVR_MSG_HELLO), with = m, d;
+    with.tcp_rx_seg = 512u << 10;
+    check_optional_u32_tail(&m, &with, 512u << 10, "explicit zero tcp receive size", &d);
+    ASSERT_U64_EQ(d.tcp_rx_seg, 512u << 10);
+    ASSERT_EQ(d.addr_len, m.addr_len);
+    kvr_msg_t ok = sample(KVR_MSG_HELLO_OK); /* carries no such field */
+    ok.tcp_rx_seg = 9;
+    check_no_u32_tail(&ok, &d);
+    ASSERT_EQ(d.tcp_rx_seg, 0);
 }
