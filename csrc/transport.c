@@ -245,26 +245,23 @@ static int kvr_tp_tls_has_tcp(const char *tls)
         return 1;
     }
     int exclude = tls[0] == '^';
-    int named = 0, all = 0;
-    const char *p = tls + exclude;
-    while (*p) {
+    int tcp = 0, all = 0;
+    for (const char *p = tls + exclude; *p;) {
         size_t n = strcspn(p, ",");
-        if (n == 3 && (strncmp(p, "tcp", 3) == 0 || strncmp(p, "all", 3) == 0)) {
-            named |= p[0] == 't';
-            all |= p[0] == 'a';
-        }
+        tcp |= n == 3 && strncmp(p, "tcp", 3) == 0;
+        all |= n == 3 && strncmp(p, "all", 3) == 0;
         p += n + (p[n] == ',');
     }
-    return exclude ? !named : named || all;
+    return exclude ? !tcp : tcp || all;
 }
 
 /* Applies kvr_tp_ucx_defaults to tp's config where UCX may use tcp (UCX
  * warns about settings no transport in use has); names what it changed in
  * tp->tuned ("" if nothing) and records the values in effect. */
-static void kvr_tp_tune(kvr_transport_t *tp, ucp_config_t *config)
+static void kvr_tp_tune(kvr_transport_t *tp, ucp_config_t *config, const char *tls)
 {
     tp->tuned[0] = '\0';
-    if (!kvr_tp_tls_has_tcp(getenv("UCX_TLS"))) {
+    if (!kvr_tp_tls_has_tcp(tls)) {
         tp->tuned_bytes[KVR_TP_TCP_RX_SEG] = SIZE_MAX; /* nothing arrives over tcp */
         return;
     }
@@ -307,7 +304,8 @@ int kvr_tp_create(const kvr_tp_callbacks_t *cb, size_t pack_max, kvr_transport_t
         snprintf(err, errlen, "ucp_config_read: %s", ucs_status_string(st));
         goto err_free;
     }
-    kvr_tp_tune(tp, config);
+    const char *tls = getenv("UCX_TLS");
+    kvr_tp_tune(tp, config, tls);
     ucp_params_t params;
     memset(&params, 0, sizeof(params));
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
@@ -365,7 +363,6 @@ int kvr_tp_create(const kvr_tp_callbacks_t *cb, size_t pack_max, kvr_transport_t
         goto err_release_address;
     }
 
-    const char *tls = getenv("UCX_TLS");
     snprintf(tp->describe, sizeof(tp->describe), "ucx %s, UCX_TLS=%s%s%s", ucp_get_version_string(),
              tls ? tls : "all", tp->tuned[0] ? ", kvrecv sets " : "", tp->tuned);
     *tp_p = tp;
