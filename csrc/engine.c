@@ -34,6 +34,7 @@ enum { KVR_PEER_IS_PREFILL, KVR_PEER_IS_DECODE };
 #define KVR_SCAN_NS (5 * KVR_MS) /* period of the timer scans over all rooms */
 #define KVR_BUSY_POLL_NS (100 * 1000) /* socket polls of a busy engine loop */
 #define KVR_TCP_RUN_BYTES (64u << 10)  /* auto coalesce_run_bytes over tcp */
+#define KVR_SHM_EAGER_ROOM_BYTES (512u << 10) /* rooms sent as eager messages over shm */
 #define KVR_POLL_PROGRESS_NS (10 * 1000) /* poll(): at most one UCX progress per */
 #define KVR_STAGE_NAP_NS (10 * 1000)  /* between polls of staging copies */
 
@@ -141,6 +142,7 @@ struct kvr_engine {
     uint64_t *kv_ptrs, *kv_lens, *kv_item;
     uint64_t kv_item_max; /* the widest KV item */
     uint64_t *aux_ptrs, *aux_lens, *aux_item;
+    uint64_t aux_item_max; /* the widest aux item */
     int64_t min_pages;   /* pages every KV buffer has */
     int64_t aux_rows;    /* rows every aux buffer has */
     uint64_t page_bytes; /* sum of kv item lengths */
@@ -1264,6 +1266,7 @@ static void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, 
     kvr_msg_pieces(e, &h, r->pages, r->aux_index, op->iov, &want);
     kvr_room_advance(r, KVR_POLL_TRANSFERRING); /* first byte */
     r->peer->last_data_ns = kvr_now_ns();
+    e->stats.data_rendezvous += rndv != 0;
     int dev = 0;
     for (uint32_t b = h.buf; b < (uint32_t)h.buf + h.nbuf; b++) {
         dev |= h.kind == KVR_AM_KIND_KV ? e->kv_dev[b] : e->aux_dev[b];
@@ -1524,13 +1527,29 @@ static void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
      */
     uint64_t run_bytes = e->cfg.coalesce_run_bytes, cap = e->cfg.coalesce_bytes;
     uint32_t max_pages = UINT32_MAX;
+    int shm = kvr_tp_ep_is_shm(r->peer->ep);
+    int aux = r->dst_aux >= 0;
+    if (shm && e->ndev == 0 && e->kv_item_max <= KVR_TP_SHM_EAGER_BYTES &&
+        (!aux || e->aux_item_max <= KVR_TP_SHM_EAGER_BYTES) &&
+        (uint64_t)r->total_pages * e->page_bytes + (aux ? e->aux_bytes : 0) <=
+            KVR_SHM_EAGER_ROOM_BYTES) {
+        /* A small room over shared memory goes as eager messages of at
+         * most KVR_TP_SHM_EAGER_BYTES, one fragment of UCX's segment each:
+         * send() pushes them all, the decode copies each one out while the
+         * next is copied in, and no rendezvous round trip waits for a
+         * thread of either side to be woken (measured, README). */
+        max_pages = (uint32_t)(KVR_TP_SHM_EAGER_BYTES / e->kv_item_max);
+        if (cap > KVR_TP_SHM_EAGER_BYTES) {
+            cap = KVR_TP_SHM_EAGER_BYTES;
+        }
+    }
     if (run_bytes == 0) {
         /* auto: over shared memory UCX moves a scattered message at memory
          * speed, so every run is coalesced; over tcp a scattered message is
          * packed into one copy first, which beats a message per run for
          * 16 KiB runs and loses from 64 KiB (with 256 KiB tcp fragments;
          * measured, README). */
-        run_bytes = kvr_tp_ep_is_shm(r->peer->ep) ? UINT64_MAX : KVR_TCP_RUN_BYTES;
+        run_bytes = shm ? UINT64_MAX : KVR_TCP_RUN_BYTES;
     }
     if (e->gpu_path == KVR_GPU_UCX && e->ndev > 0) {
         /* UCX moves device memory itself: contiguous messages only (one
@@ -1540,7 +1559,8 @@ static void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
         /* Every message of a device buffer must fit one slot: runs are cut
          * at max_pages and coalescing stops at the slot size (the widest
          * item fits a slot: checked at creation). */
-        max_pages = (uint32_t)(e->cfg.staging_slot_bytes / e->kv_item_max);
+        uint32_t slot_pages = (uint32_t)(e->cfg.staging_slot_bytes / e->kv_item_max);
+        max_pages = slot_pages < max_pages ? slot_pages : max_pages;
         if (cap > e->cfg.staging_slot_bytes) {
             cap = e->cfg.staging_slot_bytes;
         }
@@ -3118,6 +3138,11 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
     for (uint32_t i = 0; i < e->nkv; i++) {
         if (e->kv_item[i] > e->kv_item_max) {
             e->kv_item_max = e->kv_item[i];
+        }
+    }
+    for (uint32_t i = 0; i < e->naux; i++) {
+        if (e->aux_item[i] > e->aux_item_max) {
+            e->aux_item_max = e->aux_item[i];
         }
     }
 

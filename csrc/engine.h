@@ -112,6 +112,8 @@ typedef struct {
     uint64_t data_foreign;        /* data messages for no room of ours, or from a sender that is
                                      not the room's peer (also in data_rejected) */
     uint64_t requests_refused;    /* prefill: decode requests refused (bad indices, room caps) */
+    uint64_t data_rendezvous;     /* decode: data messages accepted that came by rendezvous (the
+                                     others came eagerly) */
     uint64_t failures_by_code[KVR_STATUS_LAST];
     /* Per succeeded room (KVR_HIST_LATENCY, ns): decode, from sending the
      * request to the prefill to the last byte landed; prefill, from the

@@ -8,6 +8,11 @@
 #include <ucp/api/ucp.h>
 #include <ucs/sys/string.h>
 
+#if defined(__x86_64__) && defined(__SSE2__)
+#include <emmintrin.h>
+#define KVR_TP_STREAM 1
+#endif
+
 #define KVR_AM_ID_DATA 7
 /* Freed bounce buffers kept for reuse (at most pack_max bytes of them, so
  * never more than packing already holds in flight): a fresh buffer costs a
@@ -170,6 +175,50 @@ static void kvr_tp_recv_cb(void *request, ucs_status_t status, size_t length, vo
     ucp_request_free(request);
 }
 
+/* Pieces of eager data at least this long are copied with streaming
+ * (non-temporal) stores: KV pages land in a large pool whose lines are not
+ * in the cache, and a plain copy first reads every destination line in.
+ * 64 scattered 4 KiB pages, cold: 25-32 us streamed against 36-48 us with
+ * memcpy (C loop, this 2-core host). */
+#define KVR_TP_STREAM_MIN 1024
+
+static void kvr_tp_copy_out(void *dst, const void *src, size_t len)
+{
+#ifdef KVR_TP_STREAM
+    if (len >= KVR_TP_STREAM_MIN) {
+        char *d = dst;
+        const char *s = src;
+        size_t head = (16 - ((uintptr_t)d & 15)) & 15;
+        memcpy(d, s, head);
+        d += head;
+        s += head;
+        len -= head;
+        for (; len >= 64; d += 64, s += 64, len -= 64) {
+            __m128i a = _mm_loadu_si128((const __m128i *)s);
+            __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
+            __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
+            __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
+            _mm_stream_si128((__m128i *)d, a);
+            _mm_stream_si128((__m128i *)(d + 16), b);
+            _mm_stream_si128((__m128i *)(d + 32), c);
+            _mm_stream_si128((__m128i *)(d + 48), e);
+        }
+        memcpy(d, s, len);
+        return;
+    }
+#endif
+    memcpy(dst, src, len);
+}
+
+/* Orders streamed stores before what follows (the room's completion, which
+ * another thread reads). */
+static void kvr_tp_copy_fence(void)
+{
+#ifdef KVR_TP_STREAM
+    _mm_sfence();
+#endif
+}
+
 static ucs_status_t kvr_tp_am_cb(void *arg, const void *header, size_t header_length,
                                  void *data, size_t length, const ucp_am_recv_param_t *param)
 {
@@ -187,9 +236,10 @@ static ucs_status_t kvr_tp_am_cb(void *arg, const void *header, size_t header_le
          * the pieces add up to length. */
         const char *src = data;
         for (size_t i = 0; i < acc.iovcnt; i++) {
-            memcpy(acc.iov[i].buf, src, acc.iov[i].len);
+            kvr_tp_copy_out(acc.iov[i].buf, src, acc.iov[i].len);
             src += acc.iov[i].len;
         }
+        kvr_tp_copy_fence();
         tp->cb.on_recv_done(tp->cb.arg, acc.op, length, KVR_TP_OK, NULL);
         return UCS_OK;
     }
@@ -644,8 +694,11 @@ int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *e, const void *hdr, size_t hdr
     const void *buf = iov;
     size_t count = iovcnt;
     size_t total = 0;
-    for (size_t i = 0; i < iovcnt && iovcnt > 1; i++) {
+    for (size_t i = 0; i < iovcnt; i++) {
         total += iov[i].len;
+    }
+    if (host && e->no_peer_errors && total <= KVR_TP_SHM_EAGER_BYTES) {
+        p.flags |= UCP_AM_SEND_FLAG_EAGER;
     }
     if (iovcnt > 1 && host && !e->no_peer_errors &&
         tp->pack_inflight + total <= tp->pack_max &&

@@ -115,6 +115,12 @@ int kvr_tp_ep_is_shm(const kvr_tp_ep_t *ep);
  * endpoint must not be used afterwards. */
 void kvr_tp_ep_close(kvr_transport_t *tp, kvr_tp_ep_t *ep, int force);
 
+/* UCX's shared-memory transports carry a message of up to this many bytes
+ * and kvrecv's header in one fragment of their default segment
+ * (UCX_POSIX_SEG_SIZE / UCX_SYSV_SEG_SIZE 8256): kvr_tp_send sends a host
+ * message this small eagerly over a shared-memory endpoint. */
+#define KVR_TP_SHM_EAGER_BYTES (8u << 10)
+
 /*
  * Sends one data message: hdr, then the iovcnt pieces of iov as one payload.
  * hdr and iov must stay valid until the send completes.  host: every piece

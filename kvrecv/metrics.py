@@ -74,6 +74,9 @@ _SCALARS = [
      "data_foreign"),
     ("kvrecv_requests_refused_total", "counter",
      "Decode requests refused by the prefill (bad indices, room limits).", "requests_refused"),
+    ("kvrecv_data_rendezvous_total", "counter",
+     "Data messages the decode accepted that came by rendezvous (the others came eagerly).",
+     "data_rendezvous"),
 ]
 
 _ROOMS = ("kvrecv_rooms", "gauge", "Open rooms by KVPoll state.")

@@ -173,6 +173,8 @@ def count_runs(src: Sequence[int], dst: Sequence[int]) -> int:
 
 MAX_IOV = 1024  # pieces per coalesced message (KVR_MAX_IOV)
 COALESCE_BYTES = 1 << 20  # KVConfig.coalesce_bytes default
+SHM_EAGER_BYTES = 8 << 10  # eager message size over shared memory (KVR_TP_SHM_EAGER_BYTES)
+SHM_EAGER_ROOM_BYTES = 512 << 10  # rooms sent as such messages (KVR_SHM_EAGER_ROOM_BYTES)
 
 
 def auto_run_bytes(transport: str) -> int:
@@ -181,17 +183,29 @@ def auto_run_bytes(transport: str) -> int:
     return 1 << 62 if transport == "shm" else 64 << 10
 
 
-def position_groups(src, dst, item_max: int, run_bytes: int, cap: int = COALESCE_BYTES):
+def shm_eager_room(kv_items, aux_items, npages: int) -> bool:
+    """Over shared memory, a room of host buffers this small (items of at
+    most SHM_EAGER_BYTES, at most SHM_EAGER_ROOM_BYTES in all) goes as eager
+    messages of at most SHM_EAGER_BYTES (engine.c, kvr_post_locked)."""
+    return (max(kv_items) <= SHM_EAGER_BYTES and max(aux_items, default=0) <= SHM_EAGER_BYTES
+            and npages * sum(kv_items) + sum(aux_items) <= SHM_EAGER_ROOM_BYTES)
+
+
+def position_groups(src, dst, item_max: int, run_bytes: int, cap: int = COALESCE_BYTES,
+                    max_pages: int = 1 << 62):
     """The position ranges of a room's data messages, for pages handed over
     at once: the engine's rule (engine.c, kvr_post_locked).  A run
-    (consecutive on both sides) of at least run_bytes goes alone; shorter
-    runs in a row share a range of at most cap bytes and MAX_IOV runs (the
-    first run of a range always fits).  Returns (pages, source pieces) per
-    range: pieces are the runs of consecutive source pages."""
+    (consecutive on both sides) of at least run_bytes or max_pages pages
+    goes alone, cut at max_pages; shorter runs in a row share a range of at
+    most cap bytes, max_pages pages and MAX_IOV runs (the first run of a
+    range always fits).  Returns (pages, source pieces) per range: pieces
+    are the runs of consecutive source pages."""
     runs = []
     for i in range(len(src)):
         if i == 0 or src[i] != src[i - 1] + 1 or dst[i] != dst[i - 1] + 1:
             runs.append([i, 1])
+        elif runs[-1][1] == max_pages:
+            runs.append([i, 1])  # a run is cut at max_pages
         else:
             runs[-1][1] += 1
     groups = []
@@ -199,9 +213,10 @@ def position_groups(src, dst, item_max: int, run_bytes: int, cap: int = COALESCE
     while i < len(runs):
         start, pages, k = runs[i][0], runs[i][1], 1
         i += 1
-        if pages * item_max < run_bytes:
+        if pages * item_max < run_bytes and pages < max_pages:
             while (i < len(runs) and k < MAX_IOV and runs[i][1] * item_max < run_bytes
-                   and (pages + runs[i][1]) * item_max <= cap):
+                   and runs[i][1] < max_pages and (pages + runs[i][1]) * item_max <= cap
+                   and pages + runs[i][1] <= max_pages):
                 pages += runs[i][1]
                 k += 1
                 i += 1
@@ -232,13 +247,20 @@ def buffer_groups(items, npages: int, pieces: int, merge: int) -> int:
     return msgs
 
 
-def room_messages(src, dst, kv_items, aux_items, run_bytes: int, cap: int = COALESCE_BYTES) -> int:
+def room_messages(src, dst, kv_items, aux_items, run_bytes: int, cap: int = COALESCE_BYTES,
+                  shm: bool = False) -> int:
     """All data messages of a room of host buffers handed over at once
     (aux_items: the aux buffers' item lengths if the room has an aux row,
-    else empty).  cap 0: no coalescing, one message per run and buffer."""
+    else empty).  cap 0: no coalescing, one message per run and buffer.
+    shm: over shared memory (small rooms go as eager messages)."""
+    max_pages = 1 << 62
+    if shm and shm_eager_room(kv_items, aux_items, len(src)):
+        max_pages = SHM_EAGER_BYTES // max(kv_items)
+        cap = min(cap, SHM_EAGER_BYTES)
     merge = min(run_bytes, cap)
     total = sum(buffer_groups(kv_items, pages, pieces, merge)
-                for pages, pieces in position_groups(src, dst, max(kv_items), run_bytes, cap))
+                for pages, pieces in position_groups(src, dst, max(kv_items), run_bytes, cap,
+                                                     max_pages))
     if aux_items:
         total += buffer_groups(aux_items, 1, 1, merge)
     return total

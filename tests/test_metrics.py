@@ -154,6 +154,7 @@ def test_prometheus_text_matches_stats(pair):
         assert get("kvrecv_rma_ops_total") == st["rma_ops_posted"]
         assert get("kvrecv_heartbeats_missed_total") == st["heartbeats_missed"]
         assert get("kvrecv_ctrl_dropped_total") == st["ctrl_dropped"]
+        assert get("kvrecv_data_rendezvous_total") == st["data_rendezvous"]
         assert get("kvrecv_rooms_succeeded_total") == st["rooms_succeeded"] == 1
         for state, n in st["rooms_by_state"].items():
             assert get("kvrecv_rooms", ("state", state)) == n

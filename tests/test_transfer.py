@@ -26,7 +26,9 @@ from kvtest import (
     count_runs,
     describe_failure,
     min_messages,
+    position_groups,
     room_messages,
+    shm_eager_room,
     split_chunks,
     terminal,
     wait_all,
@@ -389,9 +391,7 @@ def coalesce_model(name, transport):
 def expect_messages(src, dst, name, transport, with_aux):
     run_bytes, cap = coalesce_model(name, transport)
     aux = STD.aux_item_lens if with_aux else ()
-    if cap == 0:
-        return count_runs(src, dst) * len(STD.kv_item_lens) + len(aux)
-    return room_messages(src, dst, STD.kv_item_lens, aux, run_bytes, cap)
+    return room_messages(src, dst, STD.kv_item_lens, aux, run_bytes, cap, shm=transport == "shm")
 
 
 def coalesce_pair(res, bootstrap, name):
@@ -424,6 +424,15 @@ def test_message_model_counts():
     # a whole small room: 8 KV buffers and 2 aux in 2 messages
     assert room_messages([1, 2], [5, 6], STD.kv_item_lens, STD.aux_item_lens, 1 << 62) == 2
     assert room_messages([1, 2], [5, 6], STD.kv_item_lens, STD.aux_item_lens, 1 << 62, cap=0) == 10
+    # runs cut at max_pages, ranges within it (small rooms over shared memory)
+    assert [g[0] for g in position_groups(src, dst, item, 1 << 62, 2 * item, 2)] == [2, 2, 1, 2, 2, 1]
+    # over shared memory that room is small: messages of at most 8 KiB, the
+    # 2-page run in 3 (buffers of 64..1024 B | 2048 B | 4096 B), aux in 1
+    assert shm_eager_room(STD.kv_item_lens, STD.aux_item_lens, 2)
+    assert room_messages([1, 2], [5, 6], STD.kv_item_lens, STD.aux_item_lens, 1 << 62,
+                         shm=True) == 4
+    assert not shm_eager_room([16 << 10], (), 1)  # an item over 8 KiB
+    assert not shm_eager_room([4096], (), 129)    # over 512 KiB
 
 
 @pytest.mark.parametrize("with_aux", [True, False], ids=["aux", "noaux"])
@@ -441,6 +450,74 @@ def test_runs_are_coalesced(transport, res, bootstrap, name, mode, with_aux):
     expected = Side(STD, 0).snapshot()
     expected.apply(side_src, plan.src, plan.dst, plan.src_aux, plan.dst_aux)
     expected.check(side_dst)
+
+
+def test_small_rooms_over_shared_memory_go_as_eager_messages(transport, res, bootstrap):
+    """Over shared memory a room of at most 512 KiB (items of at most 8 KiB)
+    goes as eager messages of at most 8 KiB, each one fragment of UCX's
+    segment: none waits for a rendezvous round trip.  A room one page
+    bigger goes as before: its pages coalesced into one big message, by
+    rendezvous.  Over tcp the rule does not apply."""
+    rng = np.random.default_rng(5)
+    dst = rng.permutation(STD.num_pages).astype(np.int32)
+    src = rng.permutation(STD.num_pages)
+    room_bytes = {n: n * sum(STD.kv_item_lens) + sum(STD.aux_item_lens) for n in (63, 64)}
+    assert room_bytes[63] <= 512 << 10 < room_bytes[64]  # either side of the line
+    side_src = Side(STD, rank=0, seed=99)
+    side_dst = Side(STD, rank=0)
+    prefill = res.manager(side_src, "prefill", bootstrap.address)
+    decode = res.manager(side_dst, "decode")
+    expected = side_dst.snapshot()
+    at = 0
+    for room, npages in ((1, 63), (2, 64)):
+        plan = Plan(room, src[at:at + npages], dst[at:at + npages], [src[at:at + npages]], 3, 9)
+        at += npages
+        ops0 = prefill.stats()["rma_ops_posted"]
+        rndv0 = decode.stats()["data_rendezvous"]
+        run_in_process(prefill, decode, bootstrap.address, [plan])
+        expected.apply(side_src, plan.src, plan.dst, plan.src_aux, plan.dst_aux)
+        ops = prefill.stats()["rma_ops_posted"] - ops0
+        rndv = decode.stats()["data_rendezvous"] - rndv0
+        assert ops == room_messages(plan.src, plan.dst, STD.kv_item_lens, STD.aux_item_lens,
+                                    auto_run_bytes(transport), shm=transport == "shm")
+        if transport == "shm" and npages == 63:
+            # 31 ranges of 2 pages in 3 messages (buffers of 64..1024 B,
+            # 2048 B, 4096 B), one of 1 page in 2, the aux row in 1.
+            assert ops == 96 and rndv == 0, (ops, rndv)
+        elif transport == "shm":
+            assert ops == 2 and rndv == 1, (ops, rndv)  # every page in one message
+    expected.check(side_dst)
+    assert zero_failures(prefill.stats()) and zero_failures(decode.stats())
+
+
+def test_eager_pieces_of_odd_lengths_at_odd_addresses(transport, res, bootstrap):
+    """The decode copies an eager piece of 1 KiB or more with streaming
+    stores, 64 bytes at a time once the destination is 16-byte aligned:
+    pieces whose lengths are no multiple of 64, into buffers at odd
+    addresses, land byte-exact and leave every other byte alone."""
+    layout = Layout((1027, 4099, 1000, 2053), 64, (1031,), 8)
+    side_src = Side(layout, rank=0, seed=21)
+    side_dst = Side(layout, rank=0)
+    for group in (side_dst.kv, side_dst.aux):
+        for i, b in enumerate(group):
+            shifted = np.full(b.size + 5, 0xA5, dtype=np.uint8)[5:]  # base + 5
+            shifted[:] = b
+            group[i] = shifted
+    assert all(b.ctypes.data % 16 == 5 % 16 for b in side_dst.kv)
+    prefill = res.manager(side_src, "prefill", bootstrap.address)
+    decode = res.manager(side_dst, "decode")
+    expected = side_dst.snapshot()
+    rng = np.random.default_rng(8)
+    plans = []
+    for room, (lo, n) in enumerate(((0, 7), (7, 20), (27, 30)), start=1):
+        src = rng.permutation(layout.num_pages)[:n]
+        dst = np.arange(lo, lo + n, dtype=np.int32)[rng.permutation(n)]
+        plans.append(Plan(room, src, dst, [src], room % layout.aux_rows, room))
+    run_in_process(prefill, decode, bootstrap.address, plans)
+    for p in plans:
+        expected.apply(side_src, p.src, p.dst, p.src_aux, p.dst_aux)
+    expected.check(side_dst)
+    assert decode.stats()["data_rendezvous"] == 0  # every piece came eagerly
 
 
 @pytest.mark.parametrize("pack_bytes", [0, 3000, 1 << 28], ids=["never", "some", "default"])

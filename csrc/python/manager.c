@@ -396,6 +396,7 @@ static PyObject *kvr_manager_stats(PyObject *op, PyObject *unused)
         kvr_dict_set_u64(d, "ctrl_oversized", s.ctrl_oversized) < 0 ||
         kvr_dict_set_u64(d, "data_foreign", s.data_foreign) < 0 ||
         kvr_dict_set_u64(d, "requests_refused", s.requests_refused) < 0 ||
+        kvr_dict_set_u64(d, "data_rendezvous", s.data_rendezvous) < 0 ||
         kvr_dict_set_u64(d, "staged_ops", s.staged_ops) < 0 ||
         kvr_dict_set_u64(d, "staged_bytes", s.staged_bytes) < 0 ||
         kvr_dict_set_u64(d, "staging_overflow", s.staging_overflow) < 0 ||
