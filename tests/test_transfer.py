@@ -491,10 +491,12 @@ def test_small_rooms_over_shared_memory_go_as_eager_messages(transport, res, boo
 
 
 def test_eager_pieces_of_odd_lengths_at_odd_addresses(transport, res, bootstrap):
-    """The decode copies an eager piece of 1 KiB or more with streaming
-    stores, 64 bytes at a time once the destination is 16-byte aligned:
-    pieces whose lengths are no multiple of 64, into buffers at odd
-    addresses, land byte-exact and leave every other byte alone."""
+    """The decode copies the pieces of 1 KiB or more of an eager message of
+    at most 8 KiB (every message of a small room over shared memory, the
+    short ones over tcp) with streaming stores, 64 bytes at a time once the
+    destination is 16-byte aligned, and larger messages with memcpy: pieces
+    whose lengths are no multiple of 64, into buffers at odd addresses,
+    land byte-exact either way and leave every other byte alone."""
     layout = Layout((1027, 4099, 1000, 2053), 64, (1031,), 8)
     side_src = Side(layout, rank=0, seed=21)
     side_dst = Side(layout, rank=0)
