@@ -547,6 +547,27 @@ def core_builds(res):
     return list(seen.values())
 
 
+def latency_runs(rs):
+    """One latency case measured in several runs: p50/p90/p99 are medians
+    over the runs that answered (min/max over all of them), *_all the
+    per-run figures."""
+    ok = [r for r in rs if "p50_us" in r and r["p50_us"] is not None]
+    if not ok:
+        return rs[-1]
+    out = dict(ok[0])
+    for k, agg in (("p50_us", C.median), ("p90_us", C.median), ("p99_us", C.median),
+                   ("min_us", min), ("max_us", max)):
+        vals = [r[k] for r in ok if r.get(k) is not None]
+        out[k] = agg(vals) if vals else None
+        out[k.replace("_us", "_us_all")] = vals
+    out["runs"] = len(ok)
+    out["samples"] = sum(r["samples"] for r in ok)
+    out["failed"] = sum(r["failed"] for r in rs if "failed" in r)
+    out["failures"] = [f for r in rs for f in r.get("failures", [])][:3]
+    out["errors"] = [r["error"][-300:] for r in rs if "error" in r]
+    return out
+
+
 def fmt(v, nd=3):
     if v is None:
         return "-"
@@ -606,18 +627,21 @@ def summary_md(res):
     out.append("")
     out.append("### Latency, one-page rooms (us; CLOCK_MONOTONIC, prefill send() to decode poll()==Success)")
     out.append("")
-    out.append("| transport | room | decode poll loop | p50 | p90 | p99 | samples | failed |")
-    out.append("|---|---|---|---|---|---|---|---|")
+    out.append("| transport | room | decode poll loop | p50 | p50 of each run | p90 | p99 | runs, samples | failed |")
+    out.append("|---|---|---|---|---|---|---|---|---|")
     for label, tr in res["transports"].items():
         for lat in tr.get("latency", []):
             pt = lat.get("point", {})
+            each = " ".join(fmt(v, 0) for v in lat.get("p50_us_all", []))
             out.append(f"| {label} | {pt.get('nbuf')} x {pt.get('item', 0) // KiB} KiB | "
-                       f"{lat.get('mode')} | {fmt(lat.get('p50_us'), 1)} | {fmt(lat.get('p90_us'), 1)}"
-                       f" | {fmt(lat.get('p99_us'), 1)} | {lat.get('samples')} | {lat.get('failed')} |")
+                       f"{lat.get('mode')} | {fmt(lat.get('p50_us'), 1)} | {each} | "
+                       f"{fmt(lat.get('p90_us'), 1)} | {fmt(lat.get('p99_us'), 1)} | "
+                       f"{lat.get('runs', 1)}, {lat.get('samples')} | {lat.get('failed')} |")
     for label, tr in res["transports"].items():
         for x in tr.get("perftest_lat", []):
+            each = " ".join(fmt(v, 1) for v in x.get("p50_us_all", []))
             out.append(f"| {label} | one {x['size'] // KiB} KiB message | ucx_perftest ucp_am_lat "
-                       f"(busy-polls, half round trip) | {fmt(x.get('p50_us'), 1)} | | | "
+                       f"(busy-polls, half round trip) | {fmt(x.get('p50_us'), 1)} | {each} | | | "
                        f"{len(x.get('p50_us_all', []))} runs | |")
     out.append("")
     out.append("### poll() from Python (ns)")
@@ -809,16 +833,21 @@ def run_transport(label, res, a, points, skip, exe, tmp, reps_pt):
                         f"KiB {fmt(r.get('gbps'))} GB/s")
             C.dump(a.out, res)
         if kv:
-            tr["latency"] = []
+            # a.rounds runs of lat_samples rooms per case, the cases
+            # interleaved run by run; each figure is the median over runs
             lat = [dict(LAT_POINT, mode=m) for m in ("spin", "yield", "sleep")]
             lat.append(dict(LAT_POINT_1, mode="yield"))
-            for lp in lat:
-                r = kv.request({"cmd": "latency", "point": lp, "samples": a.lat_samples,
-                                "mode": lp["mode"]})
-                tr["latency"].append(r)
-                log(f"  {label} latency {lp['nbuf']} x {lp['item'] // KiB} KiB, {lp['mode']:<5} poll: "
-                    f"p50 {fmt(r.get('p50_us'), 1)} us, p99 {fmt(r.get('p99_us'), 1)} us"
-                    f"{' ERROR ' + r['error'][-300:] if 'error' in r else ''}")
+            runs = [[] for _ in lat]
+            for rnd in range(a.rounds):
+                for lp, rs in zip(lat, runs):
+                    r = kv.request({"cmd": "latency", "point": lp, "samples": a.lat_samples,
+                                    "mode": lp["mode"]})
+                    rs.append(r)
+                    log(f"  {label} latency {lp['nbuf']} x {lp['item'] // KiB} KiB, {lp['mode']:<5} "
+                        f"poll, run {rnd + 1}: p50 {fmt(r.get('p50_us'), 1)} us, p99 "
+                        f"{fmt(r.get('p99_us'), 1)} us"
+                        f"{' ERROR ' + r['error'][-300:] if 'error' in r else ''}")
+            tr["latency"] = [latency_runs(rs) for rs in runs]
             r = kv.request({"cmd": "poll", "point": POLL_POINT, "receivers": 4096, "reps": 7})
             tr["poll"] = r
             log(f"  {label} poll(): {fmt(r.get('per_call_ns'), 0)} ns per call, "
