@@ -2769,6 +2769,15 @@ static void kvr_on_refused_entry(void *arg, int kind, kvr_ctl_conn_t *conn, void
 /* Create / close                                                      */
 /* ------------------------------------------------------------------ */
 
+static uint64_t kvr_u64_max(const uint64_t *v, uint32_t n)
+{
+    uint64_t m = 0;
+    for (uint32_t i = 0; i < n; i++) {
+        m = v[i] > m ? v[i] : m;
+    }
+    return m;
+}
+
 static int kvr_copy_u64(uint64_t **dst, const uint64_t *src, uint32_t n)
 {
     *dst = calloc(n ? n : 1, sizeof(uint64_t));
@@ -3135,16 +3144,8 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
         rc = kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
         goto err_free;
     }
-    for (uint32_t i = 0; i < e->nkv; i++) {
-        if (e->kv_item[i] > e->kv_item_max) {
-            e->kv_item_max = e->kv_item[i];
-        }
-    }
-    for (uint32_t i = 0; i < e->naux; i++) {
-        if (e->aux_item[i] > e->aux_item_max) {
-            e->aux_item_max = e->aux_item[i];
-        }
-    }
+    e->kv_item_max = kvr_u64_max(e->kv_item, e->nkv);
+    e->aux_item_max = kvr_u64_max(e->aux_item, e->naux);
 
     e->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (e->wake_fd < 0) {
