@@ -461,12 +461,9 @@ def test_small_rooms_over_shared_memory_go_as_eager_messages(transport, res, boo
     rng = np.random.default_rng(5)
     dst = rng.permutation(STD.num_pages).astype(np.int32)
     src = rng.permutation(STD.num_pages)
-    room_bytes = {n: n * sum(STD.kv_item_lens) + sum(STD.aux_item_lens) for n in (63, 64)}
-    assert room_bytes[63] <= 512 << 10 < room_bytes[64]  # either side of the line
-    side_src = Side(STD, rank=0, seed=99)
-    side_dst = Side(STD, rank=0)
-    prefill = res.manager(side_src, "prefill", bootstrap.address)
-    decode = res.manager(side_dst, "decode")
+    # either side of the line
+    assert STD.transfer_bytes(63, True) <= 512 << 10 < STD.transfer_bytes(64, True)
+    side_src, side_dst, prefill, decode = coalesce_pair(res, bootstrap, "auto")
     expected = side_dst.snapshot()
     at = 0
     for room, npages in ((1, 63), (2, 64)):
