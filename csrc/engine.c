@@ -49,7 +49,8 @@ typedef struct kvr_peer {
     kvr_ctl_conn_t *conn;       /* decode: to the prefill's ROUTER */
     unsigned char ident[KVR_IDENT_MAX];
     size_t ident_len;           /* prefill: the decode's routing id */
-    kvr_tp_ep_t *ep;            /* prefill: endpoint to the decode's worker */
+    kvr_tp_worker_t *worker;    /* our UCX worker for this peer (see transport.h) */
+    kvr_tp_ep_t *ep;            /* endpoint from it to the peer's worker */
     kvr_ctl_conn_t *vconn;      /* decode: re-checking the bootstrap registration */
     int verifying;
     uint64_t verified_ns;
@@ -189,6 +190,8 @@ struct kvr_engine {
     int ndead_conns;
     kvr_tp_ep_t *dead_eps[KVR_MAX_DEAD];
     int ndead_eps;
+    kvr_tp_worker_t *dead_workers[KVR_MAX_DEAD]; /* destroyed after dead_eps are closed */
+    int ndead_workers;
 
     kvr_log_t log;
     uint64_t next_scan_ns; /* next timer scan over the rooms */
@@ -570,6 +573,28 @@ static void kvr_peer_disconnect(kvr_engine_t *e, kvr_peer_t *p)
         }
         p->ep = NULL;
     }
+    if (p->worker) {
+        /* A connection to a peer never reuses a worker (a dead peer may
+         * have left its shared-memory FIFO stopped).  Past the list's end
+         * it stays until the manager closes. */
+        if (e->ndead_workers < KVR_MAX_DEAD) {
+            e->dead_workers[e->ndead_workers++] = p->worker;
+        }
+        p->worker = NULL;
+    }
+}
+
+/* The peer's UCX worker, created for a new connection.  0, or -1 with err. */
+static int kvr_peer_worker(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen)
+{
+    if (p->worker != NULL) {
+        return 0;
+    }
+    if (kvr_tp_worker_create(e->tp, &p->worker, err, errlen) != 0) {
+        p->worker = NULL;
+        return -1;
+    }
+    return 0;
 }
 
 /* Engine thread: (re)connects to the siblings and publishes root causes. */
@@ -648,7 +673,10 @@ static void kvr_reap_locked(kvr_engine_t *e)
         kvr_ctl_conn_close(e->ctl, e->dead_conns[--e->ndead_conns]);
     }
     while (e->ndead_eps > 0) {
-        kvr_tp_ep_close(e->tp, e->dead_eps[--e->ndead_eps], 1);
+        kvr_tp_ep_close(e->dead_eps[--e->ndead_eps], 1);
+    }
+    while (e->ndead_workers > 0) {
+        kvr_tp_worker_destroy(e->dead_workers[--e->ndead_workers]);
     }
 }
 
@@ -763,7 +791,7 @@ static void kvr_peer_hello(kvr_engine_t *e, kvr_peer_t *p)
     m.type = KVR_MSG_HELLO;
     m.rank = (uint32_t)e->rank;
     kvr_fill_layout(e, &m.layout);
-    kvr_tp_address(e->tp, &addr, &alen);
+    kvr_tp_address(p->worker, &addr, &alen);
     m.addr = addr;
     m.addr_len = (uint32_t)alen;
     size_t rx = kvr_tp_tcp_rx_seg(e->tp);
@@ -1490,10 +1518,12 @@ static void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
     if (r->peer->ep == NULL) {
         char err[256];
         if (r->peer->worker_addr == NULL ||
-            kvr_tp_ep_create(e->tp, r->peer->worker_addr, r->peer->worker_addr_len, r->peer,
-                             &r->peer->ep, err, sizeof(err)) != 0) {
+            r->peer->worker == NULL ||
+            kvr_tp_ep_create(r->peer->worker, r->peer->worker_addr, r->peer->worker_addr_len,
+                             r->peer, &r->peer->ep, err, sizeof(err)) != 0) {
             kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "cannot reach %s: %s", r->peer->name,
-                                  r->peer->worker_addr ? err : "no worker address");
+                                  r->peer->worker_addr && r->peer->worker ? err
+                                                                          : "no worker address");
             return;
         }
     }
@@ -1864,11 +1894,15 @@ static void kvr_handle_hello_locked(kvr_engine_t *e, const void *ident, size_t i
     }
     memcpy(p->worker_addr, m->addr, m->addr_len);
     p->worker_addr_len = m->addr_len;
+    if (kvr_peer_worker(e, p, err, sizeof(err)) != 0) {
+        kvr_hello_reject_locked(e, p, KVR_TRANSPORT, err);
+        return;
+    }
     reply.type = KVR_MSG_HELLO_OK;
     kvr_fill_layout(e, &reply.layout);
     const void *own;
     size_t own_len;
-    kvr_tp_address(e->tp, &own, &own_len);
+    kvr_tp_address(p->worker, &own, &own_len);
     reply.addr = own;
     reply.addr_len = (uint32_t)own_len;
     kvr_send_ctrl_to_peer(e, p, &reply);
@@ -2329,6 +2363,12 @@ static void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, con
             kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, err);
             return;
         }
+        if (kvr_peer_worker(e, p, err, sizeof(err)) != 0) {
+            char what[400];
+            snprintf(what, sizeof(what), "cannot be reached: %s", err);
+            kvr_peer_fail_locked(e, p, KVR_TRANSPORT, what);
+            return;
+        }
         p->state = KVR_PEER_CONNECTING;
         kvr_peer_hello(e, p);
         return;
@@ -2366,7 +2406,7 @@ static void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, con
          * peer-failure support its error reports a dead prefill at once.
          */
         char eperr[256];
-        if (kvr_tp_ep_create(e->tp, m.addr, m.addr_len, p, &p->ep, eperr, sizeof(eperr)) != 0) {
+        if (kvr_tp_ep_create(p->worker, m.addr, m.addr_len, p, &p->ep, eperr, sizeof(eperr)) != 0) {
             char what[400];
             snprintf(what, sizeof(what), "cannot be reached: %s", eperr);
             kvr_peer_fail_locked(e, p, KVR_TRANSPORT, what);
@@ -2545,7 +2585,7 @@ static void kvr_timers_locked(kvr_engine_t *e)
             kvr_room_ref(r);
             for (kvr_op_t *op = r->ops; op != NULL;) {
                 kvr_op_t *next = op->next; /* cancelling may complete and free op */
-                kvr_tp_op_cancel(e->tp, &op->base);
+                kvr_tp_op_cancel(&op->base);
                 op = next;
             }
             kvr_room_unref_locked(e, r);
@@ -3410,6 +3450,7 @@ void kvr_engine_stats(kvr_engine_t *e, kvr_stats_t *s)
     if (e->tp != NULL) {
         s->data_packed = kvr_tp_packed(e->tp);
         s->pack_cached_bytes = kvr_tp_pack_cached(e->tp);
+        s->ucx_workers = kvr_tp_nworkers(e->tp, &s->ucx_workers_created);
     }
     pthread_mutex_unlock(&e->lock);
     s->log_dropped = kvr_log_dropped(&e->log);

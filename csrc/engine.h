@@ -114,6 +114,8 @@ typedef struct {
     uint64_t requests_refused;    /* prefill: decode requests refused (bad indices, room caps) */
     uint64_t data_rendezvous;     /* decode: data messages accepted that came by rendezvous (the
                                      others came eagerly) */
+    uint64_t ucx_workers;         /* UCX workers alive: one per connected peer */
+    uint64_t ucx_workers_created; /* UCX workers created: one per connection to a peer */
     uint64_t failures_by_code[KVR_STATUS_LAST];
     /* Per succeeded room (KVR_HIST_LATENCY, ns): decode, from sending the
      * request to the prefill to the last byte landed; prefill, from the

@@ -2,6 +2,9 @@
 
 #include <stddef.h>
 #include <stdio.h>
+#include <errno.h>
+#include <sys/epoll.h>
+#include <unistd.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -52,12 +55,23 @@ typedef struct {
     ucp_mem_h memh;
 } kvr_tp_region_t;
 
-struct kvr_transport {
-    ucp_context_h context;
+struct kvr_tp_worker {
+    kvr_transport_t *tp;
     ucp_worker_h worker;
     ucp_address_t *address;
     size_t address_len;
     int efd;
+    struct kvr_tp_worker *prev, *next;
+};
+
+struct kvr_transport {
+    ucp_context_h context;
+    kvr_tp_worker_t *workers; /* every worker alive */
+    unsigned nworkers;
+    uint64_t workers_created; /* for peers */
+    kvr_tp_worker_t *spare;   /* made by kvr_tp_create, for the first peer */
+    int epfd;                 /* epoll set of the workers' event fds */
+    unsigned char addr_version; /* UCX address version of this UCX (low nibble of byte 0) */
     kvr_tp_callbacks_t cb;
     kvr_tp_region_t *regions;
     size_t nregions;
@@ -78,6 +92,7 @@ struct kvr_transport {
 
 struct kvr_tp_ep {
     kvr_transport_t *tp;
+    kvr_tp_worker_t *w;
     ucp_ep_h ep;
     void *ep_ctx;
     int failed;
@@ -229,7 +244,8 @@ static void kvr_tp_copy_fence(void)
 static ucs_status_t kvr_tp_am_cb(void *arg, const void *header, size_t header_length,
                                  void *data, size_t length, const ucp_am_recv_param_t *param)
 {
-    kvr_transport_t *tp = arg;
+    kvr_tp_worker_t *w = arg;
+    kvr_transport_t *tp = w->tp;
     kvr_tp_accept_t acc = {NULL, 0, NULL, NULL};
     tp->cb.on_data(tp->cb.arg, header, header_length, length,
                    (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0, &acc);
@@ -254,6 +270,7 @@ static ucs_status_t kvr_tp_am_cb(void *arg, const void *header, size_t header_le
         return UCS_OK;
     }
     acc.op->tp = tp;
+    acc.op->worker = w->worker;
     acc.op->req = NULL;
     size_t recv_len = 0;
     ucp_request_param_t rp;
@@ -271,7 +288,7 @@ static ucs_status_t kvr_tp_am_cb(void *arg, const void *header, size_t header_le
         buf = acc.iov;
         count = acc.iovcnt;
     }
-    ucs_status_ptr_t req = ucp_am_recv_data_nbx(tp->worker, data, buf, count, &rp);
+    ucs_status_ptr_t req = ucp_am_recv_data_nbx(w->worker, data, buf, count, &rp);
     if (req == NULL) {
         tp->cb.on_recv_done(tp->cb.arg, acc.op, length, KVR_TP_OK, NULL);
     } else if (UCS_PTR_IS_ERR(req)) {
@@ -345,6 +362,9 @@ static void kvr_tp_tune(kvr_transport_t *tp, ucp_config_t *config, const char *t
     }
 }
 
+static int kvr_tp_worker_new(kvr_transport_t *tp, kvr_tp_worker_t **w_p, char *err,
+                             size_t errlen);
+
 int kvr_tp_create(const kvr_tp_callbacks_t *cb, size_t pack_max, kvr_transport_t **tp_p, char *err,
                   size_t errlen)
 {
@@ -357,7 +377,12 @@ int kvr_tp_create(const kvr_tp_callbacks_t *cb, size_t pack_max, kvr_transport_t
     }
     tp->cb = *cb;
     tp->pack_max = pack_max;
-    tp->efd = -1;
+    tp->epfd = epoll_create1(EPOLL_CLOEXEC);
+    if (tp->epfd < 0) {
+        snprintf(err, errlen, "epoll_create1: %s", strerror(errno));
+        free(tp);
+        return -1;
+    }
 
     st = ucp_config_read(NULL, NULL, &config);
     if (st != UCS_OK) {
@@ -377,7 +402,37 @@ int kvr_tp_create(const kvr_tp_callbacks_t *cb, size_t pack_max, kvr_transport_t
         snprintf(err, errlen, "ucp_init: %s", ucs_status_string(st));
         goto err_free;
     }
+    /* A first worker (creating one takes ~10 ms here): kept for the first
+     * peer, tells the version of this UCX's addresses, and shows now, not
+     * at the first peer, whether workers can be created. */
+    if (kvr_tp_worker_new(tp, &tp->spare, err, errlen) != 0) {
+        goto err_cleanup_context;
+    }
+    tp->addr_version = ((const unsigned char *)tp->spare->address)[0] & 0x0f;
 
+    snprintf(tp->describe, sizeof(tp->describe), "ucx %s, UCX_TLS=%s%s%s", ucp_get_version_string(),
+             tls ? tls : "all", tp->tuned[0] ? ", kvrecv sets " : "", tp->tuned);
+    *tp_p = tp;
+    return 0;
+
+err_cleanup_context:
+    ucp_cleanup(tp->context);
+err_free:
+    close(tp->epfd);
+    free(tp);
+    return -1;
+}
+
+/* A worker not yet in tp's list nor its epoll set. */
+static int kvr_tp_worker_new(kvr_transport_t *tp, kvr_tp_worker_t **w_p, char *err, size_t errlen)
+{
+    ucs_status_t st;
+    kvr_tp_worker_t *w = calloc(1, sizeof(*w));
+    if (w == NULL) {
+        snprintf(err, errlen, "out of memory");
+        return -1;
+    }
+    w->tp = tp;
     ucp_worker_params_t wp;
     memset(&wp, 0, sizeof(wp));
     wp.field_mask = UCP_WORKER_PARAM_FIELD_THREAD_MODE | UCP_WORKER_PARAM_FIELD_EVENTS;
@@ -386,24 +441,24 @@ int kvr_tp_create(const kvr_tp_callbacks_t *cb, size_t pack_max, kvr_transport_t
     wp.thread_mode = UCS_THREAD_MODE_SERIALIZED;
     wp.events = UCP_WAKEUP_RMA | UCP_WAKEUP_TAG_SEND | UCP_WAKEUP_TAG_RECV | UCP_WAKEUP_TX |
                 UCP_WAKEUP_RX;
-    st = ucp_worker_create(tp->context, &wp, &tp->worker);
+    st = ucp_worker_create(tp->context, &wp, &w->worker);
     if (st != UCS_OK) {
         snprintf(err, errlen, "ucp_worker_create: %s", ucs_status_string(st));
-        goto err_cleanup_context;
+        goto err_free;
     }
 
     ucp_worker_attr_t wa;
     memset(&wa, 0, sizeof(wa));
     wa.field_mask = UCP_WORKER_ATTR_FIELD_ADDRESS;
-    st = ucp_worker_query(tp->worker, &wa);
+    st = ucp_worker_query(w->worker, &wa);
     if (st != UCS_OK) {
         snprintf(err, errlen, "ucp_worker_query: %s", ucs_status_string(st));
         goto err_destroy_worker;
     }
-    tp->address = wa.address;
-    tp->address_len = wa.address_length;
+    w->address = wa.address;
+    w->address_len = wa.address_length;
 
-    st = ucp_worker_get_efd(tp->worker, &tp->efd);
+    st = ucp_worker_get_efd(w->worker, &w->efd);
     if (st != UCS_OK) {
         snprintf(err, errlen, "ucp_worker_get_efd: %s", ucs_status_string(st));
         goto err_release_address;
@@ -415,28 +470,83 @@ int kvr_tp_create(const kvr_tp_callbacks_t *cb, size_t pack_max, kvr_transport_t
                     UCP_AM_HANDLER_PARAM_FIELD_ARG | UCP_AM_HANDLER_PARAM_FIELD_FLAGS;
     hp.id = KVR_AM_ID_DATA;
     hp.cb = kvr_tp_am_cb;
-    hp.arg = tp;
+    hp.arg = w;
     hp.flags = UCP_AM_FLAG_WHOLE_MSG;
-    st = ucp_worker_set_am_recv_handler(tp->worker, &hp);
+    st = ucp_worker_set_am_recv_handler(w->worker, &hp);
     if (st != UCS_OK) {
         snprintf(err, errlen, "ucp_worker_set_am_recv_handler: %s", ucs_status_string(st));
         goto err_release_address;
     }
-
-    snprintf(tp->describe, sizeof(tp->describe), "ucx %s, UCX_TLS=%s%s%s", ucp_get_version_string(),
-             tls ? tls : "all", tp->tuned[0] ? ", kvrecv sets " : "", tp->tuned);
-    *tp_p = tp;
+    *w_p = w;
     return 0;
 
 err_release_address:
-    ucp_worker_release_address(tp->worker, tp->address);
+    ucp_worker_release_address(w->worker, w->address);
 err_destroy_worker:
-    ucp_worker_destroy(tp->worker);
-err_cleanup_context:
-    ucp_cleanup(tp->context);
+    ucp_worker_destroy(w->worker);
 err_free:
-    free(tp);
+    free(w);
     return -1;
+}
+
+static void kvr_tp_worker_free(kvr_tp_worker_t *w)
+{
+    ucp_worker_release_address(w->worker, w->address);
+    ucp_worker_destroy(w->worker);
+    free(w);
+}
+
+int kvr_tp_worker_create(kvr_transport_t *tp, kvr_tp_worker_t **w_p, char *err, size_t errlen)
+{
+    kvr_tp_worker_t *w = tp->spare;
+    if (w != NULL) {
+        tp->spare = NULL;
+    } else if (kvr_tp_worker_new(tp, &w, err, errlen) != 0) {
+        return -1;
+    }
+    struct epoll_event ev;
+    memset(&ev, 0, sizeof(ev));
+    ev.events = EPOLLIN;
+    ev.data.ptr = w;
+    if (epoll_ctl(tp->epfd, EPOLL_CTL_ADD, w->efd, &ev) != 0) {
+        snprintf(err, errlen, "epoll_ctl: %s", strerror(errno));
+        kvr_tp_worker_free(w);
+        return -1;
+    }
+    w->next = tp->workers;
+    if (tp->workers != NULL) {
+        tp->workers->prev = w;
+    }
+    tp->workers = w;
+    tp->nworkers++;
+    tp->workers_created++;
+    *w_p = w;
+    return 0;
+}
+
+void kvr_tp_worker_destroy(kvr_tp_worker_t *w)
+{
+    if (w == NULL) {
+        return;
+    }
+    kvr_transport_t *tp = w->tp;
+    epoll_ctl(tp->epfd, EPOLL_CTL_DEL, w->efd, NULL);
+    if (w->prev != NULL) {
+        w->prev->next = w->next;
+    } else {
+        tp->workers = w->next;
+    }
+    if (w->next != NULL) {
+        w->next->prev = w->prev;
+    }
+    tp->nworkers--;
+    kvr_tp_worker_free(w);
+}
+
+unsigned kvr_tp_nworkers(const kvr_transport_t *tp, uint64_t *created)
+{
+    *created = tp->workers_created;
+    return tp->nworkers;
 }
 
 void kvr_tp_destroy(kvr_transport_t *tp)
@@ -444,42 +554,56 @@ void kvr_tp_destroy(kvr_transport_t *tp)
     if (tp == NULL) {
         return;
     }
+    while (tp->workers != NULL) {
+        kvr_tp_worker_destroy(tp->workers);
+    }
+    if (tp->spare != NULL) {
+        kvr_tp_worker_free(tp->spare);
+    }
     for (size_t i = 0; i < tp->nregions; i++) {
         ucp_mem_unmap(tp->context, tp->regions[i].memh);
     }
     free(tp->regions);
-    ucp_worker_release_address(tp->worker, tp->address);
-    ucp_worker_destroy(tp->worker);
-    kvr_tp_pack_free_cache(tp); /* after the worker: nothing refers to them */
+    kvr_tp_pack_free_cache(tp); /* after the workers: nothing refers to them */
     ucp_cleanup(tp->context);
+    close(tp->epfd);
     free(tp);
 }
 
-void kvr_tp_address(kvr_transport_t *tp, const void **addr_p, size_t *len_p)
+void kvr_tp_address(kvr_tp_worker_t *w, const void **addr_p, size_t *len_p)
 {
-    *addr_p = tp->address;
-    *len_p = tp->address_len;
+    *addr_p = w->address;
+    *len_p = w->address_len;
 }
 
 int kvr_tp_fd(kvr_transport_t *tp)
 {
-    return tp->efd;
+    return tp->epfd;
 }
 
 unsigned kvr_tp_progress(kvr_transport_t *tp)
 {
     /* Bounded, so the engine lock is released between rounds even under a
-     * flood of completions (API calls wait for that lock). */
+     * flood of completions (API calls wait for that lock).  Callbacks may
+     * retire workers but never destroy one (the engine's reaper does). */
     unsigned total = 0, n;
-    for (int i = 0; i < 64 && (n = ucp_worker_progress(tp->worker)) != 0; i++) {
-        total += n;
+    for (kvr_tp_worker_t *w = tp->workers; w != NULL; w = w->next) {
+        for (int i = 0; i < 64 && (n = ucp_worker_progress(w->worker)) != 0; i++) {
+            total += n;
+        }
     }
     return total;
 }
 
 int kvr_tp_arm(kvr_transport_t *tp)
 {
-    return ucp_worker_arm(tp->worker) == UCS_ERR_BUSY ? 1 : 0;
+    int busy = 0;
+    for (kvr_tp_worker_t *w = tp->workers; w != NULL; w = w->next) {
+        busy |= ucp_worker_arm(w->worker) == UCS_ERR_BUSY;
+    }
+    /* tp->epfd is level-triggered: it stays readable while any armed
+     * worker's fd is, so nothing of it needs consuming. */
+    return busy;
 }
 
 static unsigned kvr_tp_mem_mask(ucp_context_h ctx, char *names, size_t len)
@@ -589,18 +713,18 @@ int kvr_tp_address_check(kvr_transport_t *tp, const void *addr, size_t len, char
                          size_t errlen)
 {
     const unsigned char *a = addr;
-    const unsigned char *own = (const unsigned char *)tp->address;
-    if (len < 9 || tp->address_len < 1 || (a[0] & 0x0f) != (own[0] & 0x0f)) {
+    if (len < 9 || (a[0] & 0x0f) != tp->addr_version) {
         snprintf(err, errlen, "malformed UCX worker address (%zu bytes, version %u, ours %u)", len,
-                 len ? a[0] & 0x0f : 0, own[0] & 0x0f);
+                 len ? a[0] & 0x0f : 0, tp->addr_version);
         return -1;
     }
     return 0;
 }
 
-int kvr_tp_ep_create(kvr_transport_t *tp, const void *addr, size_t len, void *ep_ctx,
+int kvr_tp_ep_create(kvr_tp_worker_t *w, const void *addr, size_t len, void *ep_ctx,
                      kvr_tp_ep_t **ep_p, char *err, size_t errlen)
 {
+    kvr_transport_t *tp = w->tp;
     /* UCX asserts (aborting the process) on an address whose header it does
      * not know: check that it has a header of our UCX's address version and
      * room for the worker id before handing it over.  (The control channel
@@ -614,6 +738,7 @@ int kvr_tp_ep_create(kvr_transport_t *tp, const void *addr, size_t len, void *ep
         return -1;
     }
     e->tp = tp;
+    e->w = w;
     e->ep_ctx = ep_ctx;
     ucp_ep_params_t ep;
     memset(&ep, 0, sizeof(ep));
@@ -626,14 +751,14 @@ int kvr_tp_ep_create(kvr_transport_t *tp, const void *addr, size_t len, void *ep
     /* Once UCX said it cannot handle peer failures here (it logs an error
      * line each time it is asked), do not ask again. */
     ucs_status_t st = tp->eps_without_peer_errors ? UCS_ERR_UNREACHABLE
-                                                  : ucp_ep_create(tp->worker, &ep, &e->ep);
+                                                  : ucp_ep_create(w->worker, &ep, &e->ep);
     if (st == UCS_ERR_UNREACHABLE) {
         /* UCX 1.13 offers peer-failure handling only on transports that
          * support it (tcp, not the shared-memory ones).  Without it the
          * engine's heartbeats still detect a dead peer. */
         ep.field_mask &= ~(uint64_t)UCP_EP_PARAM_FIELD_ERR_HANDLER;
         ep.err_mode = UCP_ERR_HANDLING_MODE_NONE;
-        st = ucp_ep_create(tp->worker, &ep, &e->ep);
+        st = ucp_ep_create(w->worker, &ep, &e->ep);
         if (st == UCS_OK) {
             tp->eps_without_peer_errors++;
             e->no_peer_errors = 1;
@@ -653,8 +778,9 @@ int kvr_tp_ep_is_shm(const kvr_tp_ep_t *e)
     return e->no_peer_errors;
 }
 
-void kvr_tp_ep_close(kvr_transport_t *tp, kvr_tp_ep_t *e, int force)
+void kvr_tp_ep_close(kvr_tp_ep_t *e, int force)
 {
+    ucp_worker_h worker = e->w->worker;
     ucp_request_param_t p;
     memset(&p, 0, sizeof(p));
     p.op_attr_mask = UCP_OP_ATTR_FIELD_FLAGS;
@@ -664,10 +790,10 @@ void kvr_tp_ep_close(kvr_transport_t *tp, kvr_tp_ep_t *e, int force)
         /* Bounded drain: a close that does not finish in ~2 s is abandoned
          * (the worker's destruction releases it). */
         for (int i = 0; i < 200000 && ucp_request_check_status(req) == UCS_INPROGRESS; i++) {
-            ucp_worker_progress(tp->worker);
+            ucp_worker_progress(worker);
         }
         if (ucp_request_check_status(req) == UCS_INPROGRESS) {
-            ucp_request_cancel(tp->worker, req);
+            ucp_request_cancel(worker, req);
         }
         ucp_request_free(req);
     }
@@ -693,6 +819,7 @@ int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *e, const void *hdr, size_t hdr
                 const char **status_text)
 {
     op->tp = tp;
+    op->worker = e->w->worker;
     op->bounce = NULL;
     ucp_request_param_t p;
     memset(&p, 0, sizeof(p));
@@ -749,10 +876,10 @@ int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *e, const void *hdr, size_t hdr
     return 1;
 }
 
-void kvr_tp_op_cancel(kvr_transport_t *tp, kvr_tp_op_t *op)
+void kvr_tp_op_cancel(kvr_tp_op_t *op)
 {
     if (op->req != NULL) {
-        ucp_request_cancel(tp->worker, op->req);
+        ucp_request_cancel(op->worker, op->req);
     }
 }
 

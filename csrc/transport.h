@@ -1,9 +1,14 @@
 /*
  * transport: everything that touches UCX.
  *
- * One UCP context and one worker per manager, progressed by the engine
- * thread (and, on the decode, by poll() callers under the same lock).  Data
- * moves as UCX active
+ * One UCP context per manager and one worker per peer (a connection to
+ * one remote manager), all progressed by the engine thread (and, on the
+ * decode, by poll() callers under the same lock).  A worker per peer keeps
+ * peers apart: UCX's shared-memory transports give each worker one receive
+ * FIFO that every sender writes into, and a sender killed in the middle of
+ * a write leaves an element that never completes, stopping the FIFO for
+ * good; with its own worker, only the dead peer's FIFO stops, and it goes
+ * with the peer.  Data moves as UCX active
  * messages: the sender posts (header, pages); the receiver's handler asks the
  * engine where the bytes may go and either copies eager data or starts a
  * rendezvous receive straight into the destination pages.  So the receiver
@@ -24,6 +29,7 @@
 #include <stdint.h>
 
 typedef struct kvr_transport kvr_transport_t;
+typedef struct kvr_tp_worker kvr_tp_worker_t;
 typedef struct kvr_tp_ep kvr_tp_ep_t;
 
 /*
@@ -33,6 +39,7 @@ typedef struct kvr_tp_ep kvr_tp_ep_t;
  */
 typedef struct {
     kvr_transport_t *tp;
+    void *worker; /* the UCX worker it runs on */
     void *req; /* the UCX request while in flight, for cancelling */
     void *bounce; /* a packed copy of a scattered message (tcp), until completion */
     size_t bounce_cap;
@@ -81,22 +88,33 @@ typedef struct {
 } kvr_tp_callbacks_t;
 
 /*
- * Creates the UCP context and worker.  pack_max: most bytes of packed
- * copies of scattered messages in flight (0: never pack).  On error returns
- * -1 and writes the cause into err (errlen bytes).
+ * Creates the UCP context.  pack_max: most bytes of packed copies of
+ * scattered messages in flight (0: never pack).  On error returns -1 and
+ * writes the cause into err (errlen bytes).
  */
 int kvr_tp_create(const kvr_tp_callbacks_t *cb, size_t pack_max, kvr_transport_t **tp_p, char *err,
                   size_t errlen);
+/* Destroys the workers left and the context. */
 void kvr_tp_destroy(kvr_transport_t *tp);
 
-/* The worker address to give peers; owned by tp. */
-void kvr_tp_address(kvr_transport_t *tp, const void **addr_p, size_t *len_p);
-/* The event fd to poll for readiness. */
+/* Creates a worker (for one peer).  -1 with err on failure. */
+int kvr_tp_worker_create(kvr_transport_t *tp, kvr_tp_worker_t **w_p, char *err, size_t errlen);
+/* Destroys a worker whose endpoints are closed: UCX requests still on it
+ * (a receive from a peer that died) go with it, their callbacks never
+ * called. */
+void kvr_tp_worker_destroy(kvr_tp_worker_t *w);
+/* Workers alive; *created: workers created for peers so far (for stats). */
+unsigned kvr_tp_nworkers(const kvr_transport_t *tp, uint64_t *created);
+
+/* The worker address to give the peer; owned by w. */
+void kvr_tp_address(kvr_tp_worker_t *w, const void **addr_p, size_t *len_p);
+/* The fd to poll for readiness of any worker (fixed for tp's life). */
 int kvr_tp_fd(kvr_transport_t *tp);
-/* Progresses until idle or for a bounded number of rounds; returns the
- * number of events handled (0: idle). */
+/* Progresses every worker until idle or for a bounded number of rounds;
+ * returns the number of events handled (0: idle). */
 unsigned kvr_tp_progress(kvr_transport_t *tp);
-/* Arms the event fd: 0 armed (safe to sleep), 1 busy (progress again). */
+/* Arms every worker: 0 armed (safe to sleep on kvr_tp_fd), 1 busy
+ * (progress again). */
 int kvr_tp_arm(kvr_transport_t *tp);
 
 /* Checks that addr looks like a worker address of this UCX (UCX asserts,
@@ -104,8 +122,8 @@ int kvr_tp_arm(kvr_transport_t *tp);
 int kvr_tp_address_check(kvr_transport_t *tp, const void *addr, size_t len, char *err,
                          size_t errlen);
 
-/* Connects to a peer worker address.  ep_ctx is passed to on_ep_error. */
-int kvr_tp_ep_create(kvr_transport_t *tp, const void *addr, size_t len, void *ep_ctx,
+/* Connects w to a peer worker address.  ep_ctx is passed to on_ep_error. */
+int kvr_tp_ep_create(kvr_tp_worker_t *w, const void *addr, size_t len, void *ep_ctx,
                      kvr_tp_ep_t **ep_p, char *err, size_t errlen);
 /* 1 if the endpoint runs over shared memory.  UCX 1.13 cannot say which
  * transport an endpoint uses; an endpoint that had to be created without
@@ -113,7 +131,7 @@ int kvr_tp_ep_create(kvr_transport_t *tp, const void *addr, size_t len, void *ep
 int kvr_tp_ep_is_shm(const kvr_tp_ep_t *ep);
 /* Closes (force: cancels outstanding operations with an error).  The
  * endpoint must not be used afterwards. */
-void kvr_tp_ep_close(kvr_transport_t *tp, kvr_tp_ep_t *ep, int force);
+void kvr_tp_ep_close(kvr_tp_ep_t *ep, int force);
 
 /* UCX's shared-memory transports carry a message of up to this many bytes
  * and kvrecv's header in one fragment of their default segment
@@ -144,7 +162,7 @@ int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *ep, const void *hdr, size_t hd
 
 /* Asks UCX to cancel an operation in flight; its callback then reports
  * KVR_TP_PEER_GONE or KVR_TP_ERROR (or success, if it had finished). */
-void kvr_tp_op_cancel(kvr_transport_t *tp, kvr_tp_op_t *op);
+void kvr_tp_op_cancel(kvr_tp_op_t *op);
 
 /* Registers a memory region for faster sends from it; returns 0 or -1. */
 int kvr_tp_mem_map(kvr_transport_t *tp, void *addr, size_t len, char *err, size_t errlen);

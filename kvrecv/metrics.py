@@ -77,6 +77,9 @@ _SCALARS = [
     ("kvrecv_data_rendezvous_total", "counter",
      "Data messages the decode accepted that came by rendezvous (the others came eagerly).",
      "data_rendezvous"),
+    ("kvrecv_ucx_workers", "gauge", "UCX workers alive (one per connected peer).", "ucx_workers"),
+    ("kvrecv_ucx_workers_created_total", "counter",
+     "UCX workers created (one per connection to a peer).", "ucx_workers_created"),
 ]
 
 _ROOMS = ("kvrecv_rooms", "gauge", "Open rooms by KVPoll state.")

@@ -155,6 +155,9 @@ def test_prometheus_text_matches_stats(pair):
         assert get("kvrecv_heartbeats_missed_total") == st["heartbeats_missed"]
         assert get("kvrecv_ctrl_dropped_total") == st["ctrl_dropped"]
         assert get("kvrecv_data_rendezvous_total") == st["data_rendezvous"]
+        # One connected peer each: one worker for it.
+        assert get("kvrecv_ucx_workers") == st["ucx_workers"] == 1
+        assert get("kvrecv_ucx_workers_created_total") == st["ucx_workers_created"] == 1
         assert get("kvrecv_rooms_succeeded_total") == st["rooms_succeeded"] == 1
         for state, n in st["rooms_by_state"].items():
             assert get("kvrecv_rooms", ("state", state)) == n
