@@ -57,6 +57,7 @@ typedef struct {
 
 struct kvr_tp_worker {
     kvr_transport_t *tp;
+    uint64_t id;              /* unique in tp (operations name their worker by it) */
     ucp_worker_h worker;
     ucp_address_t *address;
     size_t address_len;
@@ -270,7 +271,7 @@ static ucs_status_t kvr_tp_am_cb(void *arg, const void *header, size_t header_le
         return UCS_OK;
     }
     acc.op->tp = tp;
-    acc.op->worker = w->worker;
+    acc.op->worker_id = w->id;
     acc.op->req = NULL;
     size_t recv_len = 0;
     ucp_request_param_t rp;
@@ -520,6 +521,7 @@ int kvr_tp_worker_create(kvr_transport_t *tp, kvr_tp_worker_t **w_p, char *err, 
     tp->workers = w;
     tp->nworkers++;
     tp->workers_created++;
+    w->id = tp->workers_created;
     *w_p = w;
     return 0;
 }
@@ -819,7 +821,7 @@ int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *e, const void *hdr, size_t hdr
                 const char **status_text)
 {
     op->tp = tp;
-    op->worker = e->w->worker;
+    op->worker_id = e->w->id;
     op->bounce = NULL;
     ucp_request_param_t p;
     memset(&p, 0, sizeof(p));
@@ -878,9 +880,18 @@ int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *e, const void *hdr, size_t hdr
 
 void kvr_tp_op_cancel(kvr_tp_op_t *op)
 {
-    if (op->req != NULL) {
-        ucp_request_cancel(op->worker, op->req);
+    if (op->req == NULL) {
+        return;
     }
+    for (kvr_tp_worker_t *w = op->tp->workers; w != NULL; w = w->next) {
+        if (w->id == op->worker_id) {
+            ucp_request_cancel(w->worker, op->req);
+            return;
+        }
+    }
+    /* Its worker was destroyed, and the request with it: nothing will
+     * complete it (the engine force-drains the room). */
+    op->req = NULL;
 }
 
 int kvr_tp_mem_map(kvr_transport_t *tp, void *addr, size_t len, char *err, size_t errlen)

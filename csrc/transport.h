@@ -39,7 +39,7 @@ typedef struct kvr_tp_ep kvr_tp_ep_t;
  */
 typedef struct {
     kvr_transport_t *tp;
-    void *worker; /* the UCX worker it runs on */
+    uint64_t worker_id; /* the worker it runs on (kvr_tp_op_cancel looks it up: it may be gone) */
     void *req; /* the UCX request while in flight, for cancelling */
     void *bounce; /* a packed copy of a scattered message (tcp), until completion */
     size_t bounce_cap;
@@ -161,7 +161,8 @@ int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *ep, const void *hdr, size_t hd
                 const char **status_text);
 
 /* Asks UCX to cancel an operation in flight; its callback then reports
- * KVR_TP_PEER_GONE or KVR_TP_ERROR (or success, if it had finished). */
+ * KVR_TP_PEER_GONE or KVR_TP_ERROR (or success, if it had finished).  An
+ * operation whose worker was destroyed gets no callback. */
 void kvr_tp_op_cancel(kvr_tp_op_t *op);
 
 /* Registers a memory region for faster sends from it; returns 0 or -1. */
