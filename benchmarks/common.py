@@ -251,6 +251,71 @@ def summarize(xs: Sequence[float]) -> Dict:
             "n": len(xs)}
 
 
+def _thread_sum(dicts, denom):
+    tot = {}
+    for d in dicts:
+        for k, v in d.items():
+            tot[k] = tot.get(k, 0.0) + v
+    return {k: v / denom for k, v in sorted(tot.items()) if v > 0}
+
+
+def summarize_kv_rounds(out: Dict, point: Dict) -> Dict:
+    """kvrecv's figures for a throughput point from out["rounds"]."""
+    rounds = out["rounds"]
+    if rounds:
+        gb = round_bytes(point) / 1e9
+        out["gbps"] = median([r["gbps"] for r in rounds])
+        out["gbps_all"] = [r["gbps"] for r in rounds]
+        out["ops_per_room"] = median([r["ops_per_room"] for r in rounds])
+        out["cpu_s_per_gb"] = {
+            "decode": median([r["decode_cpu"] for r in rounds]) / gb,
+            "prefill": median([r["prefill_cpu"] for r in rounds]) / gb,
+            "total": median([r["decode_cpu"] + r["prefill_cpu"] for r in rounds]) / gb}
+        out["thread_cpu_s_per_gb"] = {
+            side: _thread_sum([r[side + "_threads"] for r in rounds], gb * len(rounds))
+            for side in ("decode", "prefill")}
+        out["post_fraction"] = median([r["post_seconds"] / r["seconds"] for r in rounds])
+        sends = [c for r in rounds for c in r["send_call_us"]]
+        out["send_call_us"] = {"median": median(sends), "max": max(sends)}
+        out["failed_rooms"] = sum(r["failed_rooms"] for r in rounds)
+    return out
+
+
+def summarize_nixl_rounds(out: Dict, point: Dict) -> Dict:
+    """NIXL's figures for a throughput point from out["rounds"]."""
+    rounds = out["rounds"]
+    if rounds:
+        gb = round_bytes(point) / 1e9
+        out["gbps"] = median([r["gbps"] for r in rounds])
+        out["gbps_all"] = [r["gbps"] for r in rounds]
+        out["gbps_initiator_done"] = median(
+            [round_bytes(point) / r["initiator_done_seconds"] / 1e9 for r in rounds])
+        out["cpu_s_per_gb"] = {
+            "prefill": median([r["prefill_cpu"] for r in rounds]) / gb,
+            "decode": median([r["decode_cpu"] for r in rounds]) / gb,
+            "total": median([r["prefill_cpu"] + r["decode_cpu"] for r in rounds]) / gb}
+        out["verify"] = "ok" if not any(r["bad"] for r in rounds) else [
+            r["bad"] for r in rounds if r["bad"]][:2]
+    return out
+
+
+def merge_rounds(results: List[Dict], point: Dict, summarize_rounds) -> Dict:
+    """One result from several requests for the same point (one round each,
+    taken in turn with a reference's): every request's rounds, summarized
+    again.  The first error, if any, is the result."""
+    for r in results:
+        if "error" in r:
+            return r
+    out = dict(results[0])
+    out["rounds"] = [x for r in results for x in r["rounds"]]
+    out["requests"] = len(results)
+    out["wall_s"] = sum(r.get("wall_s", 0.0) for r in results)
+    bad = [r["verify"] for r in results if r.get("verify", "ok") != "ok"]
+    if "verify" in out:
+        out["verify"] = "ok" if not bad else bad
+    return summarize_rounds(out, point)
+
+
 def dump(path: str, obj) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

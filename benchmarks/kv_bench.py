@@ -234,6 +234,8 @@ class Decode:
         self.child = Child(config)
         self.mgr = None
         self.bufs = None
+        self.point = None
+        self.info = None  # what the child said at the last setup
         self.next_room = 1000
 
     def setup(self, point, config=None):
@@ -255,8 +257,8 @@ class Decode:
         self.plan = C.make_plan(point) if point.get("layout") else None
         self.mgr = KVManager(KVArgs.from_buffers(0, self.bufs, [point["item"]] * point["nbuf"]),
                              "decode", config=KVConfig(**cfg))
-        info = self.child.call("setup", (point, cfg, self.addr))
-        return info
+        self.info = self.child.call("setup", (point, cfg, self.addr))
+        return self.info
 
     def rooms(self, n):
         ids = list(range(self.next_room, self.next_room + n))
@@ -279,11 +281,17 @@ class Decode:
 
     # ---- throughput -----------------------------------------------------
 
-    def throughput_point(self, point, nrounds, warmup=1):
+    def throughput_point(self, point, nrounds, warmup=1, reuse=False):
+        """nrounds measured rounds of the point (after warmup ones); reuse:
+        on the buffers and managers of the last call if it was this point
+        (run.py takes one round at a time, in turn with NIXL's)."""
         from kvrecv import KVPoll
 
         terminal = (KVPoll.Success, KVPoll.Failed)
-        info = self.setup(point)
+        if reuse and self.mgr is not None and self.point == point and self.info is not None:
+            info = self.info
+        else:
+            info = self.setup(point)
         out = {"point": point, "name": C.point_name(point), "round_bytes": C.round_bytes(point),
                "transport": info["transport"], "prefill_core_build": info.get("core_build"),
                "runs_per_room": [len(C.runs_of(s, d)) for s, d in self.plan][:4],
@@ -342,24 +350,7 @@ class Decode:
                 out["rounds"].append(rec)
             else:
                 out.setdefault("warmup", []).append(rec)
-        rounds = out["rounds"]
-        if rounds:
-            gb = C.round_bytes(point) / 1e9
-            out["gbps"] = C.median([r["gbps"] for r in rounds])
-            out["gbps_all"] = [r["gbps"] for r in rounds]
-            out["ops_per_room"] = C.median([r["ops_per_room"] for r in rounds])
-            out["cpu_s_per_gb"] = {
-                "decode": C.median([r["decode_cpu"] for r in rounds]) / gb,
-                "prefill": C.median([r["prefill_cpu"] for r in rounds]) / gb,
-                "total": C.median([r["decode_cpu"] + r["prefill_cpu"] for r in rounds]) / gb}
-            out["thread_cpu_s_per_gb"] = {
-                side: _thread_sum([r[side + "_threads"] for r in rounds], gb * len(rounds))
-                for side in ("decode", "prefill")}
-            out["post_fraction"] = C.median([r["post_seconds"] / r["seconds"] for r in rounds])
-            sends = [c for r in rounds for c in r["send_call_us"]]
-            out["send_call_us"] = {"median": C.median(sends), "max": max(sends)}
-            out["failed_rooms"] = sum(r["failed_rooms"] for r in rounds)
-        return out
+        return C.summarize_kv_rounds(out, point)
 
     # ---- latency --------------------------------------------------------
 
@@ -556,14 +547,6 @@ def _reason(room):
     return "no exception"
 
 
-def _thread_sum(dicts, denom):
-    tot = {}
-    for d in dicts:
-        for k, v in d.items():
-            tot[k] = tot.get(k, 0.0) + v
-    return {k: v / denom for k, v in sorted(tot.items()) if v > 0}
-
-
 def serve():
     """Long-lived mode for run.py: one JSON request per stdin line, one
     "@@RESULT <json>" line per answer on stdout (UCX logs to stdout too)."""
@@ -578,7 +561,8 @@ def serve():
                 if cmd == "exit":
                     break
                 if cmd == "throughput":
-                    r = d.throughput_point(req["point"], req["rounds"], req.get("warmup", 1))
+                    r = d.throughput_point(req["point"], req["rounds"], req.get("warmup", 1),
+                                           req.get("reuse", False))
                 elif cmd == "latency":
                     r = d.latency(req["point"], req["samples"], req.get("mode", "spin"))
                 elif cmd == "poll":

@@ -154,6 +154,7 @@ class Bench:
         self.agent = make_agent(self.nx, "prefill")
         self.remote = None
         self.npoint = 0
+        self.cur = None  # (point, bufs, registration, rooms) of the last call, for reuse
 
     def call(self, cmd, arg=None, timeout=ROUND_TIMEOUT * 2):
         self.conn.send((cmd, arg))
@@ -164,19 +165,33 @@ class Bench:
             raise RuntimeError("decode child: " + val)
         return val
 
-    def point(self, point, nrounds, warmup=1):
-        nx = self.nx
-        bufs = [np.empty(C.pool_pages(point) * point["item"], dtype=np.uint8)
-                for _ in range(point["nbuf"])]
-        for b, buf in enumerate(bufs):
-            C.fill_pattern(buf, b)
-        reg = self.agent.register_memory([(b.ctypes.data, b.nbytes, 0, "") for b in bufs], "DRAM")
-        info = self.call("setup", point)
-        if self.remote is not None:
-            self.agent.remove_remote_agent(self.remote)
-        self.remote = self.agent.add_remote_agent(info["meta"])
-        plan = C.make_plan(point)
-        rooms = descs_for(point, plan, ([b.ctypes.data for b in bufs], info["bases"]))
+    def _release(self):
+        if self.cur is not None:
+            self.agent.deregister_memory(self.cur[2])
+            self.cur = None
+
+    def point(self, point, nrounds, warmup=1, reuse=False):
+        """nrounds measured rounds (after warmup ones); reuse: on the
+        buffers, registration and descriptors of the last call if it was
+        this point (run.py takes one round at a time, in turn with
+        kvrecv's)."""
+        if reuse and self.cur is not None and self.cur[0] == point:
+            _p, bufs, reg, rooms = self.cur
+        else:
+            self._release()
+            bufs = [np.empty(C.pool_pages(point) * point["item"], dtype=np.uint8)
+                    for _ in range(point["nbuf"])]
+            for b, buf in enumerate(bufs):
+                C.fill_pattern(buf, b)
+            reg = self.agent.register_memory([(b.ctypes.data, b.nbytes, 0, "") for b in bufs],
+                                             "DRAM")
+            info = self.call("setup", point)
+            if self.remote is not None:
+                self.agent.remove_remote_agent(self.remote)
+            self.remote = self.agent.add_remote_agent(info["meta"])
+            plan = C.make_plan(point)
+            rooms = descs_for(point, plan, ([b.ctypes.data for b in bufs], info["bases"]))
+            self.cur = (point, bufs, reg, rooms)
         out = {"point": point, "name": C.point_name(point),
                "descs_per_room": int(np.median([len(s) for s, _ in rooms])), "rounds": []}
         for i in range(warmup + nrounds):
@@ -220,22 +235,8 @@ class Bench:
                    "gbps": C.round_bytes(point) / ((t1 - t0) / 1e9) / 1e9,
                    "prefill_cpu": cpu1 - cpu0, "decode_cpu": dec["cpu"], "bad": dec["bad"]}
             (out["rounds"] if i >= warmup else out.setdefault("warmup", [])).append(rec)
-        self.agent.deregister_memory(reg)
         self.npoint += 1
-        rounds = out["rounds"]
-        if rounds:
-            gb = C.round_bytes(point) / 1e9
-            out["gbps"] = C.median([r["gbps"] for r in rounds])
-            out["gbps_all"] = [r["gbps"] for r in rounds]
-            out["gbps_initiator_done"] = C.median(
-                [C.round_bytes(point) / r["initiator_done_seconds"] / 1e9 for r in rounds])
-            out["cpu_s_per_gb"] = {
-                "prefill": C.median([r["prefill_cpu"] for r in rounds]) / gb,
-                "decode": C.median([r["decode_cpu"] for r in rounds]) / gb,
-                "total": C.median([r["prefill_cpu"] + r["decode_cpu"] for r in rounds]) / gb}
-            out["verify"] = "ok" if not any(r["bad"] for r in rounds) else [
-                r["bad"] for r in rounds if r["bad"]][:2]
-        return out
+        return C.summarize_nixl_rounds(out, point)
 
     def _round_result(self):
         if not self.conn.poll(ROUND_TIMEOUT * 2):
@@ -281,7 +282,8 @@ def serve():
                 break
             t = time.monotonic()
             try:
-                r = b.point(req["point"], req["rounds"], req.get("warmup", 1))
+                r = b.point(req["point"], req["rounds"], req.get("warmup", 1),
+                            req.get("reuse", False))
                 r["version"] = nixl_version(b.nx)
                 r["prog_thread"] = PROG_THREAD
             except Exception:  # noqa: BLE001

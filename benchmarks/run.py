@@ -16,10 +16,11 @@ For UCX_TLS=tcp and for shared memory (UCX_TLS=posix,sysv,cma,self):
               plans, and memcpy of the same bytes
 
 Writes benchmarks/results/results.json, throughput.png and summary.md, and
-prints the summary table.  Each figure is a median of >= 5 rounds.  The
-references of a throughput point are measured right after kvrecv's rounds
-for that point (interleaved point by point), so that ratios compare runs
-seconds apart on this shared machine; "best" ratios (best round against best
+prints the summary table.  Each figure is a median of >= 5 rounds.  For a
+throughput point, kvrecv and NIXL take turns round by round (one round of
+kvrecv, one of NIXL, and again), so that their ratio compares rounds a
+fraction of a second apart on this shared machine; the other references of
+the point are measured right after; "best" ratios (best round against best
 round) are given beside the median ratios.
 """
 
@@ -801,15 +802,28 @@ def run_transport(label, res, a, points, skip, exe, tmp, reps_pt):
             name = C.point_name(p)
             rec = {"name": name, "point": p, "msg_size": msg_size(p)}
             tr["points"].append(rec)
+            # kvrecv and NIXL take turns, one round each, so that both see
+            # the same minutes of this shared machine (their ratio is the
+            # figure); the other references follow.
+            turns = [(k, srv, req) for k, srv, req in (
+                ("kvrecv", kv, {"cmd": "throughput", "point": p}),
+                ("nixl", nx, {"cmd": "point", "point": p})) if srv is not None]
+            got = {k: [] for k, _s, _r in turns}
+            for i in range(a.rounds):
+                for k, srv, req in turns:
+                    if got[k] and "error" in got[k][-1]:
+                        continue
+                    got[k].append(srv.request(dict(req, rounds=1, warmup=1 if i == 0 else 0,
+                                                   reuse=i > 0)))
             if kv:
-                r = kv.request({"cmd": "throughput", "point": p, "rounds": a.rounds})
+                r = C.merge_rounds(got["kvrecv"], p, C.summarize_kv_rounds)
                 rec["kvrecv"] = r
                 log(f"  {label} {name:<30} kvrecv {fmt(r.get('gbps'))} GB/s, ops/room "
                     f"{fmt(r.get('ops_per_room'), 0)}, CPU {fmt(_get(r, 'cpu_s_per_gb', 'total'), 2)} s/GB"
                     f"{'' if r.get('verify', 'ok') == 'ok' else ' VERIFY FAILED'}"
                     f"{' ERROR ' + r['error'][-300:] if 'error' in r else ''}")
             if nx:
-                r = nx.request({"cmd": "point", "point": p, "rounds": a.rounds})
+                r = C.merge_rounds(got["nixl"], p, C.summarize_nixl_rounds)
                 r["UCX_TLS"] = ntls
                 rec["nixl"] = r
                 log(f"  {label} {name:<30} NIXL   {fmt(r.get('gbps'))} GB/s, descs/room "
