@@ -3193,8 +3193,9 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
         goto err_free;
     }
     kvr_tp_callbacks_t tcb = {e, kvr_on_data, kvr_on_recv_done, kvr_on_send_done, kvr_on_ep_error};
-    if (kvr_tp_create(&tcb, (size_t)e->cfg.pack_bytes, &e->tp, err, errlen) != 0) {
-        rc = KVR_ESYSTEM;
+    rc = kvr_tp_create(&tcb, (size_t)e->cfg.pack_bytes, &e->tp, err, errlen);
+    if (rc != 0) {
+        rc = rc == -2 ? KVR_EVALUE : KVR_ESYSTEM;
         goto err_free;
     }
     rc = kvr_gpu_setup(e, p, err, errlen);

@@ -366,11 +366,46 @@ static void kvr_tp_tune(kvr_transport_t *tp, ucp_config_t *config, const char *t
 static int kvr_tp_worker_new(kvr_transport_t *tp, kvr_tp_worker_t **w_p, char *err,
                              size_t errlen);
 
+/* UCX 1.13's shared-memory transports break on segments of 64 KiB or more
+ * (the fragment length no longer fits their queue elements, it seems):
+ * measured with kvrecv's scattered messages, a 526 KB message hung with
+ * UCX_POSIX_SEG_SIZE=65600 and 65536 crashed the process; 49216 and below
+ * moved every byte.  UCX reads UCX_MM_SEG_SIZE for both when the
+ * transport's own variable is not set.  0, or -1 with err. */
+#define KVR_TP_SHM_SEG_LIMIT 65536
+
+static int kvr_tp_check_shm_seg(char *err, size_t errlen)
+{
+    static const char *const own[] = {"UCX_POSIX_SEG_SIZE", "UCX_SYSV_SEG_SIZE"};
+    for (size_t i = 0; i < sizeof(own) / sizeof(own[0]); i++) {
+        const char *name = own[i];
+        const char *v = getenv(name);
+        if (v == NULL) {
+            name = "UCX_MM_SEG_SIZE";
+            v = getenv(name);
+        }
+        size_t bytes = 0;
+        if (v != NULL && ucs_str_to_memunits(v, &bytes) == UCS_OK &&
+            bytes != UCS_MEMUNITS_AUTO && bytes >= KVR_TP_SHM_SEG_LIMIT) {
+            snprintf(err, errlen,
+                     "%s=%s: UCX %s's shared-memory transports lose or corrupt messages in "
+                     "segments of %u bytes or more (kvrecv measured a hang and a crash); set it "
+                     "below %u (UCX's default is 8256)",
+                     name, v, ucp_get_version_string(), KVR_TP_SHM_SEG_LIMIT, KVR_TP_SHM_SEG_LIMIT);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 int kvr_tp_create(const kvr_tp_callbacks_t *cb, size_t pack_max, kvr_transport_t **tp_p, char *err,
                   size_t errlen)
 {
     ucs_status_t st;
     ucp_config_t *config = NULL;
+    if (kvr_tp_check_shm_seg(err, errlen) != 0) {
+        return -2;
+    }
     kvr_transport_t *tp = calloc(1, sizeof(*tp));
     if (tp == NULL) {
         snprintf(err, errlen, "out of memory");

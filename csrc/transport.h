@@ -89,8 +89,9 @@ typedef struct {
 
 /*
  * Creates the UCP context.  pack_max: most bytes of packed copies of
- * scattered messages in flight (0: never pack).  On error returns -1 and
- * writes the cause into err (errlen bytes).
+ * scattered messages in flight (0: never pack).  On error returns -1 (UCX or
+ * the system failed) or -2 (a UCX setting in the environment kvrecv cannot
+ * work with) and writes the cause into err (errlen bytes).
  */
 int kvr_tp_create(const kvr_tp_callbacks_t *cb, size_t pack_max, kvr_transport_t **tp_p, char *err,
                   size_t errlen);

@@ -649,3 +649,40 @@ def test_calls_of_the_other_side_are_refused(pair):
     r.clear()
     s.clear()
     assert_all_canary(pair.dst)
+
+
+# --------------------------------------------------------------------------
+# UCX settings kvrecv cannot work with
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name,value", [("UCX_POSIX_SEG_SIZE", "65600"),
+                                        ("UCX_SYSV_SEG_SIZE", "65536"),
+                                        ("UCX_MM_SEG_SIZE", "64K")])
+def test_shared_memory_segments_of_64k_or_more_are_refused(monkeypatch, name, value):
+    """UCX 1.13's shared-memory transports hang (65600) or crash the process
+    (65536) on kvrecv's messages with segments of 64 KiB or more: the
+    manager refuses to start instead, naming the variable."""
+    monkeypatch.setenv(name, value)
+    bufs = [np.zeros(4 * 1024, dtype=np.uint8)]
+    for mode in ("decode", "prefill"):
+        with pytest.raises(ValueError) as ei:
+            KVManager(KVArgs.from_buffers(0, bufs, [1024]), mode,
+                      bootstrap_addr="127.0.0.1:1" if mode == "prefill" else None)
+        msg = str(ei.value)
+        assert msg.startswith(f"{name}={value}: UCX ") and "below 65536" in msg, msg
+
+
+@pytest.fixture
+def shm_65535(monkeypatch):
+    """The largest shared-memory segments kvrecv accepts (before `prog`
+    creates the managers)."""
+    monkeypatch.setenv("UCX_TLS", "posix,sysv,cma,self")
+    monkeypatch.setenv("UCX_MM_SEG_SIZE", "65535")
+
+
+def test_shared_memory_segments_below_64k_move_every_byte(shm_65535, prog):
+    """A room of 64 pages (526 KB: one scattered message per buffer, moved
+    through the segments) lands byte for byte with 65535-byte segments."""
+    pages = np.arange(64, dtype=np.int32)
+    finish_and_check(prog, pages, pages[::-1].copy())
