@@ -590,11 +590,7 @@ static int kvr_peer_worker(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t err
     if (p->worker != NULL) {
         return 0;
     }
-    if (kvr_tp_worker_create(e->tp, &p->worker, err, errlen) != 0) {
-        p->worker = NULL;
-        return -1;
-    }
-    return 0;
+    return kvr_tp_worker_create(e->tp, &p->worker, err, errlen);
 }
 
 /* Engine thread: (re)connects to the siblings and publishes root causes. */
