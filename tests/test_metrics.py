@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from kvtest import STD, auto_run_bytes, count_runs, room_messages, wait_for
+from kvtest import STD, auto_run_bytes, count_runs, room_messages, wait_for, wait_until
 
 from kvrecv import KVPoll, KVReceiver, KVSender
 from kvrecv.metrics import histogram_buckets, prometheus_text
@@ -253,3 +253,15 @@ def test_prometheus_client_collector(pair):
                         auto_run_bytes("tcp"))
     assert ops == 2  # one run of 3 pages: the 8 buffers in one message | aux (tcp, auto)
     assert value("kvrecv_rma_ops_per_room", "kvrecv_rma_ops_per_room_sum", "prefill") == ops
+
+
+def test_a_decode_that_leaves_takes_its_worker_with_it(pair):
+    """Each connection has its own UCX worker (one per side here); when the
+    decode closes its manager the prefill destroys the worker it had for
+    it at once."""
+    transfer(pair, 5, [1, 2], [3, 4])
+    for mgr in (pair.prefill, pair.decode):
+        assert mgr.stats()["ucx_workers"] == mgr.stats()["ucx_workers_created"] == 1
+    pair.decode.close()
+    assert wait_until(lambda: pair.prefill.stats()["ucx_workers"] == 0, 5), pair.prefill.stats()
+    assert pair.prefill.stats()["ucx_workers_created"] == 1
