@@ -259,18 +259,26 @@ def _thread_sum(dicts, denom):
     return {k: v / denom for k, v in sorted(tot.items()) if v > 0}
 
 
+def _summarize_rounds(out: Dict, point: Dict) -> float:
+    """What kvrecv's and NIXL's results share: GB/s (median and every
+    round) and CPU seconds per GB of both processes.  Returns GB per round."""
+    rounds = out["rounds"]
+    gb = round_bytes(point) / 1e9
+    out["gbps"] = median([r["gbps"] for r in rounds])
+    out["gbps_all"] = [r["gbps"] for r in rounds]
+    out["cpu_s_per_gb"] = {
+        "decode": median([r["decode_cpu"] for r in rounds]) / gb,
+        "prefill": median([r["prefill_cpu"] for r in rounds]) / gb,
+        "total": median([r["decode_cpu"] + r["prefill_cpu"] for r in rounds]) / gb}
+    return gb
+
+
 def summarize_kv_rounds(out: Dict, point: Dict) -> Dict:
     """kvrecv's figures for a throughput point from out["rounds"]."""
     rounds = out["rounds"]
     if rounds:
-        gb = round_bytes(point) / 1e9
-        out["gbps"] = median([r["gbps"] for r in rounds])
-        out["gbps_all"] = [r["gbps"] for r in rounds]
+        gb = _summarize_rounds(out, point)
         out["ops_per_room"] = median([r["ops_per_room"] for r in rounds])
-        out["cpu_s_per_gb"] = {
-            "decode": median([r["decode_cpu"] for r in rounds]) / gb,
-            "prefill": median([r["prefill_cpu"] for r in rounds]) / gb,
-            "total": median([r["decode_cpu"] + r["prefill_cpu"] for r in rounds]) / gb}
         out["thread_cpu_s_per_gb"] = {
             side: _thread_sum([r[side + "_threads"] for r in rounds], gb * len(rounds))
             for side in ("decode", "prefill")}
@@ -285,15 +293,9 @@ def summarize_nixl_rounds(out: Dict, point: Dict) -> Dict:
     """NIXL's figures for a throughput point from out["rounds"]."""
     rounds = out["rounds"]
     if rounds:
-        gb = round_bytes(point) / 1e9
-        out["gbps"] = median([r["gbps"] for r in rounds])
-        out["gbps_all"] = [r["gbps"] for r in rounds]
+        _summarize_rounds(out, point)
         out["gbps_initiator_done"] = median(
             [round_bytes(point) / r["initiator_done_seconds"] / 1e9 for r in rounds])
-        out["cpu_s_per_gb"] = {
-            "prefill": median([r["prefill_cpu"] for r in rounds]) / gb,
-            "decode": median([r["decode_cpu"] for r in rounds]) / gb,
-            "total": median([r["prefill_cpu"] + r["decode_cpu"] for r in rounds]) / gb}
         out["verify"] = "ok" if not any(r["bad"] for r in rounds) else [
             r["bad"] for r in rounds if r["bad"]][:2]
     return out
