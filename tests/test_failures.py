@@ -16,6 +16,8 @@ from __future__ import annotations
 import os
 import pickle
 import socket
+import subprocess
+import sys
 import threading
 import time
 
@@ -662,8 +664,6 @@ class _BusyProcesses:
     is the case the decode must survive."""
 
     def __enter__(self):
-        import subprocess
-        import sys
         self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
                       for _ in range(os.cpu_count() or 2)]
         return self
