@@ -477,13 +477,14 @@ def evaluate(res):
                 add("random pages: >= 1.5x NIXL, default config (progress thread)",
                     f"{label} {p['name']}", p["kvrecv"], p["nixl_prog_thread"], 1.5, note)
             # The fallback reference, for when NIXL cannot run: a
-            # target only then; beside NIXL's figure it is listed, not judged.
+            # target only then; beside NIXL's figure it is listed, not judged
+            # (no verdict: "pass" None).
             fallback = _get(p, "nixl", "gbps") is None
             add("random pages: >= 1.5x put-loop reference (C ucp_put_nbx + flush)" if fallback
                 else "random pages: put-loop reference (C ucp_put_nbx + flush), for information "
                      "(the target when NIXL cannot run)",
                 f"{label} {p['name']}", p["kvrecv"], p.get("c_put"), 1.5,
-                None if fallback else {"info": True, "pass": None})
+                None if fallback else {"pass": None})
     # 3. latency
     for lat in _get(trs, "shm", "latency") or []:
         if "p50_us" not in lat:
@@ -710,7 +711,7 @@ def summary_md(res):
         out.append(f"| {x['target']} | {x['case']} | {fmt(x['kvrecv'], nd)} {unit} | "
                    f"{fmt(x['reference'])} | {fmt(x['ratio'], 2)} | {fmt(x.get('ratio_best'), 2)} | "
                    f"{fmt(x.get('ratio_adjacent'), 2)} | {x['goal']} | "
-                   f"{'info' if x.get('info') else 'PASS' if x['pass'] else 'FAIL'} |")
+                   f"{'info' if x['pass'] is None else 'PASS' if x['pass'] else 'FAIL'} |")
     return "\n".join(out) + "\n"
 
 
