@@ -1512,14 +1512,15 @@ static void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
         return;
     }
     if (r->peer->ep == NULL) {
-        char err[256];
-        if (r->peer->worker_addr == NULL ||
-            r->peer->worker == NULL ||
+        char err[256] = "no worker address";
+        if (r->peer->worker == NULL) {
+            snprintf(err, sizeof(err), "no UCX worker for it");
+        }
+        if (r->peer->worker_addr == NULL || r->peer->worker == NULL ||
             kvr_tp_ep_create(r->peer->worker, r->peer->worker_addr, r->peer->worker_addr_len,
                              r->peer, &r->peer->ep, err, sizeof(err)) != 0) {
             kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "cannot reach %s: %s", r->peer->name,
-                                  r->peer->worker_addr && r->peer->worker ? err
-                                                                          : "no worker address");
+                                  err);
             return;
         }
     }
