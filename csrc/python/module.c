@@ -150,19 +150,11 @@ static PyType_Slot kvr_err_slots[] = {
     {0, NULL},
 };
 
-/* Subclass names per code, in KVR_STATUS_MAP order. */
+/* Subclass names per code, from the status table. */
 static const char *const kvr_err_names[KVR_STATUS_LAST] = {
-    NULL,                   /* OK */
-    "KVBootstrapError",     /* BOOTSTRAP */
-    "KVLayoutError",        /* LAYOUT_MISMATCH */
-    "KVPeerLostError",      /* PEER_LOST */
-    "KVPeerRestartedError", /* PEER_RESTARTED */
-    "KVTransportError",     /* TRANSPORT */
-    "KVTimeoutError",       /* TIMEOUT */
-    "KVAbortedError",       /* ABORTED */
-    "KVRemoteError",        /* REMOTE */
-    "KVProtocolError",      /* PROTOCOL */
-    "KVRefusedError",       /* REFUSED */
+#define KVR_STATUS_PYCLASS(name, str, pyclass, msg) pyclass,
+    KVR_STATUS_MAP(KVR_STATUS_PYCLASS)
+#undef KVR_STATUS_PYCLASS
 };
 
 static PyObject *kvr_make_error_type(PyObject *m, const char *name, PyObject *base,
