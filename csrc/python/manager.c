@@ -234,7 +234,7 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     }
     kvr_config_default(&p.cfg);
     uint64_t v;
-#define KVR_CFG_READ(field, max, is_bool)                                                    \
+#define KVR_CFG_READ(field, max, is_bool)                                                 \
     v = p.cfg.field;                                                                          \
     if (kvr_cfg_get(cfg, #field, (max), &v) < 0) {                                            \
         goto out;                                                                             \
