@@ -57,7 +57,8 @@ typedef struct {
     int poll_progress;              /* decode: poll() may progress UCX (kvr_handle_poll) */
 } kvr_config_t;
 
-/* The defaults documented in the README. */
+/* The defaults.  The binding hands them to Python (config_defaults), and a
+ * test checks the README's configuration table against them. */
 void kvr_config_default(kvr_config_t *cfg);
 
 /* Memory kinds of the buffers (kvr_engine_params_t.kv_kinds / aux_kinds). */

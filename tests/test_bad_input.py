@@ -311,6 +311,16 @@ def test_room_id_not_an_integer(pair, room):
         KVReceiver(pair.decode, pair.addr, room)
 
 
+def test_room_id_messages(pair):
+    with pytest.raises(TypeError) as ei:
+        KVSender(pair.prefill, pair.addr, True)
+    assert str(ei.value) == "bootstrap_room must be an integer, not bool"
+    with pytest.raises(ValueError) as ei:
+        KVReceiver(pair.decode, pair.addr, np.int64(-3))
+    assert str(ei.value) == "bootstrap_room=-3 must be in [0, 2**64)"
+    assert KVReceiver(pair.decode, pair.addr, np.uint64(2**64 - 1)).bootstrap_room == 2**64 - 1
+
+
 # ---- KVArgs --------------------------------------------------------------
 
 
@@ -424,6 +434,19 @@ def test_bootstrap_port_in_use(bootstrap):
         BootstrapServer("127.0.0.1", bootstrap.port)
     with pytest.raises(ValueError, match="port"):
         BootstrapServer("127.0.0.1", 70000)
+
+
+def test_secret_checks(res):
+    for make, what in [(lambda s: BootstrapServer("127.0.0.1", 0, secret=s), "secret"),
+                       (lambda s: res.manager(Side(SMALL, 0), "decode", secret=s),
+                        "KVConfig.secret")]:
+        with pytest.raises(TypeError) as ei:
+            make(5)
+        assert str(ei.value) == f"{what} must be a str or bytes, not int"
+        with pytest.raises(ValueError) as ei:
+            make("x" * 257)
+        assert str(ei.value) == f"{what} is 257 bytes long, more than 256"
+    BootstrapServer("127.0.0.1", 0, secret=bytearray(b"k" * 256)).close()
 
 
 # ---- aux_index -----------------------------------------------------------

@@ -47,6 +47,57 @@ fail:
     return -1;
 }
 
+/*
+ * The numeric fields of kvr_config_t that Python sets, with the largest
+ * value each takes and whether Python sees it as a bool.  KVConfig's fields
+ * and defaults come from here (config_defaults); the secret is read apart.
+ */
+#define KVR_PY_CONFIG(X)                                                                      \
+    X(bootstrap_timeout_ms, UINT32_MAX, 0)                                                    \
+    X(heartbeat_interval_ms, UINT32_MAX, 0)                                                   \
+    X(heartbeat_timeout_ms, UINT32_MAX, 0)                                                    \
+    X(deadline_base_ms, UINT32_MAX, 0)                                                        \
+    X(deadline_floor_bps, (uint64_t)1 << 62, 0)                                               \
+    X(max_rooms, UINT32_MAX, 0)                                                               \
+    X(max_pending, UINT32_MAX, 0)                                                             \
+    X(ctrl_port, 65535, 0)                                                                    \
+    X(sibling_wait_ms, UINT32_MAX, 0)                                                         \
+    X(register_memory, 1, 1)                                                                  \
+    X(coalesce_bytes, UINT32_MAX, 0)                                                          \
+    X(coalesce_run_bytes, UINT32_MAX, 0)                                                      \
+    X(pack_bytes, (uint64_t)1 << 40, 0)                                                       \
+    X(max_rooms_per_peer, UINT32_MAX, 0)                                                      \
+    X(staging_slots, 65536, 0)                                                                \
+    X(staging_slot_bytes, 1u << 30, 0)                                                        \
+    X(force_staging, 1, 1)                                                                    \
+    X(poll_progress, 1, 1)
+
+PyObject *kvr_py_config_defaults(PyObject *m, PyObject *unused)
+{
+    (void)m;
+    (void)unused;
+    kvr_config_t c;
+    kvr_config_default(&c);
+    PyObject *d = PyDict_New();
+    if (d == NULL) {
+        return NULL;
+    }
+#define KVR_CFG_DEFAULT(field, max, is_bool)                                                  \
+    {                                                                                         \
+        PyObject *o = (is_bool) ? PyBool_FromLong((long)c.field)                              \
+                                : PyLong_FromUnsignedLongLong((unsigned long long)c.field);   \
+        if (o == NULL || PyDict_SetItemString(d, #field, o) < 0) {                            \
+            Py_XDECREF(o);                                                                    \
+            Py_DECREF(d);                                                                     \
+            return NULL;                                                                      \
+        }                                                                                     \
+        Py_DECREF(o);                                                                         \
+    }
+    KVR_PY_CONFIG(KVR_CFG_DEFAULT)
+#undef KVR_CFG_DEFAULT
+    return d;
+}
+
 static int kvr_cfg_get(PyObject *cfg, const char *key, uint64_t max, uint64_t *dst)
 {
     if (cfg == NULL || cfg == Py_None) {
@@ -76,7 +127,7 @@ static int kvr_cfg_get(PyObject *cfg, const char *key, uint64_t max, uint64_t *d
     return 0;
 }
 
-/* config["secret"]: str (UTF-8) or bytes; absent, None or empty: none. */
+/* config["secret"]: str (UTF-8), bytes or bytearray; absent, None or empty: none. */
 static int kvr_cfg_secret(PyObject *cfg, kvr_config_t *c)
 {
     c->secret_len = 0;
@@ -88,7 +139,7 @@ static int kvr_cfg_secret(PyObject *cfg, kvr_config_t *c)
         PyErr_Clear();
         return 0;
     }
-    int rc = kvr_py_secret(v, c->secret, &c->secret_len);
+    int rc = kvr_py_secret(v, "KVConfig.secret", c->secret, &c->secret_len);
     Py_DECREF(v);
     return rc;
 }
@@ -183,31 +234,14 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     }
     kvr_config_default(&p.cfg);
     uint64_t v;
-#define KVR_CFG(field, max)                                                                   \
+#define KVR_CFG_READ(field, max, is_bool)                                                 \
     v = p.cfg.field;                                                                          \
     if (kvr_cfg_get(cfg, #field, (max), &v) < 0) {                                            \
         goto out;                                                                             \
     }                                                                                         \
     p.cfg.field = (__typeof__(p.cfg.field))v;
-    KVR_CFG(bootstrap_timeout_ms, UINT32_MAX)
-    KVR_CFG(heartbeat_interval_ms, UINT32_MAX)
-    KVR_CFG(heartbeat_timeout_ms, UINT32_MAX)
-    KVR_CFG(deadline_base_ms, UINT32_MAX)
-    KVR_CFG(deadline_floor_bps, (uint64_t)1 << 62)
-    KVR_CFG(max_rooms, UINT32_MAX)
-    KVR_CFG(max_pending, UINT32_MAX)
-    KVR_CFG(ctrl_port, 65535)
-    KVR_CFG(sibling_wait_ms, UINT32_MAX)
-    KVR_CFG(register_memory, 1)
-    KVR_CFG(coalesce_bytes, UINT32_MAX)
-    KVR_CFG(coalesce_run_bytes, UINT32_MAX)
-    KVR_CFG(pack_bytes, (uint64_t)1 << 40)
-    KVR_CFG(max_rooms_per_peer, UINT32_MAX)
-    KVR_CFG(staging_slots, 65536)
-    KVR_CFG(staging_slot_bytes, 1u << 30)
-    KVR_CFG(force_staging, 1)
-    KVR_CFG(poll_progress, 1)
-#undef KVR_CFG
+    KVR_PY_CONFIG(KVR_CFG_READ)
+#undef KVR_CFG_READ
     if (kvr_cfg_secret(cfg, &p.cfg) < 0) {
         goto out;
     }
