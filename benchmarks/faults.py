@@ -50,6 +50,7 @@ sys.path.insert(0, HERE)
 
 import common as C  # noqa: E402
 import faults_report as R  # noqa: E402
+from run import env_for  # noqa: E402
 
 SYSTEMS = ("kvrecv", "nixl", "mooncake")
 SCENARIOS = ("kill", "freeze", "restart", "link_down", "abort")
@@ -62,16 +63,6 @@ START_TIMEOUT_S = 60.0
 
 def log(msg):
     print(msg, flush=True)
-
-
-def env_for(tls, extra=None):
-    env = dict(os.environ)
-    env["UCX_TLS"] = tls
-    env["PYTHONPATH"] = C.ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    env.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
-    env["OPENBLAS_NUM_THREADS"] = "1"
-    env.update(extra or {})
-    return env
 
 
 class Proc:

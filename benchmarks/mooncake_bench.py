@@ -15,11 +15,9 @@ are checked in the decode after each round.
 
 from __future__ import annotations
 
-import json
 import multiprocessing as mp
 import os
 import sys
-import time
 import traceback
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -173,24 +171,9 @@ class Bench:
 
 
 def serve():
-    """Long-lived mode for run.py (see kv_bench.serve)."""
+    """Long-lived mode for run.py."""
     b = Bench()
-    try:
-        for line in sys.stdin:
-            req = json.loads(line)
-            if req["cmd"] == "exit":
-                break
-            t = time.monotonic()
-            try:
-                r = b.point(req["point"], req["rounds"], req.get("warmup", 1),
-                            req.get("reuse", False))
-                r["version"] = version()
-            except Exception:  # noqa: BLE001
-                r = {"error": traceback.format_exc()}
-            r["wall_s"] = time.monotonic() - t
-            print("@@RESULT " + json.dumps(r, default=C._json_default), flush=True)
-    finally:
-        b.close()
+    C.serve_points(b, lambda: {"version": version()})
 
 
 if __name__ == "__main__":
