@@ -493,7 +493,10 @@ def evaluate(res):
         if lay == "contig" or item <= 16 * KiB:
             add(f"tcp, {'contiguous runs: >= 1x' if lay == 'contig' else 'random 4-16 KiB pages: >= 2x'}"
                 " Mooncake TransferEngine", f"tcp {p['name']}", p["kvrecv"], p.get("mooncake"),
-                1.0 if lay == "contig" else 2.0)
+                1.0 if lay == "contig" else 2.0,
+                None if _get(p, "mooncake", "gbps") else
+                {"pass": None, "note": "Mooncake did not run: " + str(
+                    _get(p, "mooncake", "error") or "not measured").strip().splitlines()[-1][:200]})
     # 3. latency
     for lat in _get(trs, "shm", "latency") or []:
         if "p50_us" not in lat:
