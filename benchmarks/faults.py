@@ -259,7 +259,7 @@ class Case:
             self.net.set_link("decode", True)
         time.sleep(LATE_WAIT_S)
         r["late_bytes"] = dest.differing()
-        r["late_bytes_source"] = dest.differing(PATTERN) - dest.differing(0x5A) if r["late_bytes"] else 0
+        r["late_bytes_source"] = self.size - dest.differing(0x5A)  # of them, source bytes
         if self.scenario not in ("kill", "restart"):
             tgt.send(op="state")
             k, v, t = tgt.event(("state",), 5)
