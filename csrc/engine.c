@@ -19,6 +19,7 @@
 #include "log.h"
 #include "room.h"
 #include "table.h"
+#include "testhook.h"
 #include "transport.h"
 #include "wire.h"
 
@@ -223,6 +224,8 @@ struct kvr_engine {
     uint32_t nevents, events_cap;
     kvr_op_t *stage_head, *stage_tail; /* copies in flight, in stream order */
     kvr_room_t *slot_waiters;  /* prefill rooms waiting for a free slot */
+
+    int test_corrupt;          /* KVR_TEST_CORRUPT_*: tests only (testhook.h) */
 };
 
 
@@ -1248,13 +1251,18 @@ static void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, 
         why = "no such room";
         goto foreign;
     }
-    if (r->peer == NULL || r->peer->epoch != h.epoch) {
+    if (r->peer == NULL) {
         why = "sender is not the room's prefill";
         goto foreign;
     }
     if (r->failing || kvr_room_terminal(r) || !r->meta_set) {
         why = "room is not receiving";
         goto reject;
+    }
+    if (r->peer->epoch != h.epoch) {
+        /* Only the instance the request went to knows the room's tag. */
+        why = "sender epoch is not the room's prefill's";
+        goto protocol;
     }
     /* The message covers positions [pos, pos + npages) of buffers
      * [buf, buf + nbuf); the destination is what this room asked for there,
@@ -1277,11 +1285,15 @@ static void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, 
                                        : "aux row does not match the room";
         goto protocol;
     }
-    if (r->received + len > r->expected) {
-        why = "more bytes than the room expects";
+    /* Counted when accepted, not when landed: a repeated rendezvous would
+     * otherwise be accepted again while the first copy is in flight. */
+    int claim = kvr_room_claim(r, h.kind == KVR_AM_KIND_AUX, e->nkv, e->naux, h.buf, h.nbuf, h.pos,
+                               h.npages);
+    if (claim == -1) {
+        why = "data for positions already received";
         goto protocol;
     }
-    kvr_op_t *op = kvr_op_new(r, len, niov);
+    kvr_op_t *op = claim == 0 ? kvr_op_new(r, len, niov) : NULL;
     if (op == NULL) {
         why = "out of memory";
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory receiving data");
@@ -1463,7 +1475,11 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
         return 0;
     }
     kvr_msg_pieces(e, h, r->src_pages, r->src_aux, op->iov, &len);
-    kvr_am_header_encode(op->hdr, h);
+    kvr_am_header_t wire = *h;
+    if (e->test_corrupt != KVR_TEST_CORRUPT_NONE) {
+        kvr_test_corrupt_header(&wire, e->test_corrupt, r->ndst, e->nkv);
+    }
+    kvr_am_header_encode(op->hdr, &wire);
     e->stats.ops_posted++;
     if (slot != NULL) {
         /* Staged: copy the pieces into the slot; the engine sends it when
@@ -1482,6 +1498,11 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
     int host = !(e->gpu_path == KVR_GPU_UCX &&
                  (h->kind == KVR_AM_KIND_KV ? e->kv_dev[h->buf] : e->aux_dev[h->buf]));
     kvr_op_send_locked(e, r, op, op->iov, niov, host);
+    if (e->test_corrupt == KVR_TEST_CORRUPT_DUP && h->kind == KVR_AM_KIND_KV && !r->failing) {
+        e->test_corrupt = KVR_TEST_CORRUPT_NONE; /* the copy is sent once */
+        kvr_post_one_locked(e, r, h);
+        e->test_corrupt = KVR_TEST_CORRUPT_DUP;
+    }
     return 0;
 }
 
@@ -3940,6 +3961,13 @@ int kvr_handle_clear(kvr_handle_t *h, char *err, size_t errlen)
     pthread_mutex_unlock(&e->lock);
     kvr_wake(e);
     return 0;
+}
+
+void kvr_engine_test_corrupt(kvr_engine_t *e, int mode)
+{
+    pthread_mutex_lock(&e->lock);
+    e->test_corrupt = mode;
+    pthread_mutex_unlock(&e->lock);
 }
 
 int kvr_handle_role(kvr_handle_t *h)

@@ -206,4 +206,9 @@ int kvr_handle_clear(kvr_handle_t *h, char *err, size_t errlen);
 /* KVR_MODE_PREFILL or KVR_MODE_DECODE. */
 int kvr_handle_role(kvr_handle_t *h);
 
+/* Tests only: makes this prefill corrupt the headers of the KV data
+ * messages it posts from now on (KVR_TEST_CORRUPT_*, testhook.h; 0 turns
+ * it off).  Any thread. */
+void kvr_engine_test_corrupt(kvr_engine_t *e, int mode);
+
 #endif
