@@ -1,4 +1,5 @@
 #include "module.h"
+#include "../testhook.h"
 
 #include <string.h>
 
@@ -556,7 +557,28 @@ static PyObject *kvr_manager_is_device(PyObject *op, PyObject *arg)
     return PyBool_FromLong(i >= 0 && kvr_engine_buffer_is_device(self->engine, (uint32_t)i));
 }
 
+/* _test_corrupt_data(mode): tests only (csrc/testhook.h). */
+static PyObject *kvr_manager_test_corrupt(PyObject *op, PyObject *arg)
+{
+    kvr_py_manager_t *self = (kvr_py_manager_t *)op;
+    if (kvr_manager_check(self) < 0) {
+        return NULL;
+    }
+    long mode = PyLong_AsLong(arg);
+    if (mode == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (mode < 0 || mode >= KVR_TEST_CORRUPT_LAST) {
+        PyErr_Format(PyExc_ValueError, "no corruption mode %ld", mode);
+        return NULL;
+    }
+    kvr_engine_test_corrupt(self->engine, (int)mode);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef kvr_manager_methods[] = {
+    {"_test_corrupt_data", kvr_manager_test_corrupt, METH_O,
+     "Tests only: corrupt the headers of the data messages this prefill posts."},
     {"is_device", kvr_manager_is_device, METH_O,
      "True if buffer i (KV buffers first, then aux) is device memory."},
     {"read_logs", kvr_manager_read_logs, METH_O,
