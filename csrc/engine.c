@@ -226,6 +226,11 @@ struct kvr_engine {
     kvr_room_t *slot_waiters;  /* prefill rooms waiting for a free slot */
 
     int test_corrupt;          /* KVR_TEST_CORRUPT_*: tests only (testhook.h) */
+
+    /* Copied at creation: readable without the lock while close() frees
+     * the transport and the control layer. */
+    char endpoint[128];
+    char transport[256];
 };
 
 
@@ -3264,6 +3269,8 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
         goto err_ctl;
     }
     e->thread_started = 1;
+    snprintf(e->endpoint, sizeof(e->endpoint), "%s", kvr_ctl_endpoint(e->ctl));
+    snprintf(e->transport, sizeof(e->transport), "%s", kvr_tp_describe(e->tp));
     /* "kvr-prefill0" / "kvr-decode1": what top -H and perf show. */
     char tname[16];
     snprintf(tname, sizeof(tname), "kvr-%s%d", kvr_side(e), e->rank % 1000);
@@ -3290,7 +3297,7 @@ void kvr_engine_close(kvr_engine_t *e)
         pthread_mutex_unlock(&e->lock);
         return;
     }
-    e->closed = 1;
+    __atomic_store_n(&e->closed, 1, __ATOMIC_RELEASE);
     e->stopping = 1;
     pthread_mutex_unlock(&e->lock);
     kvr_wake(e);
@@ -3424,15 +3431,13 @@ void kvr_engine_free(kvr_engine_t *e)
 
 int kvr_engine_closed(kvr_engine_t *e)
 {
-    pthread_mutex_lock(&e->lock);
-    int c = e->closed;
-    pthread_mutex_unlock(&e->lock);
-    return c;
+    /* Without the lock: close() holds it while endpoints drain. */
+    return __atomic_load_n(&e->closed, __ATOMIC_ACQUIRE);
 }
 
 const char *kvr_engine_endpoint(kvr_engine_t *e)
 {
-    return e->ctl ? kvr_ctl_endpoint(e->ctl) : "";
+    return e->endpoint;
 }
 
 uint64_t kvr_engine_epoch(kvr_engine_t *e)
@@ -3442,7 +3447,7 @@ uint64_t kvr_engine_epoch(kvr_engine_t *e)
 
 const char *kvr_engine_transport(kvr_engine_t *e)
 {
-    return e->tp ? kvr_tp_describe(e->tp) : "closed";
+    return e->transport;
 }
 
 void kvr_engine_stats(kvr_engine_t *e, kvr_stats_t *s)

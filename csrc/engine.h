@@ -151,7 +151,9 @@ void kvr_engine_stats(kvr_engine_t *e, kvr_stats_t *s);
 int kvr_engine_log_read(kvr_engine_t *e, int *levels, char (*texts)[KVR_ENGINE_LOG_TEXT], int max,
                         int timeout_ms);
 
-/* The control endpoint ("tcp://host:port") and the instance epoch. */
+/* The control endpoint ("tcp://host:port"), the instance epoch and the
+ * transport's description: copies made at creation, the same text after
+ * close(), valid until free; any thread, without the lock. */
 const char *kvr_engine_endpoint(kvr_engine_t *e);
 uint64_t kvr_engine_epoch(kvr_engine_t *e);
 const char *kvr_engine_transport(kvr_engine_t *e);
