@@ -1,5 +1,7 @@
 #include "registry.h"
 
+#include "log.h"
+
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -38,6 +40,11 @@ int kvr_registry_record(kvr_registry_t *reg, uint64_t room, const kvr_failure_t 
             ret = -1;
         } else {
             *copy = *f;
+            /* Reasons are cut to fit: never in the middle of a character. */
+            copy->reason[sizeof(copy->reason) - 1] = '\0';
+            copy->peer[sizeof(copy->peer) - 1] = '\0';
+            kvr_utf8_trim(copy->reason);
+            kvr_utf8_trim(copy->peer);
             if (kvr_table_put(&reg->records, room, copy) != 0) {
                 free(copy);
                 ret = -1;
