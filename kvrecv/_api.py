@@ -356,11 +356,15 @@ _log = logging.getLogger("kvrecv")
 
 def _pump_logs(core) -> None:
     while True:
-        records = core.read_logs(200)
-        if records is None:
-            return
-        for level, text in records:
-            _log.log(level, text)
+        try:
+            records = core.read_logs(200)
+            if records is None:
+                return
+            for level, text in records:
+                _log.log(level, text)
+        except Exception:  # a handler that raises must not end the pump
+            if core.closed:
+                return
 
 
 def _close_core(core, thread) -> None:

@@ -533,7 +533,7 @@ static PyObject *kvr_manager_read_logs(PyObject *op, PyObject *arg)
     }
     PyObject *out = PyList_New(n);
     for (int i = 0; out != NULL && i < n; i++) {
-        PyObject *t = Py_BuildValue("(is)", levels[i], texts[i]);
+        PyObject *t = Py_BuildValue("(iN)", levels[i], kvr_py_text(texts[i]));
         if (t == NULL) {
             Py_CLEAR(out);
             break;

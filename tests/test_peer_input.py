@@ -1,0 +1,64 @@
+"""What a peer's control messages must not be able to do: crash a
+scheduler's error handling, grow a manager's memory without bound, take over
+another decode's request, or make the engine work before it authenticated
+them.  Forged traffic comes from raw ZMQ DEALER sockets (tests/kvtest.py),
+the managers are real."""
+
+from __future__ import annotations
+
+import logging
+import struct
+import time
+
+import pytest
+
+from kvrecv import KVPoll, KVReceiver, KVTransferError
+from kvtest import (
+    MSG_SIB_FAIL,
+    SMALL,
+    Side,
+    header,
+    terminal,
+    wait_for,
+    wait_until,
+    wire_str,
+)
+
+pytestmark = pytest.mark.timeout(90)
+
+
+def sib_fail(room: int, code: int, origin: int, reason: bytes, peer: bytes = b"",
+             **hk) -> bytes:
+    return (header(MSG_SIB_FAIL, **hk) + struct.pack("<QQHi", room, 0, code, origin)
+            + wire_str(reason) + wire_str(peer))
+
+
+def test_reason_not_utf8_still_raises_kvtransfererror(res, caplog):
+    """A sibling's reason with bytes that are not UTF-8, and one cut in the
+    middle of a character at the registry's 384 bytes: failure_exception()
+    raises KVTransferError (never UnicodeDecodeError), and the log pump keeps
+    working afterwards."""
+    caplog.set_level(logging.DEBUG, logger="kvrecv")
+    bs = res.server()
+    decode = res.manager(Side(SMALL, 0), "decode")
+    decode.set_siblings(["tcp://127.0.0.1:9"])  # any: SIB_FAIL needs siblings set
+    d = res.dealer(decode.endpoint)
+    cut = b"x" * 382 + "\u00e9".encode()  # 384 bytes: the copy keeps 383
+    for room, reason, want in ((7, b"bad \xff\xfe bytes", "bad \ufffd\ufffd bytes"),
+                               (8, cut, "x" * 382)):
+        r = KVReceiver(decode, bs.address, room)
+        r.init()
+        d.send(sib_fail(room, 6, 1, reason, b"peer \xc3"))
+        assert wait_for(r, terminal()) == KVPoll.Failed
+        with pytest.raises(KVTransferError) as ei:
+            r.failure_exception()
+        assert ei.value.failure_reason == want
+        assert ei.value.is_from_another_rank
+        r.clear()
+    # The pump survived: a record written after them arrives.
+    caplog.clear()
+    r = KVReceiver(decode, bs.address, 9)
+    r.init()
+    r.abort()
+    assert wait_until(lambda: any("aborted by decode rank 0" in m.getMessage()
+                                  for m in caplog.records), 5)
