@@ -48,6 +48,7 @@
     X(room_pages_check, 10, 0)                                                \
     X(room_claim_once, 10, 0)                                                 \
     X(log_utf8_trim, 10, 0)                                                   \
+    X(registry_early_bounded, 10, 0)                                          \
     X(hist_bounds_tables, 10, 0)                                              \
     X(hist_observe_edges, 10, 0)                                              \
     X(hist_random_vs_reference, 30, 0)                                        \
