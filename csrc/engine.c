@@ -667,7 +667,7 @@ static void kvr_handle_sib_fail_locked(kvr_engine_t *e, const kvr_msg_t *m)
         kvr_room_fail_locked(e, r, &f, 1);
     } else if (r == NULL) {
         /* Kept for a room this rank has not opened yet (see kvr_handle_open). */
-        kvr_registry_record(&e->registry, m->room, &f);
+        kvr_registry_record_early(&e->registry, m->room, &f);
     }
 }
 
@@ -2104,7 +2104,7 @@ static void kvr_handle_remote_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const 
     if (r == NULL) {
         if (e->mode == KVR_MODE_PREFILL) {
             /* Kept for a sender not created yet (see kvr_handle_open). */
-            kvr_registry_record(&e->registry, m->room, &f);
+            kvr_registry_record_early(&e->registry, m->room, &f);
         }
         return;
     }
@@ -3542,7 +3542,8 @@ int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
     r->in_table = 1;
     r->refs = 2; /* table + handle */
     kvr_failure_t prior;
-    if (kvr_registry_pop(&e->registry, room, &prior) && (prior.from_sibling || prior.from_remote) &&
+    if (kvr_registry_pop_early(&e->registry, room, &prior) &&
+        (prior.from_sibling || prior.from_remote) &&
         kvr_now_ns() - prior.time_ns < e->cfg.bootstrap_timeout_ms * KVR_MS) {
         /* A sibling or the peer failed this room before this rank opened it. */
         kvr_room_fail_locked(e, r, &prior, 0);
