@@ -62,3 +62,24 @@ def test_reason_not_utf8_still_raises_kvtransfererror(res, caplog):
     r.abort()
     assert wait_until(lambda: any("aborted by decode rank 0" in m.getMessage()
                                   for m in caplog.records), 5)
+
+
+def test_failures_for_rooms_never_opened_are_bounded(res):
+    """5000 SIB_FAIL messages for rooms this rank never opened: only the
+    newest 1024 are kept (KVR_REGISTRY_EARLY_MAX), so the oldest room ids
+    open clean, and a room among the newest still gets its sibling's cause."""
+    bs = res.server()
+    decode = res.manager(Side(SMALL, 0), "decode")
+    decode.set_siblings(["tcp://127.0.0.1:9"])
+    d = res.dealer(decode.endpoint)
+    n = 5000
+    for room in range(1, n + 1):
+        d.send(sib_fail(room, 6, 1, b"injected %d" % room))
+    def opened_failed(room):
+        r = KVReceiver(decode, bs.address, room)
+        failed = r.poll() == KVPoll.Failed
+        r.clear()
+        return failed
+
+    assert wait_until(lambda: opened_failed(n - 1), 10)
+    assert not any(opened_failed(room) for room in (1, 2, 100, n - 1024 - 1))
