@@ -2020,6 +2020,14 @@ static void kvr_handle_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_
         return;
     }
     kvr_pending_t *old = r == NULL ? kvr_table_get(&e->pending, m->room) : NULL;
+    if (old != NULL && old->peer != NULL && old->peer != p) {
+        /* First come keeps it: a later decode must not take over the room
+         * (the first would wait for its deadline while the other got the
+         * KV). */
+        kvr_refuse_req_locked(e, p, m, KVR_PROTOCOL, "%.100s already asked for this room",
+                              old->peer->name);
+        return;
+    }
     int replaces = old != NULL && old->peer == p;
     if (!replaces && p->nrooms >= e->cfg.max_rooms_per_peer) {
         kvr_refuse_req_locked(e, p, m, KVR_REFUSED,
@@ -2082,8 +2090,12 @@ static void kvr_handle_remote_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const 
      * (the decode gave up on it before asking, e.g. a rejected layout). */
     int unbound = r != NULL && e->mode == KVR_MODE_PREFILL && !r->bound;
     if (r == NULL && e->mode == KVR_MODE_PREFILL) {
-        kvr_pending_t *pd = kvr_table_remove(&e->pending, m->room);
-        if (pd) {
+        kvr_pending_t *pd = kvr_table_get(&e->pending, m->room);
+        if (pd != NULL && (pd->peer != p || pd->tag != m->tag)) {
+            return; /* about another decode's request (or an older one) */
+        }
+        if (pd != NULL) {
+            kvr_table_remove(&e->pending, m->room);
             kvr_pending_free(pd);
         }
     }
