@@ -14,10 +14,18 @@ import pytest
 
 from kvrecv import KVPoll, KVReceiver, KVTransferError
 from kvtest import (
+    MSG_HELLO_OK,
+    MSG_PONG,
+    MSG_ROOM_FAIL,
     MSG_SIB_FAIL,
     SMALL,
     Side,
     header,
+    hello,
+    parse_header,
+    ping,
+    room_fail,
+    room_req,
     terminal,
     wait_for,
     wait_until,
@@ -83,3 +91,44 @@ def test_failures_for_rooms_never_opened_are_bounded(res):
 
     assert wait_until(lambda: opened_failed(n - 1), 10)
     assert not any(opened_failed(room) for room in (1, 2, 100, n - 1024 - 1))
+
+
+WORKER_ADDR = b"\x00" + b"\x01" * 31  # passes the prefill's address check (version 0)
+
+
+def forged_decode(res, prefill, epoch: int):
+    """A DEALER that said HELLO to prefill as decode rank 0 with epoch."""
+    d = res.dealer(prefill.endpoint, recv_timeout_ms=5000)
+    d.send(hello(0, SMALL, WORKER_ADDR, epoch=epoch))
+    assert parse_header(d.recv())[2] == MSG_HELLO_OK
+    return d
+
+
+def fail_reason(msg: bytes):
+    assert parse_header(msg)[2] == MSG_ROOM_FAIL, parse_header(msg)
+    room, tag, code = struct.unpack_from("<QQH", msg, 16)
+    (n,) = struct.unpack_from("<H", msg, 16 + 22)
+    return room, tag, code, msg[16 + 24:16 + 24 + n].decode()
+
+
+def test_a_decode_cannot_take_over_another_decodes_pending_request(res):
+    bs = res.server()
+    prefill = res.manager(Side(SMALL, 0, seed=1), "prefill", bs.address)
+    a = forged_decode(res, prefill, 5)
+    b = forged_decode(res, prefill, 6)
+    a.send(room_req(42, 111, -1, [1, 2], epoch=5))
+    assert wait_until(lambda: prefill.stats()["pending_requests"] == 1)
+    b.send(room_req(42, 222, -1, [3, 4], epoch=6))
+    room, tag, code, reason = fail_reason(b.recv())
+    assert (room, tag, code) == (42, 222, 9)  # PROTOCOL
+    assert reason == ("room 42: prefill rank 0 refused the request of decode rank 0 (epoch "
+                      "0000000000000006): decode rank 0 (epoch 0000000000000005) already "
+                      "asked for this room")
+    # Neither B's ROOM_FAIL nor A's with another tag removes A's request.
+    b.send(room_fail(42, 222, 6, 0, b"b gives up", b"", epoch=6))
+    a.send(room_fail(42, 999, 6, 0, b"stale", b"", epoch=5))
+    a.send(ping(epoch=5))
+    assert parse_header(a.recv())[2] == MSG_PONG
+    assert prefill.stats()["pending_requests"] == 1
+    a.send(room_fail(42, 111, 6, 0, b"a gives up", b"", epoch=5))
+    assert wait_until(lambda: prefill.stats()["pending_requests"] == 0)
