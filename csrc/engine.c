@@ -32,6 +32,7 @@ enum { KVR_PEER_IS_PREFILL, KVR_PEER_IS_DECODE };
 
 #define KVR_MS ((uint64_t)1000000)
 #define KVR_MAX_DEAD 1024
+#define KVR_MAX_PENDING_PAGES (16u << 20) /* held by pending requests: 64 MiB */
 #define KVR_SCAN_NS (5 * KVR_MS) /* period of the timer scans over all rooms */
 #define KVR_BUSY_POLL_NS (100 * 1000) /* socket polls of a busy engine loop */
 #define KVR_TCP_RUN_BYTES (64u << 10)  /* auto coalesce_run_bytes over tcp */
@@ -165,6 +166,7 @@ struct kvr_engine {
     kvr_table_t rooms;   /* id -> room (open rooms) */
     kvr_table_t tags;    /* tag -> room (rooms alive, for data lookup) */
     kvr_table_t pending; /* room id -> kvr_pending_t* (prefill) */
+    uint64_t pending_pages; /* pages the pending requests hold */
     kvr_room_t *work_head;
     kvr_peer_t *peers;
     /* decode: poll() progressing UCX from the caller's thread */
@@ -305,6 +307,7 @@ void kvr_config_default(kvr_config_t *cfg)
     cfg->coalesce_run_bytes = 0; /* auto */
     cfg->pack_bytes = (uint64_t)256 << 20;
     cfg->max_rooms_per_peer = 16384;
+    cfg->max_peers = 64;
     cfg->poll_progress = 1;
     cfg->secret_len = 0;
     cfg->staging_slots = 8;
@@ -1806,8 +1809,9 @@ static void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *
     kvr_work_push_locked(e, r);
 }
 
-static void kvr_pending_free(kvr_pending_t *pd)
+static void kvr_pending_free(kvr_engine_t *e, kvr_pending_t *pd)
 {
+    e->pending_pages -= pd->npages;
     if (pd->peer != NULL && pd->peer->nrooms > 0) {
         pd->peer->nrooms--;
     }
@@ -1853,6 +1857,42 @@ static void kvr_hello_reject_locked(kvr_engine_t *e, kvr_peer_t *p, int code, co
     }
 }
 
+/*
+ * Prefill: a decode peer that failed and that nothing refers to any more (no
+ * room, alive or draining, and no pending request), renamed to key for a new
+ * decode: decode peers that come and go do not pile up.  NULL if none.
+ */
+static kvr_peer_t *kvr_decode_peer_recycle(kvr_engine_t *e, const char *key)
+{
+    for (kvr_peer_t *p = e->peers; p; p = p->next) {
+        if (p->kind != KVR_PEER_IS_DECODE || p->state != KVR_PEER_FAILED || p->nrooms > 0) {
+            continue;
+        }
+        int used = 0;
+        for (size_t i = 0; !used && i < e->tags.capacity; i++) {
+            kvr_room_t *r = e->tags.slots[i].value;
+            used = r != NULL && r->peer == p;
+        }
+        for (size_t i = 0; !used && i < e->pending.capacity; i++) {
+            kvr_pending_t *pd = e->pending.slots[i].value;
+            used = pd != NULL && pd->peer == p;
+        }
+        if (!used) {
+            kvr_peer_disconnect(e, p);
+            free(p->worker_addr);
+            kvr_peer_t *next = p->next;
+            memset(p, 0, sizeof(*p));
+            p->next = next;
+            p->kind = KVR_PEER_IS_DECODE;
+            p->remote_rank = -1;
+            snprintf(p->key, sizeof(p->key), "%s", key);
+            snprintf(p->name, sizeof(p->name), "%s", key);
+            return p;
+        }
+    }
+    return NULL;
+}
+
 /* Prefill: HELLO from a decode rank. */
 static void kvr_handle_hello_locked(kvr_engine_t *e, const void *ident, size_t ident_len,
                                     const kvr_msg_t *m)
@@ -1866,12 +1906,19 @@ static void kvr_handle_hello_locked(kvr_engine_t *e, const void *ident, size_t i
     }
     kvr_peer_t *p = kvr_peer_find(e, KVR_PEER_IS_DECODE, key);
     if (p == NULL) {
+        p = kvr_decode_peer_recycle(e, key);
+    }
+    if (p == NULL) {
         p = kvr_peer_new(e, KVR_PEER_IS_DECODE, key);
         if (p == NULL) {
             return;
         }
     } else {
         kvr_peer_disconnect(e, p);
+    }
+    uint32_t live = 0;
+    for (kvr_peer_t *q = e->peers; q; q = q->next) {
+        live += q != p && q->kind == KVR_PEER_IS_DECODE && q->state == KVR_PEER_READY;
     }
     memcpy(p->ident, ident, ident_len);
     p->ident_len = ident_len;
@@ -1882,6 +1929,14 @@ static void kvr_handle_hello_locked(kvr_engine_t *e, const void *ident, size_t i
     p->last_heard_ns = kvr_now_ns();
     p->state = KVR_PEER_READY; /* so that the reply can be sent */
     char reason[1024];
+    if (live >= e->cfg.max_peers) {
+        snprintf(reason, sizeof(reason),
+                 "prefill rank %d (%s) refused %s: it already serves %u decode ranks "
+                 "(max_peers=%u)",
+                 e->rank, kvr_ctl_endpoint(e->ctl), p->name, live, e->cfg.max_peers);
+        kvr_hello_reject_locked(e, p, KVR_REFUSED, reason);
+        return;
+    }
     if (kvr_layout_diff(e, &m->layout, why, sizeof(why)) != 0) {
         snprintf(reason, sizeof(reason), "layout mismatch between prefill rank %d (%s) and %s: %s",
                  e->rank, kvr_ctl_endpoint(e->ctl), p->name, why);
@@ -2036,6 +2091,20 @@ static void kvr_handle_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_
                               p->nrooms, e->cfg.max_rooms_per_peer);
         return;
     }
+    if ((int64_t)m->npages > e->min_pages) {
+        kvr_refuse_req_locked(e, p, m, KVR_REFUSED,
+                              "it asks for %u pages, more than the %" PRId64
+                              " this prefill has registered",
+                              m->npages, e->min_pages);
+        return;
+    }
+    if (r == NULL && e->pending_pages + m->npages > KVR_MAX_PENDING_PAGES) {
+        kvr_refuse_req_locked(e, p, m, KVR_REFUSED,
+                              "the requests waiting for senders not created yet hold %" PRIu64
+                              " pages (at most %u)",
+                              e->pending_pages, KVR_MAX_PENDING_PAGES);
+        return;
+    }
     if (r == NULL && old == NULL && e->pending.count >= e->cfg.max_pending) {
         kvr_refuse_req_locked(e, p, m, KVR_REFUSED,
                               "%u requests already wait for senders not created yet "
@@ -2068,15 +2137,16 @@ static void kvr_handle_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_
     pd->tag = m->tag;
     pd->aux_index = m->aux_index;
     pd->npages = m->npages;
+    e->pending_pages += m->npages;
     pd->pages = pages;
     pd->prefix_len = m->prefix_len;
     pd->arrived_ns = kvr_now_ns();
     if (kvr_table_put(&e->pending, m->room, pd) != 0) {
-        kvr_pending_free(pd);
+        kvr_pending_free(e, pd);
         return;
     }
     if (old) {
-        kvr_pending_free(old);
+        kvr_pending_free(e, old);
     }
 }
 
@@ -2096,7 +2166,7 @@ static void kvr_handle_remote_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const 
         }
         if (pd != NULL) {
             kvr_table_remove(&e->pending, m->room);
-            kvr_pending_free(pd);
+            kvr_pending_free(e, pd);
         }
     }
     if (r != NULL && !unbound && (r->peer != p || mytag != m->tag)) {
@@ -2643,7 +2713,7 @@ static void kvr_timers_locked(kvr_engine_t *e)
         if (pd && (pd->peer == NULL || pd->peer->state != KVR_PEER_READY ||
                    now - pd->arrived_ns > e->cfg.bootstrap_timeout_ms * KVR_MS)) {
             kvr_table_remove(&e->pending, e->pending.slots[i].key);
-            kvr_pending_free(pd);
+            kvr_pending_free(e, pd);
             i--; /* backward-shift deletion may have moved an entry here */
         }
     }
@@ -3393,7 +3463,7 @@ void kvr_engine_free(kvr_engine_t *e)
     }
     for (size_t i = 0; i < e->pending.capacity; i++) {
         if (e->pending.slots[i].value) {
-            kvr_pending_free(e->pending.slots[i].value);
+            kvr_pending_free(e, e->pending.slots[i].value);
         }
     }
     kvr_table_destroy(&e->pending);
@@ -3572,7 +3642,7 @@ int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
                                         pd->pages);
                 pd->pages = NULL;
             }
-            kvr_pending_free(pd);
+            kvr_pending_free(e, pd);
         }
     }
     *h_p = r;

@@ -47,6 +47,7 @@ typedef struct {
     uint32_t coalesce_run_bytes;    /* runs shorter than this are coalesced */
     uint64_t pack_bytes;            /* most bytes of packed scattered messages in flight (tcp) */
     uint32_t max_rooms_per_peer;    /* prefill: rooms one decode may have pending or bound */
+    uint32_t max_peers;             /* prefill: decode ranks connected at once (a UCX worker each) */
     /* Shared secret authenticating every control message (auth.h); none if
      * secret_len is 0. */
     unsigned char secret[KVR_AUTH_SECRET_MAX];
