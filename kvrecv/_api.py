@@ -51,6 +51,7 @@ class KVConfig:
     coalesce_run_bytes: int = 0  # 0: auto (see README)
     pack_bytes: int = 256 << 20  # tcp: packed copies of scattered messages in flight
     max_rooms_per_peer: int = 16384
+    max_peers: int = 64  # prefill: decode ranks connected at once
     secret: Any = dataclasses.field(default="", repr=False)
     staging_slots: int = 8  # pinned host slots for staging device memory
     staging_slot_bytes: int = 4 << 20  # bytes per slot: the most bytes of a staged message

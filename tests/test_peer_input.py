@@ -15,6 +15,7 @@ import pytest
 from kvrecv import KVPoll, KVReceiver, KVTransferError
 from kvtest import (
     MSG_HELLO_OK,
+    MSG_HELLO_REJECT,
     MSG_PONG,
     MSG_ROOM_FAIL,
     MSG_SIB_FAIL,
@@ -132,3 +133,55 @@ def test_a_decode_cannot_take_over_another_decodes_pending_request(res):
     assert prefill.stats()["pending_requests"] == 1
     a.send(room_fail(42, 111, 6, 0, b"a gives up", b"", epoch=5))
     assert wait_until(lambda: prefill.stats()["pending_requests"] == 0)
+
+
+def hello_reject(msg: bytes):
+    assert parse_header(msg)[2] == MSG_HELLO_REJECT, parse_header(msg)
+    rank, code = struct.unpack_from("<IH", msg, 16)
+    (n,) = struct.unpack_from("<H", msg, 22)
+    return code, msg[24:24 + n].decode()
+
+
+def test_hellos_beyond_max_peers_are_refused_and_workers_stay_bounded(res):
+    """Each HELLO costs the prefill a UCX worker: at most max_peers decode
+    ranks at once; more are refused with REFUSED, and decodes that went
+    away leave neither a worker nor a peer behind for the next ones."""
+    bs = res.server()
+    prefill = res.manager(Side(SMALL, 0, seed=1), "prefill", bs.address, max_peers=4,
+                          heartbeat_timeout_ms=300)
+    live = [forged_decode(res, prefill, 100 + i) for i in range(4)]
+    extra = res.dealer(prefill.endpoint, recv_timeout_ms=5000)
+    extra.send(hello(0, SMALL, WORKER_ADDR, epoch=200))
+    code, reason = hello_reject(extra.recv())
+    assert code == 10  # REFUSED
+    assert reason == (f"prefill rank 0 ({prefill.endpoint}) refused decode rank 0 (epoch "
+                      f"00000000000000c8): it already serves 4 decode ranks (max_peers=4)")
+    assert prefill.stats()["ucx_workers"] <= 4
+    # The four go silent: the heartbeat timeout fails them; 20 decodes more,
+    # four at a time, reuse what they left.
+    for d in live:
+        d.close()
+    for wave in range(5):
+        time.sleep(0.5)
+        assert wait_until(lambda: prefill.stats()["ucx_workers"] == 0, 10), prefill.stats()
+        for i in range(4):
+            d = forged_decode(res, prefill, 1000 + 10 * wave + i)
+            d.close()
+    st = prefill.stats()
+    assert st["ucx_workers"] <= 4 and st["ucx_workers_created"] == 24, st
+    assert st["peers"] <= 5, st  # the four, the refused one: reused since
+
+
+def test_a_request_for_more_pages_than_registered_is_refused(res):
+    bs = res.server()
+    prefill = res.manager(Side(SMALL, 0, seed=1), "prefill", bs.address)
+    d = forged_decode(res, prefill, 5)
+    d.send(room_req(42, 111, -1, list(range(SMALL.num_pages)) + [0], epoch=5))
+    room, tag, code, reason = fail_reason(d.recv())
+    assert (room, tag, code) == (42, 111, 10)  # REFUSED
+    assert reason == ("room 42: prefill rank 0 refused the request of decode rank 0 (epoch "
+                      "0000000000000005): it asks for 33 pages, more than the 32 this "
+                      "prefill has registered")
+    assert prefill.stats()["pending_requests"] == 0
+    d.send(room_req(43, 112, -1, list(range(SMALL.num_pages)), epoch=5))
+    assert wait_until(lambda: prefill.stats()["pending_requests"] == 1)
