@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from kvrecv import KVPoll, KVReceiver, KVTransferError
+from kvrecv import BootstrapServer, KVPoll, KVReceiver, KVTransferError
 from kvtest import (
     MSG_HELLO_OK,
     MSG_HELLO_REJECT,
@@ -185,3 +185,20 @@ def test_a_request_for_more_pages_than_registered_is_refused(res):
     assert prefill.stats()["pending_requests"] == 0
     d.send(room_req(43, 112, -1, list(range(SMALL.num_pages)), epoch=5))
     assert wait_until(lambda: prefill.stats()["pending_requests"] == 1)
+
+
+def test_large_messages_other_than_requests_are_refused_before_authentication(res):
+    """With a secret set, a 1 MiB HELLO is refused as oversized (only a room
+    request may exceed 64 KiB) before its MAC is computed: it counts as
+    oversized, not as a failed authentication."""
+    bs = BootstrapServer("127.0.0.1", 0, secret="a secret")
+    res._servers.append(bs)
+    prefill = res.manager(Side(SMALL, 0, seed=1), "prefill", bs.address,
+                          secret="a secret")
+    d = res.dealer(prefill.endpoint)
+    big = hello(0, SMALL, WORKER_ADDR + b"\x00" * (1 << 20), epoch=5)
+    d.send(big)
+    d.send(big[:16] + b"\x00" * 1000)  # small and unsealed: an authentication failure
+    assert wait_until(lambda: prefill.stats()["auth_rejected"] == 1), prefill.stats()
+    st = prefill.stats()
+    assert st["ctrl_oversized"] == 1 and st["auth_rejected"] == 1, st
