@@ -90,18 +90,6 @@ int kvr_registry_record_early(kvr_registry_t *reg, uint64_t room, const kvr_fail
     return ret;
 }
 
-int kvr_registry_pop_early(kvr_registry_t *reg, uint64_t room, kvr_failure_t *out)
-{
-    pthread_mutex_lock(&reg->lock);
-    kvr_failure_t *f = kvr_table_remove(&reg->early, room);
-    pthread_mutex_unlock(&reg->lock);
-    if (f == NULL) {
-        return 0;
-    }
-    *out = *f;
-    free(f);
-    return 1;
-}
 
 int kvr_registry_peek(kvr_registry_t *reg, uint64_t room, kvr_failure_t *out)
 {
@@ -114,10 +102,12 @@ int kvr_registry_peek(kvr_registry_t *reg, uint64_t room, kvr_failure_t *out)
     return f != NULL;
 }
 
-int kvr_registry_pop(kvr_registry_t *reg, uint64_t room, kvr_failure_t *out)
+/* Removes room's record from t (one of reg's tables) into out: 1, or 0. */
+static int kvr_registry_take(kvr_registry_t *reg, kvr_table_t *t, uint64_t room,
+                             kvr_failure_t *out)
 {
     pthread_mutex_lock(&reg->lock);
-    kvr_failure_t *f = kvr_table_remove(&reg->records, room);
+    kvr_failure_t *f = kvr_table_remove(t, room);
     pthread_mutex_unlock(&reg->lock);
     if (f == NULL) {
         return 0;
@@ -125,6 +115,16 @@ int kvr_registry_pop(kvr_registry_t *reg, uint64_t room, kvr_failure_t *out)
     *out = *f;
     free(f);
     return 1;
+}
+
+int kvr_registry_pop(kvr_registry_t *reg, uint64_t room, kvr_failure_t *out)
+{
+    return kvr_registry_take(reg, &reg->records, room, out);
+}
+
+int kvr_registry_pop_early(kvr_registry_t *reg, uint64_t room, kvr_failure_t *out)
+{
+    return kvr_registry_take(reg, &reg->early, room, out);
 }
 
 void kvr_registry_drop(kvr_registry_t *reg, uint64_t room)
