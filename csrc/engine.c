@@ -19,6 +19,7 @@
 #include "log.h"
 #include "room.h"
 #include "table.h"
+#include "testhook.h"
 #include "transport.h"
 #include "wire.h"
 
@@ -31,6 +32,7 @@ enum { KVR_PEER_IS_PREFILL, KVR_PEER_IS_DECODE };
 
 #define KVR_MS ((uint64_t)1000000)
 #define KVR_MAX_DEAD 1024
+#define KVR_MAX_PENDING_PAGES (16u << 20) /* held by pending requests: 64 MiB */
 #define KVR_SCAN_NS (5 * KVR_MS) /* period of the timer scans over all rooms */
 #define KVR_BUSY_POLL_NS (100 * 1000) /* socket polls of a busy engine loop */
 #define KVR_TCP_RUN_BYTES (64u << 10)  /* auto coalesce_run_bytes over tcp */
@@ -164,6 +166,7 @@ struct kvr_engine {
     kvr_table_t rooms;   /* id -> room (open rooms) */
     kvr_table_t tags;    /* tag -> room (rooms alive, for data lookup) */
     kvr_table_t pending; /* room id -> kvr_pending_t* (prefill) */
+    uint64_t pending_pages; /* pages the pending requests hold */
     kvr_room_t *work_head;
     kvr_peer_t *peers;
     /* decode: poll() progressing UCX from the caller's thread */
@@ -223,6 +226,13 @@ struct kvr_engine {
     uint32_t nevents, events_cap;
     kvr_op_t *stage_head, *stage_tail; /* copies in flight, in stream order */
     kvr_room_t *slot_waiters;  /* prefill rooms waiting for a free slot */
+
+    int test_corrupt;          /* KVR_TEST_CORRUPT_*: tests only (testhook.h) */
+
+    /* Copied at creation: readable without the lock while close() frees
+     * the transport and the control layer. */
+    char endpoint[128];
+    char transport[256];
 };
 
 
@@ -297,6 +307,7 @@ void kvr_config_default(kvr_config_t *cfg)
     cfg->coalesce_run_bytes = 0; /* auto */
     cfg->pack_bytes = (uint64_t)256 << 20;
     cfg->max_rooms_per_peer = 16384;
+    cfg->max_peers = 64;
     cfg->poll_progress = 1;
     cfg->secret_len = 0;
     cfg->staging_slots = 8;
@@ -659,7 +670,7 @@ static void kvr_handle_sib_fail_locked(kvr_engine_t *e, const kvr_msg_t *m)
         kvr_room_fail_locked(e, r, &f, 1);
     } else if (r == NULL) {
         /* Kept for a room this rank has not opened yet (see kvr_handle_open). */
-        kvr_registry_record(&e->registry, m->room, &f);
+        kvr_registry_record_early(&e->registry, m->room, &f);
     }
 }
 
@@ -1248,13 +1259,18 @@ static void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, 
         why = "no such room";
         goto foreign;
     }
-    if (r->peer == NULL || r->peer->epoch != h.epoch) {
+    if (r->peer == NULL) {
         why = "sender is not the room's prefill";
         goto foreign;
     }
     if (r->failing || kvr_room_terminal(r) || !r->meta_set) {
         why = "room is not receiving";
         goto reject;
+    }
+    if (r->peer->epoch != h.epoch) {
+        /* Only the instance the request went to knows the room's tag. */
+        why = "sender epoch is not the room's prefill's";
+        goto protocol;
     }
     /* The message covers positions [pos, pos + npages) of buffers
      * [buf, buf + nbuf); the destination is what this room asked for there,
@@ -1277,11 +1293,15 @@ static void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, 
                                        : "aux row does not match the room";
         goto protocol;
     }
-    if (r->received + len > r->expected) {
-        why = "more bytes than the room expects";
+    /* Counted when accepted, not when landed: a repeated rendezvous would
+     * otherwise be accepted again while the first copy is in flight. */
+    int claim = kvr_room_claim(r, h.kind == KVR_AM_KIND_AUX, e->nkv, e->naux, h.buf, h.nbuf, h.pos,
+                               h.npages);
+    if (claim == -1) {
+        why = "data for positions already received";
         goto protocol;
     }
-    kvr_op_t *op = kvr_op_new(r, len, niov);
+    kvr_op_t *op = claim == 0 ? kvr_op_new(r, len, niov) : NULL;
     if (op == NULL) {
         why = "out of memory";
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory receiving data");
@@ -1463,7 +1483,11 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
         return 0;
     }
     kvr_msg_pieces(e, h, r->src_pages, r->src_aux, op->iov, &len);
-    kvr_am_header_encode(op->hdr, h);
+    kvr_am_header_t wire = *h;
+    if (e->test_corrupt != KVR_TEST_CORRUPT_NONE) {
+        kvr_test_corrupt_header(&wire, e->test_corrupt, r->ndst, e->nkv);
+    }
+    kvr_am_header_encode(op->hdr, &wire);
     e->stats.ops_posted++;
     if (slot != NULL) {
         /* Staged: copy the pieces into the slot; the engine sends it when
@@ -1482,6 +1506,11 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
     int host = !(e->gpu_path == KVR_GPU_UCX &&
                  (h->kind == KVR_AM_KIND_KV ? e->kv_dev[h->buf] : e->aux_dev[h->buf]));
     kvr_op_send_locked(e, r, op, op->iov, niov, host);
+    if (e->test_corrupt == KVR_TEST_CORRUPT_DUP && h->kind == KVR_AM_KIND_KV && !r->failing) {
+        e->test_corrupt = KVR_TEST_CORRUPT_NONE; /* the copy is sent once */
+        kvr_post_one_locked(e, r, h);
+        e->test_corrupt = KVR_TEST_CORRUPT_DUP;
+    }
     return 0;
 }
 
@@ -1780,8 +1809,9 @@ static void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *
     kvr_work_push_locked(e, r);
 }
 
-static void kvr_pending_free(kvr_pending_t *pd)
+static void kvr_pending_free(kvr_engine_t *e, kvr_pending_t *pd)
 {
+    e->pending_pages -= pd->npages;
     if (pd->peer != NULL && pd->peer->nrooms > 0) {
         pd->peer->nrooms--;
     }
@@ -1827,6 +1857,42 @@ static void kvr_hello_reject_locked(kvr_engine_t *e, kvr_peer_t *p, int code, co
     }
 }
 
+/*
+ * Prefill: a decode peer that failed and that nothing refers to any more (no
+ * room, alive or draining, and no pending request), renamed to key for a new
+ * decode: decode peers that come and go do not pile up.  NULL if none.
+ */
+static kvr_peer_t *kvr_decode_peer_recycle(kvr_engine_t *e, const char *key)
+{
+    for (kvr_peer_t *p = e->peers; p; p = p->next) {
+        if (p->kind != KVR_PEER_IS_DECODE || p->state != KVR_PEER_FAILED || p->nrooms > 0) {
+            continue;
+        }
+        int used = 0;
+        for (size_t i = 0; !used && i < e->tags.capacity; i++) {
+            kvr_room_t *r = e->tags.slots[i].value;
+            used = r != NULL && r->peer == p;
+        }
+        for (size_t i = 0; !used && i < e->pending.capacity; i++) {
+            kvr_pending_t *pd = e->pending.slots[i].value;
+            used = pd != NULL && pd->peer == p;
+        }
+        if (!used) {
+            kvr_peer_disconnect(e, p);
+            free(p->worker_addr);
+            kvr_peer_t *next = p->next;
+            memset(p, 0, sizeof(*p));
+            p->next = next;
+            p->kind = KVR_PEER_IS_DECODE;
+            p->remote_rank = -1;
+            snprintf(p->key, sizeof(p->key), "%s", key);
+            snprintf(p->name, sizeof(p->name), "%s", key);
+            return p;
+        }
+    }
+    return NULL;
+}
+
 /* Prefill: HELLO from a decode rank. */
 static void kvr_handle_hello_locked(kvr_engine_t *e, const void *ident, size_t ident_len,
                                     const kvr_msg_t *m)
@@ -1840,12 +1906,19 @@ static void kvr_handle_hello_locked(kvr_engine_t *e, const void *ident, size_t i
     }
     kvr_peer_t *p = kvr_peer_find(e, KVR_PEER_IS_DECODE, key);
     if (p == NULL) {
+        p = kvr_decode_peer_recycle(e, key);
+    }
+    if (p == NULL) {
         p = kvr_peer_new(e, KVR_PEER_IS_DECODE, key);
         if (p == NULL) {
             return;
         }
     } else {
         kvr_peer_disconnect(e, p);
+    }
+    uint32_t live = 0;
+    for (kvr_peer_t *q = e->peers; q; q = q->next) {
+        live += q != p && q->kind == KVR_PEER_IS_DECODE && q->state == KVR_PEER_READY;
     }
     memcpy(p->ident, ident, ident_len);
     p->ident_len = ident_len;
@@ -1856,6 +1929,14 @@ static void kvr_handle_hello_locked(kvr_engine_t *e, const void *ident, size_t i
     p->last_heard_ns = kvr_now_ns();
     p->state = KVR_PEER_READY; /* so that the reply can be sent */
     char reason[1024];
+    if (live >= e->cfg.max_peers) {
+        snprintf(reason, sizeof(reason),
+                 "prefill rank %d (%s) refused %s: it already serves %u decode ranks "
+                 "(max_peers=%u)",
+                 e->rank, kvr_ctl_endpoint(e->ctl), p->name, live, e->cfg.max_peers);
+        kvr_hello_reject_locked(e, p, KVR_REFUSED, reason);
+        return;
+    }
     if (kvr_layout_diff(e, &m->layout, why, sizeof(why)) != 0) {
         snprintf(reason, sizeof(reason), "layout mismatch between prefill rank %d (%s) and %s: %s",
                  e->rank, kvr_ctl_endpoint(e->ctl), p->name, why);
@@ -1994,12 +2075,34 @@ static void kvr_handle_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_
         return;
     }
     kvr_pending_t *old = r == NULL ? kvr_table_get(&e->pending, m->room) : NULL;
+    if (old != NULL && old->peer != NULL && old->peer != p) {
+        /* First come keeps it: a later decode must not take over the room
+         * (the first would wait for its deadline while the other got the
+         * KV). */
+        kvr_refuse_req_locked(e, p, m, KVR_PROTOCOL, "%.100s already asked for this room",
+                              old->peer->name);
+        return;
+    }
     int replaces = old != NULL && old->peer == p;
     if (!replaces && p->nrooms >= e->cfg.max_rooms_per_peer) {
         kvr_refuse_req_locked(e, p, m, KVR_REFUSED,
                               "it already has %u rooms pending or open here "
                               "(max_rooms_per_peer=%u)",
                               p->nrooms, e->cfg.max_rooms_per_peer);
+        return;
+    }
+    if ((int64_t)m->npages > e->min_pages) {
+        kvr_refuse_req_locked(e, p, m, KVR_REFUSED,
+                              "it asks for %u pages, more than the %" PRId64
+                              " this prefill has registered",
+                              m->npages, e->min_pages);
+        return;
+    }
+    if (r == NULL && e->pending_pages + m->npages > KVR_MAX_PENDING_PAGES) {
+        kvr_refuse_req_locked(e, p, m, KVR_REFUSED,
+                              "the requests waiting for senders not created yet hold %" PRIu64
+                              " pages (at most %u)",
+                              e->pending_pages, KVR_MAX_PENDING_PAGES);
         return;
     }
     if (r == NULL && old == NULL && e->pending.count >= e->cfg.max_pending) {
@@ -2034,15 +2137,16 @@ static void kvr_handle_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_
     pd->tag = m->tag;
     pd->aux_index = m->aux_index;
     pd->npages = m->npages;
+    e->pending_pages += m->npages;
     pd->pages = pages;
     pd->prefix_len = m->prefix_len;
     pd->arrived_ns = kvr_now_ns();
     if (kvr_table_put(&e->pending, m->room, pd) != 0) {
-        kvr_pending_free(pd);
+        kvr_pending_free(e, pd);
         return;
     }
     if (old) {
-        kvr_pending_free(old);
+        kvr_pending_free(e, old);
     }
 }
 
@@ -2056,9 +2160,13 @@ static void kvr_handle_remote_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const 
      * (the decode gave up on it before asking, e.g. a rejected layout). */
     int unbound = r != NULL && e->mode == KVR_MODE_PREFILL && !r->bound;
     if (r == NULL && e->mode == KVR_MODE_PREFILL) {
-        kvr_pending_t *pd = kvr_table_remove(&e->pending, m->room);
-        if (pd) {
-            kvr_pending_free(pd);
+        kvr_pending_t *pd = kvr_table_get(&e->pending, m->room);
+        if (pd != NULL && (pd->peer != p || pd->tag != m->tag)) {
+            return; /* about another decode's request (or an older one) */
+        }
+        if (pd != NULL) {
+            kvr_table_remove(&e->pending, m->room);
+            kvr_pending_free(e, pd);
         }
     }
     if (r != NULL && !unbound && (r->peer != p || mytag != m->tag)) {
@@ -2078,7 +2186,7 @@ static void kvr_handle_remote_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const 
     if (r == NULL) {
         if (e->mode == KVR_MODE_PREFILL) {
             /* Kept for a sender not created yet (see kvr_handle_open). */
-            kvr_registry_record(&e->registry, m->room, &f);
+            kvr_registry_record_early(&e->registry, m->room, &f);
         }
         return;
     }
@@ -2605,7 +2713,7 @@ static void kvr_timers_locked(kvr_engine_t *e)
         if (pd && (pd->peer == NULL || pd->peer->state != KVR_PEER_READY ||
                    now - pd->arrived_ns > e->cfg.bootstrap_timeout_ms * KVR_MS)) {
             kvr_table_remove(&e->pending, e->pending.slots[i].key);
-            kvr_pending_free(pd);
+            kvr_pending_free(e, pd);
             i--; /* backward-shift deletion may have moved an entry here */
         }
     }
@@ -3243,6 +3351,8 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
         goto err_ctl;
     }
     e->thread_started = 1;
+    snprintf(e->endpoint, sizeof(e->endpoint), "%s", kvr_ctl_endpoint(e->ctl));
+    snprintf(e->transport, sizeof(e->transport), "%s", kvr_tp_describe(e->tp));
     /* "kvr-prefill0" / "kvr-decode1": what top -H and perf show. */
     char tname[16];
     snprintf(tname, sizeof(tname), "kvr-%s%d", kvr_side(e), e->rank % 1000);
@@ -3269,7 +3379,7 @@ void kvr_engine_close(kvr_engine_t *e)
         pthread_mutex_unlock(&e->lock);
         return;
     }
-    e->closed = 1;
+    __atomic_store_n(&e->closed, 1, __ATOMIC_RELEASE);
     e->stopping = 1;
     pthread_mutex_unlock(&e->lock);
     kvr_wake(e);
@@ -3353,7 +3463,7 @@ void kvr_engine_free(kvr_engine_t *e)
     }
     for (size_t i = 0; i < e->pending.capacity; i++) {
         if (e->pending.slots[i].value) {
-            kvr_pending_free(e->pending.slots[i].value);
+            kvr_pending_free(e, e->pending.slots[i].value);
         }
     }
     kvr_table_destroy(&e->pending);
@@ -3403,15 +3513,13 @@ void kvr_engine_free(kvr_engine_t *e)
 
 int kvr_engine_closed(kvr_engine_t *e)
 {
-    pthread_mutex_lock(&e->lock);
-    int c = e->closed;
-    pthread_mutex_unlock(&e->lock);
-    return c;
+    /* Without the lock: close() holds it while endpoints drain. */
+    return __atomic_load_n(&e->closed, __ATOMIC_ACQUIRE);
 }
 
 const char *kvr_engine_endpoint(kvr_engine_t *e)
 {
-    return e->ctl ? kvr_ctl_endpoint(e->ctl) : "";
+    return e->endpoint;
 }
 
 uint64_t kvr_engine_epoch(kvr_engine_t *e)
@@ -3421,7 +3529,7 @@ uint64_t kvr_engine_epoch(kvr_engine_t *e)
 
 const char *kvr_engine_transport(kvr_engine_t *e)
 {
-    return e->tp ? kvr_tp_describe(e->tp) : "closed";
+    return e->transport;
 }
 
 void kvr_engine_stats(kvr_engine_t *e, kvr_stats_t *s)
@@ -3516,7 +3624,8 @@ int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
     r->in_table = 1;
     r->refs = 2; /* table + handle */
     kvr_failure_t prior;
-    if (kvr_registry_pop(&e->registry, room, &prior) && (prior.from_sibling || prior.from_remote) &&
+    if (kvr_registry_pop_early(&e->registry, room, &prior) &&
+        (prior.from_sibling || prior.from_remote) &&
         kvr_now_ns() - prior.time_ns < e->cfg.bootstrap_timeout_ms * KVR_MS) {
         /* A sibling or the peer failed this room before this rank opened it. */
         kvr_room_fail_locked(e, r, &prior, 0);
@@ -3533,7 +3642,7 @@ int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
                                         pd->pages);
                 pd->pages = NULL;
             }
-            kvr_pending_free(pd);
+            kvr_pending_free(e, pd);
         }
     }
     *h_p = r;
@@ -3940,6 +4049,13 @@ int kvr_handle_clear(kvr_handle_t *h, char *err, size_t errlen)
     pthread_mutex_unlock(&e->lock);
     kvr_wake(e);
     return 0;
+}
+
+void kvr_engine_test_corrupt(kvr_engine_t *e, int mode)
+{
+    pthread_mutex_lock(&e->lock);
+    e->test_corrupt = mode;
+    pthread_mutex_unlock(&e->lock);
 }
 
 int kvr_handle_role(kvr_handle_t *h)

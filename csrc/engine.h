@@ -47,6 +47,7 @@ typedef struct {
     uint32_t coalesce_run_bytes;    /* runs shorter than this are coalesced */
     uint64_t pack_bytes;            /* most bytes of packed scattered messages in flight (tcp) */
     uint32_t max_rooms_per_peer;    /* prefill: rooms one decode may have pending or bound */
+    uint32_t max_peers;             /* prefill: decode ranks connected at once (a UCX worker each) */
     /* Shared secret authenticating every control message (auth.h); none if
      * secret_len is 0. */
     unsigned char secret[KVR_AUTH_SECRET_MAX];
@@ -152,7 +153,9 @@ void kvr_engine_stats(kvr_engine_t *e, kvr_stats_t *s);
 int kvr_engine_log_read(kvr_engine_t *e, int *levels, char (*texts)[KVR_ENGINE_LOG_TEXT], int max,
                         int timeout_ms);
 
-/* The control endpoint ("tcp://host:port") and the instance epoch. */
+/* The control endpoint ("tcp://host:port"), the instance epoch and the
+ * transport's description: copies made at creation, the same text after
+ * close(), valid until free; any thread, without the lock. */
 const char *kvr_engine_endpoint(kvr_engine_t *e);
 uint64_t kvr_engine_epoch(kvr_engine_t *e);
 const char *kvr_engine_transport(kvr_engine_t *e);
@@ -206,5 +209,10 @@ int kvr_handle_abort(kvr_handle_t *h, char *err, size_t errlen);
 int kvr_handle_clear(kvr_handle_t *h, char *err, size_t errlen);
 /* KVR_MODE_PREFILL or KVR_MODE_DECODE. */
 int kvr_handle_role(kvr_handle_t *h);
+
+/* Tests only: makes this prefill corrupt the headers of the KV data
+ * messages it posts from now on (KVR_TEST_CORRUPT_*, testhook.h; 0 turns
+ * it off).  Any thread. */
+void kvr_engine_test_corrupt(kvr_engine_t *e, int mode);
 
 #endif

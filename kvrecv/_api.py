@@ -57,6 +57,7 @@ class KVConfig:
     coalesce_run_bytes: int = _DEFAULT["coalesce_run_bytes"]
     pack_bytes: int = _DEFAULT["pack_bytes"]
     max_rooms_per_peer: int = _DEFAULT["max_rooms_per_peer"]
+    max_peers: int = _DEFAULT["max_peers"]
     secret: Any = dataclasses.field(default="", repr=False)
     staging_slots: int = _DEFAULT["staging_slots"]
     staging_slot_bytes: int = _DEFAULT["staging_slot_bytes"]
@@ -351,11 +352,15 @@ _log = logging.getLogger("kvrecv")
 
 def _pump_logs(core) -> None:
     while True:
-        records = core.read_logs(200)
-        if records is None:
-            return
-        for level, text in records:
-            _log.log(level, text)
+        try:
+            records = core.read_logs(200)
+            if records is None:
+                return
+            for level, text in records:
+                _log.log(level, text)
+        except Exception:  # a handler that raises must not end the pump
+            if core.closed:
+                return
 
 
 def _close_core(core, thread) -> None:

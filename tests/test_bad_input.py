@@ -4,6 +4,7 @@ until a valid call, after which exactly the valid pages land."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -520,6 +521,34 @@ def test_calls_on_a_closed_manager(pair):
     r.abort()
     r.clear()
     assert_all_canary(pair.dst)
+
+
+def test_endpoint_and_transport_readable_while_close_runs(res, bootstrap):
+    """Reader threads racing close(): the same text before, during and after
+    (close() frees the control layer and the transport with the GIL
+    released; the properties are copies made at creation)."""
+    side = Side(SMALL, 0)
+    mgr = res.manager(side, "prefill", bootstrap.address)
+    endpoint, transport = mgr.endpoint, mgr.transport
+    assert endpoint.startswith("tcp://127.0.0.1:") and transport
+    seen, stop = set(), threading.Event()
+
+    def read():
+        while not stop.is_set():
+            seen.add((mgr.endpoint, mgr.transport, mgr.closed in (True, False)))
+
+    threads = [threading.Thread(target=read) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    mgr.close()
+    time.sleep(0.05)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert mgr.closed
+    assert seen == {(endpoint, transport, True)}
+    assert (mgr.endpoint, mgr.transport) == (endpoint, transport)
 
 
 def test_manager_as_context_manager_closes(bootstrap):

@@ -1,4 +1,5 @@
 #include "module.h"
+#include "../testhook.h"
 
 #include <string.h>
 
@@ -67,6 +68,7 @@ fail:
     X(coalesce_run_bytes, UINT32_MAX, 0)                                                      \
     X(pack_bytes, (uint64_t)1 << 40, 0)                                                       \
     X(max_rooms_per_peer, UINT32_MAX, 0)                                                      \
+    X(max_peers, UINT32_MAX, 0)                                                               \
     X(staging_slots, 65536, 0)                                                                \
     X(staging_slot_bytes, 1u << 30, 0)                                                        \
     X(force_staging, 1, 1)                                                                    \
@@ -566,7 +568,7 @@ static PyObject *kvr_manager_read_logs(PyObject *op, PyObject *arg)
     }
     PyObject *out = PyList_New(n);
     for (int i = 0; out != NULL && i < n; i++) {
-        PyObject *t = Py_BuildValue("(is)", levels[i], texts[i]);
+        PyObject *t = Py_BuildValue("(iN)", levels[i], kvr_py_text(texts[i]));
         if (t == NULL) {
             Py_CLEAR(out);
             break;
@@ -590,7 +592,28 @@ static PyObject *kvr_manager_is_device(PyObject *op, PyObject *arg)
     return PyBool_FromLong(i >= 0 && kvr_engine_buffer_is_device(self->engine, (uint32_t)i));
 }
 
+/* _test_corrupt_data(mode): tests only (csrc/testhook.h). */
+static PyObject *kvr_manager_test_corrupt(PyObject *op, PyObject *arg)
+{
+    kvr_py_manager_t *self = (kvr_py_manager_t *)op;
+    if (kvr_manager_check(self) < 0) {
+        return NULL;
+    }
+    long mode = PyLong_AsLong(arg);
+    if (mode == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (mode < 0 || mode >= KVR_TEST_CORRUPT_LAST) {
+        PyErr_Format(PyExc_ValueError, "no corruption mode %ld", mode);
+        return NULL;
+    }
+    kvr_engine_test_corrupt(self->engine, (int)mode);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef kvr_manager_methods[] = {
+    {"_test_corrupt_data", kvr_manager_test_corrupt, METH_O,
+     "Tests only: corrupt the headers of the data messages this prefill posts."},
     {"is_device", kvr_manager_is_device, METH_O,
      "True if buffer i (KV buffers first, then aux) is device memory."},
     {"read_logs", kvr_manager_read_logs, METH_O,

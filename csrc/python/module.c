@@ -186,12 +186,17 @@ static PyObject *kvr_make_error_type(PyObject *m, const char *name, PyObject *ba
     return tp;
 }
 
+PyObject *kvr_py_text(const char *s)
+{
+    return PyUnicode_DecodeUTF8(s, (Py_ssize_t)strlen(s), "replace");
+}
+
 PyObject *kvr_py_error_new(kvr_py_state_t *st, uint64_t room, const kvr_failure_t *f,
                            int is_from_another_rank)
 {
     int code = f->code > KVR_OK && f->code < KVR_STATUS_LAST ? f->code : KVR_REMOTE;
     PyObject *cls = st->error_by_code[code];
-    PyObject *args = Py_BuildValue("(Ksi)", (unsigned long long)room, f->reason,
+    PyObject *args = Py_BuildValue("(KNi)", (unsigned long long)room, kvr_py_text(f->reason),
                                    is_from_another_rank);
     if (args == NULL) {
         return NULL;
@@ -210,7 +215,7 @@ PyObject *kvr_py_error_new(kvr_py_state_t *st, uint64_t room, const kvr_failure_
         Py_DECREF(o);
     }
     if (f->peer[0]) {
-        PyObject *p = PyUnicode_FromString(f->peer);
+        PyObject *p = kvr_py_text(f->peer);
         if (p == NULL || PyDict_SetItemString(kw, "peer", p) < 0) {
             Py_XDECREF(p);
             goto fail;

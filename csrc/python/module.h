@@ -43,6 +43,10 @@ PyObject *kvr_py_config_defaults(PyObject *m, PyObject *unused);
 /* Raises the built-in exception matching a KVR_E* code with message err. */
 PyObject *kvr_py_raise(int rc, const char *err);
 
+/* A C string as str: UTF-8, bytes that are not (a peer's) replaced by
+ * U+FFFD, so text from the wire never raises UnicodeDecodeError. */
+PyObject *kvr_py_text(const char *s);
+
 /* Builds (without raising) a KVTransferError subclass instance for a failure
  * record. */
 PyObject *kvr_py_error_new(kvr_py_state_t *st, uint64_t room, const kvr_failure_t *f,

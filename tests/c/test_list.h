@@ -46,6 +46,9 @@
     X(room_random_walk, 30, 0)                                                \
     X(room_run_length, 10, 0)                                                 \
     X(room_pages_check, 10, 0)                                                \
+    X(room_claim_once, 10, 0)                                                 \
+    X(log_utf8_trim, 10, 0)                                                   \
+    X(registry_early_bounded, 10, 0)                                          \
     X(hist_bounds_tables, 10, 0)                                              \
     X(hist_observe_edges, 10, 0)                                              \
     X(hist_random_vs_reference, 30, 0)                                        \
