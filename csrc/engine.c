@@ -657,8 +657,13 @@ static void kvr_handle_sib_fail_locked(kvr_engine_t *e, const kvr_msg_t *m)
     kvr_room_t *r = kvr_table_get(&e->rooms, m->room);
     if (r != NULL && !kvr_room_terminal(r) && !r->failing) {
         kvr_room_fail_locked(e, r, &f, 1);
-    } else if (r == NULL) {
-        /* Kept for a room this rank has not opened yet (see kvr_handle_open). */
+    } else {
+        /* Kept for a room this rank has not opened yet (see kvr_handle_open),
+         * or for one already terminal or failing here: a room whose part
+         * succeeded on this rank still fails as a whole (the schedulers
+         * MIN-reduce their ranks' polls), and failure_exception() must raise
+         * the origin's cause.  A record of this rank's own stays first;
+         * clearing the room drops the record. */
         kvr_registry_record(&e->registry, m->room, &f);
     }
 }
