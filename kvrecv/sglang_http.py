@@ -184,6 +184,7 @@ class RouteTable:
 class _Handler(BaseHTTPRequestHandler):
     server_version = "kvrecv"
     protocol_version = "HTTP/1.1"
+    default_request_version = "HTTP/1.0"  # a status line even for junk
     timeout = READ_TIMEOUT_S
 
     def log_message(self, fmt, *args):  # quiet: sglang polls /health often
