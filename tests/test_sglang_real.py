@@ -20,7 +20,8 @@ import pytest
 from kvtest import STD, Side, wait_for
 
 from kvrecv import KVPoll, KVTransferError
-from kvrecv.sglang import KVRecvBootstrapServer, KVRecvManager, KVRecvReceiver, KVRecvSender, advertise_host
+from kvrecv.sglang import (KVRecvBootstrapServer, KVRecvManager, KVRecvReceiver, KVRecvSender,
+                           _route_source, advertise_host)
 from kvrecv.sglang_http import fetch_json
 
 try:
@@ -35,7 +36,7 @@ if _MISSING and os.environ.get("KVRECV_REQUIRE_SGLANG") == "1":
 
 pytestmark = [pytest.mark.sglang, pytest.mark.skipif(bool(_MISSING), reason=_MISSING)]
 
-from test_sglang import Cluster, DisaggregationMode, sglang_kv_args  # noqa: E402
+from test_sglang import DisaggregationMode, cluster, sglang_kv_args  # noqa: E402,F401
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -101,15 +102,6 @@ def test_unsupported_sglang_is_refused_at_start(tmp_path):
     assert out.stdout.strip().splitlines()[-1] == "False"
     assert ("kvrecv: sglang 0.4.0 is not a supported release (supported: 0.5.23); "
             "the 'kvrecv' transfer backend is not registered") in out.stderr
-
-
-@pytest.fixture
-def cluster():
-    c = Cluster()
-    try:
-        yield c
-    finally:
-        c.close()
 
 
 def test_sglang_http_clients_against_the_bootstrap(cluster):
@@ -199,17 +191,24 @@ def test_rank_table_refuses_a_live_rank_of_another_instance():
         live.close()
 
 
+def _open_one(cluster, room, dst_pages, dst_aux):
+    """Decode rank 0 and prefill rank 0 of one room, up to the prefill's
+    WaitingForInput (sglang's pop_preallocated and pop_bootstrapped)."""
+    recv = KVRecvReceiver(mgr=cluster.decode[0], bootstrap_addr=cluster.addr, bootstrap_room=room)
+    send = KVRecvSender(mgr=cluster.prefill[0], bootstrap_addr=cluster.addr, bootstrap_room=room)
+    recv.init(0)
+    assert wait_for(recv, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+    recv.send_metadata(dst_pages, dst_aux, None, decode_prefix_len=8 - len(dst_pages))
+    assert wait_for(send, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+    return recv, send
+
+
 def test_full_prefix_hit_aux_leaves_with_last_chunk(cluster):
     """sglang's order on a full prefix hit: init(0, aux) at bootstrap, the
     aux row written later, then a 0-page last chunk.  The decode must see
     the row as it is at the last chunk, and not report Success before."""
     src, dst = cluster.src[0], cluster.dst[0]
-    recv = KVRecvReceiver(mgr=cluster.decode[0], bootstrap_addr=cluster.addr, bootstrap_room=501)
-    send = KVRecvSender(mgr=cluster.prefill[0], bootstrap_addr=cluster.addr, bootstrap_room=501)
-    recv.init(0)
-    assert wait_for(recv, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
-    recv.send_metadata(np.zeros(0, dtype=np.int32), 3, None, decode_prefix_len=8)
-    assert wait_for(send, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+    recv, send = _open_one(cluster, 501, np.zeros(0, dtype=np.int32), 3)
     src.rows(0)[5][:] = 7
     send.init(0, 5)
     time.sleep(0.3)
@@ -227,12 +226,7 @@ def test_page_complete_chunk_that_is_not_last_keeps_the_aux_row(cluster):
     """All pages sent in a chunk that is not the last (page-aligned chunked
     prefill): the row must still leave with the last (0-page) chunk."""
     src, dst = cluster.src[0], cluster.dst[0]
-    recv = KVRecvReceiver(mgr=cluster.decode[0], bootstrap_addr=cluster.addr, bootstrap_room=502)
-    send = KVRecvSender(mgr=cluster.prefill[0], bootstrap_addr=cluster.addr, bootstrap_room=502)
-    recv.init(0)
-    assert wait_for(recv, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
-    recv.send_metadata(np.arange(4, dtype=np.int32), 2, None, decode_prefix_len=0)
-    assert wait_for(send, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+    recv, send = _open_one(cluster, 502, np.arange(4, dtype=np.int32), 2)
     src.rows(0)[6][:] = 7
     send.init(4, 6)
     assert send.should_send_kv_chunk(4, False)
@@ -345,22 +339,12 @@ def test_dp_rank_outside_the_prefill_fails_the_room(cluster):
 def test_wildcard_host_advertises_a_routable_address(monkeypatch):
     monkeypatch.delenv("KVRECV_ADVERTISE_HOST", raising=False)
     got = advertise_host("0.0.0.0", "127.0.0.1")
-    has_route = any(not ip.startswith("127.") for ip in
-                    [s for s in (_route("192.0.2.1"),) if s])
-    if has_route:
+    src = _route_source("192.0.2.1")
+    if src and not src.startswith("127."):  # this machine has a non-loopback route
         assert not got.startswith("127."), got
     monkeypatch.setenv("KVRECV_ADVERTISE_HOST", "127.0.0.1")
     assert advertise_host("0.0.0.0", "10.1.2.3") == "127.0.0.1"
     assert advertise_host("127.0.0.1", "10.1.2.3") == "127.0.0.1"
-
-
-def _route(target):
-    try:
-        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-            s.connect((target, 9))
-            return s.getsockname()[0]
-    except OSError:
-        return None
 
 
 def test_manager_keeps_sglangs_kv_args(cluster):
