@@ -671,6 +671,13 @@ static void kvr_handle_sib_fail_locked(kvr_engine_t *e, const kvr_msg_t *m)
     } else if (r == NULL) {
         /* Kept for a room this rank has not opened yet (see kvr_handle_open). */
         kvr_registry_record_early(&e->registry, m->room, &f);
+    } else {
+        /* A room already terminal or failing here: a room whose part
+         * succeeded on this rank still fails as a whole (the schedulers
+         * MIN-reduce their ranks' polls), and failure_exception() must raise
+         * the origin's cause.  A record of this rank's own stays first;
+         * clearing the room drops the record. */
+        kvr_registry_record(&e->registry, m->room, &f);
     }
 }
 
@@ -3686,18 +3693,29 @@ void kvr_handle_release(kvr_handle_t *h)
     }
 }
 
-int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, char *err, size_t errlen)
+int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *bootstrap_addr,
+                         char *err, size_t errlen)
 {
     kvr_engine_t *e = kvr_handle_engine(h);
     int rc = kvr_handle_enter(h, err, errlen);
     if (rc) {
         return rc;
     }
-    (void)prefill_dp_rank; /* one prefill DP group per bootstrap address */
+    /* The caller names the rendezvous of the prefill DP group the decode
+     * asked for (bootstrap_addr); one rendezvous serves one DP group. */
+    (void)prefill_dp_rank;
     if (h->init_called) {
         rc = kvr_err(err, errlen, KVR_ERUNTIME, "init() was already called for room %" PRIu64,
                      h->id);
         goto out;
+    }
+    if (bootstrap_addr != NULL && bootstrap_addr[0] != '\0') {
+        if (strlen(bootstrap_addr) >= sizeof(h->bootstrap_addr)) {
+            rc = kvr_err(err, errlen, KVR_EVALUE, "bootstrap_addr '%.64s...' is too long",
+                         bootstrap_addr);
+            goto out;
+        }
+        snprintf(h->bootstrap_addr, sizeof(h->bootstrap_addr), "%s", bootstrap_addr);
     }
     if (h->bootstrap_addr[0] == '\0' || strchr(h->bootstrap_addr, ':') == NULL) {
         rc = kvr_err(err, errlen, KVR_EVALUE, "bootstrap_addr '%s' is not host:port",

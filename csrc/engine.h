@@ -182,8 +182,11 @@ void kvr_handle_release(kvr_handle_t *h);
 
 /* Decode side.  prefix_len: tokens of the request this decode already holds
  * (0 for none); the pages are those of the rest.  It travels with the
- * request for the prefill's scheduler (kvr_handle_prefix_len). */
-int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, char *err, size_t errlen);
+ * request for the prefill's scheduler (kvr_handle_prefix_len).
+ * kvr_handle_recv_init: bootstrap_addr, unless NULL or empty, replaces the
+ * rendezvous named at open (the one of the prefill DP group asked for). */
+int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *bootstrap_addr,
+                         char *err, size_t errlen);
 int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, int64_t aux_index,
                              uint32_t prefix_len, char *err, size_t errlen);
 /* Prefill side.  kvr_handle_prefix_len: the decode's prefix_len, once its
