@@ -11,6 +11,9 @@
 #include <ucp/api/ucp.h>
 #include <ucs/sys/string.h>
 
+#include "log.h"
+#include "ucxlog.h"
+
 #if defined(__x86_64__) && defined(__SSE2__)
 #include <emmintrin.h>
 #define KVR_TP_STREAM 1
@@ -77,6 +80,7 @@ struct kvr_transport {
     kvr_tp_region_t *regions;
     size_t nregions;
     unsigned eps_without_peer_errors;
+    int said_lanes[2];        /* the INFO line on endpoints [without, with] peer errors was logged */
     char describe[256];
     char tuned[128];                   /* UCX settings kvrecv changed (kvr_tp_tune) */
     size_t tuned_bytes[KVR_TP_NTUNE];  /* their values in effect, bytes (0: not known) */
@@ -420,6 +424,7 @@ int kvr_tp_create(const kvr_tp_callbacks_t *cb, size_t pack_max, kvr_transport_t
         return -1;
     }
 
+    kvr_ucxlog_install();
     st = ucp_config_read(NULL, NULL, &config);
     if (st != UCS_OK) {
         snprintf(err, errlen, "ucp_config_read: %s", ucs_status_string(st));
@@ -686,6 +691,7 @@ unsigned kvr_tp_memory_types(kvr_transport_t *tp, char *names, size_t len)
 int kvr_tp_probe_memory_types(unsigned *mask, char *names, size_t len, char *err, size_t errlen)
 {
     ucp_config_t *config = NULL;
+    kvr_ucxlog_install();
     ucs_status_t st = ucp_config_read(NULL, NULL, &config);
     if (st != UCS_OK) {
         snprintf(err, errlen, "ucp_config_read: %s", ucs_status_string(st));
@@ -758,6 +764,65 @@ int kvr_tp_address_check(kvr_transport_t *tp, const void *addr, size_t len, char
     return 0;
 }
 
+/* The transports of e's lanes ("sysv/memory, cma/memory"), from UCX's
+ * description of the endpoint; "" if it cannot be had. */
+static void kvr_tp_ep_lanes(const kvr_tp_ep_t *e, char *out, size_t len)
+{
+    char *text = NULL;
+    size_t text_len = 0;
+    out[0] = '\0';
+    FILE *f = open_memstream(&text, &text_len);
+    if (f == NULL) {
+        return;
+    }
+    ucp_ep_print_info(e->ep, f);
+    fclose(f);
+    size_t n = 0;
+    for (const char *p = text; p != NULL && (p = strstr(p, "lane[")) != NULL; p++) {
+        /* "lane[0]:  1:sysv/memory.0 md[1] ..." */
+        const char *name = strchr(p, ':');
+        name = name ? strchr(name + 1, ':') : NULL;
+        if (name == NULL) {
+            break;
+        }
+        name++;
+        size_t nl = strcspn(name, ". \n");
+        char one[64];
+        snprintf(one, sizeof(one), "%.*s", (int)(nl < 63 ? nl : 63), name);
+        if (strstr(out, one) == NULL && n + nl + 3 < len) {
+            n += (size_t)snprintf(out + n, len - n, "%s%s", n ? ", " : "", one);
+        }
+    }
+    free(text);
+}
+
+/* Once per transport and kind of endpoint, at INFO: which transports UCX
+ * chose for a peer and what that means for noticing a dead one. */
+static void kvr_tp_say_lanes(kvr_transport_t *tp, const kvr_tp_ep_t *e)
+{
+    int peer_errors = !e->no_peer_errors;
+    if (tp->said_lanes[peer_errors]) {
+        return;
+    }
+    tp->said_lanes[peer_errors] = 1;
+    char lanes[256];
+    kvr_tp_ep_lanes(e, lanes, sizeof(lanes));
+    const char *tls = getenv("UCX_TLS");
+    if (peer_errors) {
+        kvr_log_write_shared(KVR_LOG_INFO,
+                             "UCX connects to peers over %s (UCX_TLS=%s), with UCX's "
+                             "peer-failure handling: a dead peer is reported at once",
+                             lanes[0] ? lanes : "?", tls ? tls : "all");
+    } else {
+        kvr_log_write_shared(KVR_LOG_INFO,
+                             "UCX connects to peers over %s (UCX_TLS=%s): shared memory, "
+                             "where UCX %s has no peer-failure handling, so heartbeats "
+                             "detect a dead peer",
+                             lanes[0] ? lanes : "?", tls ? tls : "all",
+                             ucp_get_version_string());
+    }
+}
+
 int kvr_tp_ep_create(kvr_tp_worker_t *w, const void *addr, size_t len, void *ep_ctx,
                      kvr_tp_ep_t **ep_p, char *err, size_t errlen)
 {
@@ -787,8 +852,12 @@ int kvr_tp_ep_create(kvr_tp_worker_t *w, const void *addr, size_t len, void *ep_
     ep.err_handler.arg = e;
     /* Once UCX said it cannot handle peer failures here (it logs an error
      * line each time it is asked), do not ask again. */
-    ucs_status_t st = tp->eps_without_peer_errors ? UCS_ERR_UNREACHABLE
-                                                  : ucp_ep_create(w->worker, &ep, &e->ep);
+    ucs_status_t st = UCS_ERR_UNREACHABLE;
+    if (!tp->eps_without_peer_errors) {
+        kvr_ucxlog_expect_refusal(1);
+        st = ucp_ep_create(w->worker, &ep, &e->ep);
+        kvr_ucxlog_expect_refusal(0);
+    }
     if (st == UCS_ERR_UNREACHABLE) {
         /* UCX 1.13 offers peer-failure handling only on transports that
          * support it (tcp, not the shared-memory ones).  Without it the
@@ -806,6 +875,7 @@ int kvr_tp_ep_create(kvr_tp_worker_t *w, const void *addr, size_t len, void *ep_
         free(e);
         return -1;
     }
+    kvr_tp_say_lanes(tp, e);
     *ep_p = e;
     return 0;
 }
