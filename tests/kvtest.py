@@ -15,12 +15,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import hashlib
 import hmac
 import multiprocessing
 import os
+import socket
 import struct
 import time
 import traceback
@@ -300,6 +302,19 @@ def split_chunks(rng: np.random.Generator, seq, nchunks: int) -> List:
 # --------------------------------------------------------------------------
 # Polling
 # --------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def refusing_port():
+    """A loopback port that refuses connections for as long as the block
+    runs: bound by this process but not listening (a port bound, closed and
+    named later could be taken by another process meanwhile)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+    finally:
+        s.close()
 
 
 def wait_for(room, targets, timeout: float = 10.0):
