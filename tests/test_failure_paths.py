@@ -103,8 +103,9 @@ def test_a_failure_code_this_build_does_not_know_is_remote(res, caplog):
     # The code-0 message came first on the same connection: it was handled
     # (dropped as malformed) before the other failed room 31.
     assert zero.poll() != KVPoll.Failed
-    assert any(m.getMessage().endswith("malformed control message(s); the last (65 bytes): "
-                                       "failure code 0") for m in caplog.records), caplog.text
+    assert wait_until(lambda: any(
+        m.getMessage().endswith("malformed control message(s); the last (65 bytes): "
+                                "failure code 0") for m in caplog.records), 5), caplog.text
     assert decode.stats()["failures_by_code"]["REMOTE"] == 1
 
 
@@ -203,6 +204,7 @@ def test_a_sibling_that_refuses_the_decodes_authentication(res, caplog):
     assert wait_for(r, terminal()) == KVPoll.Failed
     assert wait_until(lambda: d0.stats()["auth_refused_by_peer"] == 1, 10), d0.stats()
     assert d1.stats()["auth_rejected"] == 1
-    msgs = [m.getMessage() for m in caplog.records if m.levelno == logging.WARNING]
-    assert (f"decode rank 0: a sibling rank refused our messages: authentication failed at "
-            f"the kvrecv manager {d1.endpoint}: {BAD_TAG}") in msgs, msgs
+    want = (f"decode rank 0: a sibling rank refused our messages: authentication failed at "
+            f"the kvrecv manager {d1.endpoint}: {BAD_TAG}")
+    assert wait_until(lambda: want in [m.getMessage() for m in caplog.records
+                                       if m.levelno == logging.WARNING], 5), caplog.text
