@@ -464,6 +464,8 @@ class Dealer:
 
 MAGIC = 0x5752564B
 VERSION = 1
+# The shared secret of the tests that use one (csrc/auth.h).
+SECRET = b"kvrecv-test-secret"
 (MSG_BS_REGISTER, MSG_BS_REGISTER_OK, MSG_BS_QUERY, MSG_BS_QUERY_REPLY, MSG_HELLO, MSG_HELLO_OK,
  MSG_HELLO_REJECT, MSG_ROOM_REQ, MSG_ROOM_DONE, MSG_ROOM_FAIL, MSG_PING, MSG_PONG,
  MSG_BYE, MSG_SIB_FAIL, MSG_AUTH_REJECT) = range(1, 16)
