@@ -11,7 +11,6 @@
 #include <ucp/api/ucp.h>
 #include <ucs/sys/string.h>
 
-#include "log.h"
 #include "ucxlog.h"
 
 #if defined(__x86_64__) && defined(__SSE2__)
@@ -764,65 +763,6 @@ int kvr_tp_address_check(kvr_transport_t *tp, const void *addr, size_t len, char
     return 0;
 }
 
-/* The transports of e's lanes ("sysv/memory, cma/memory"), from UCX's
- * description of the endpoint; "" if it cannot be had. */
-static void kvr_tp_ep_lanes(const kvr_tp_ep_t *e, char *out, size_t len)
-{
-    char *text = NULL;
-    size_t text_len = 0;
-    out[0] = '\0';
-    FILE *f = open_memstream(&text, &text_len);
-    if (f == NULL) {
-        return;
-    }
-    ucp_ep_print_info(e->ep, f);
-    fclose(f);
-    size_t n = 0;
-    for (const char *p = text; p != NULL && (p = strstr(p, "lane[")) != NULL; p++) {
-        /* "lane[0]:  1:sysv/memory.0 md[1] ..." */
-        const char *name = strchr(p, ':');
-        name = name ? strchr(name + 1, ':') : NULL;
-        if (name == NULL) {
-            break;
-        }
-        name++;
-        size_t nl = strcspn(name, ". \n");
-        char one[64];
-        snprintf(one, sizeof(one), "%.*s", (int)(nl < 63 ? nl : 63), name);
-        if (strstr(out, one) == NULL && n + nl + 3 < len) {
-            n += (size_t)snprintf(out + n, len - n, "%s%s", n ? ", " : "", one);
-        }
-    }
-    free(text);
-}
-
-/* Once per transport and kind of endpoint, at INFO: which transports UCX
- * chose for a peer and what that means for noticing a dead one. */
-static void kvr_tp_say_lanes(kvr_transport_t *tp, const kvr_tp_ep_t *e)
-{
-    int peer_errors = !e->no_peer_errors;
-    if (tp->said_lanes[peer_errors]) {
-        return;
-    }
-    tp->said_lanes[peer_errors] = 1;
-    char lanes[256];
-    kvr_tp_ep_lanes(e, lanes, sizeof(lanes));
-    const char *tls = getenv("UCX_TLS");
-    if (peer_errors) {
-        kvr_log_write_shared(KVR_LOG_INFO,
-                             "UCX connects to peers over %s (UCX_TLS=%s), with UCX's "
-                             "peer-failure handling: a dead peer is reported at once",
-                             lanes[0] ? lanes : "?", tls ? tls : "all");
-    } else {
-        kvr_log_write_shared(KVR_LOG_INFO,
-                             "UCX connects to peers over %s (UCX_TLS=%s): shared memory, "
-                             "where UCX %s has no peer-failure handling, so heartbeats "
-                             "detect a dead peer",
-                             lanes[0] ? lanes : "?", tls ? tls : "all",
-                             ucp_get_version_string());
-    }
-}
-
 int kvr_tp_ep_create(kvr_tp_worker_t *w, const void *addr, size_t len, void *ep_ctx,
                      kvr_tp_ep_t **ep_p, char *err, size_t errlen)
 {
@@ -875,7 +815,11 @@ int kvr_tp_ep_create(kvr_tp_worker_t *w, const void *addr, size_t len, void *ep_
         free(e);
         return -1;
     }
-    kvr_tp_say_lanes(tp, e);
+    /* Once per transport and kind of endpoint. */
+    if (!tp->said_lanes[!e->no_peer_errors]) {
+        tp->said_lanes[!e->no_peer_errors] = 1;
+        kvr_ucxlog_say_endpoint(e->ep, !e->no_peer_errors);
+    }
     *ep_p = e;
     return 0;
 }

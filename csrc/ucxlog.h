@@ -6,7 +6,8 @@
  * hands each line to the newest open kvrecv log (kvr_log_write_shared) at
  * the matching level, so that it reaches Python's "kvrecv" logger and not
  * stderr.  With no kvrecv log open, and for FATAL lines (the process is
- * about to abort), UCX's own handler prints the line too.
+ * about to abort), UCX's own handler prints the line too.  Also says, once
+ * a manager has an endpoint, which transports UCX chose.
  */
 #ifndef KVR_UCXLOG_H
 #define KVR_UCXLOG_H
@@ -21,5 +22,12 @@ void kvr_ucxlog_install(void);
  * refusal itself, so the line is no error of the user's.
  */
 void kvr_ucxlog_expect_refusal(int on);
+
+/*
+ * Logs at INFO which transports UCX chose for the endpoint ep (a ucp_ep_h)
+ * and, from peer_errors (it was created with UCX's peer-failure handling),
+ * how a dead peer is noticed.  The caller says it once per kind.
+ */
+void kvr_ucxlog_say_endpoint(void *ep, int peer_errors);
 
 #endif
