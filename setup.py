@@ -47,7 +47,7 @@ if os.environ.get("KVRECV_SANITIZE"):
     libs = libs + [f"-fsanitize={san}"]
 
 core_sources = ["status.c", "table.c", "registry.c", "log.c", "wire.c", "auth.c", "room.c", "hist.c",
-                "transport.c", "control.c", "cuda.c", "testhook.c", "engine.c"]
+                "ucxlog.c", "transport.c", "control.c", "cuda.c", "testhook.c", "engine.c"]
 py_sources = ["module.c", "manager.c", "room.c", "bootstrap.c"]
 
 setup(

@@ -7,6 +7,24 @@
 #include <string.h>
 #include <time.h>
 
+/* The logs kvr_log_write_shared may write to: initialized, not closed.
+ * Lock order: kvr_log_shared_lock, then a log's own lock. */
+static pthread_mutex_t kvr_log_shared_lock = PTHREAD_MUTEX_INITIALIZER;
+static kvr_log_t *kvr_log_shared_head;
+
+static void kvr_log_shared_remove(kvr_log_t *log)
+{
+    pthread_mutex_lock(&kvr_log_shared_lock);
+    for (kvr_log_t **p = &kvr_log_shared_head; *p; p = &(*p)->shared_next) {
+        if (*p == log) {
+            *p = log->shared_next;
+            break;
+        }
+    }
+    log->shared_next = NULL;
+    pthread_mutex_unlock(&kvr_log_shared_lock);
+}
+
 int kvr_log_init(kvr_log_t *log)
 {
     memset(log, 0, sizeof(*log));
@@ -23,6 +41,10 @@ int kvr_log_init(kvr_log_t *log)
     const char *dbg = getenv("KVRECV_DEBUG");
     log->echo = dbg != NULL && dbg[0] != '\0' && strcmp(dbg, "0") != 0;
     log->min_level = KVR_LOG_DEBUG;
+    pthread_mutex_lock(&kvr_log_shared_lock);
+    log->shared_next = kvr_log_shared_head;
+    kvr_log_shared_head = log;
+    pthread_mutex_unlock(&kvr_log_shared_lock);
     return 0;
 }
 
@@ -31,6 +53,7 @@ void kvr_log_destroy(kvr_log_t *log)
     if (log->ring == NULL) {
         return;
     }
+    kvr_log_shared_remove(log);
     pthread_cond_destroy(&log->cond);
     pthread_mutex_destroy(&log->lock);
     free(log->ring);
@@ -55,13 +78,35 @@ void kvr_utf8_trim(char *s)
     }
 }
 
+static void kvr_log_vwrite(kvr_log_t *log, int level, const char *fmt, va_list ap)
+    __attribute__((format(printf, 3, 0)));
+
 void kvr_log_write(kvr_log_t *log, int level, const char *fmt, ...)
 {
-    char text[KVR_LOG_TEXT];
     va_list ap;
     va_start(ap, fmt);
-    int full = vsnprintf(text, sizeof(text), fmt, ap);
+    kvr_log_vwrite(log, level, fmt, ap);
     va_end(ap);
+}
+
+int kvr_log_write_shared(int level, const char *fmt, ...)
+{
+    pthread_mutex_lock(&kvr_log_shared_lock);
+    kvr_log_t *log = kvr_log_shared_head;
+    if (log != NULL) {
+        va_list ap;
+        va_start(ap, fmt);
+        kvr_log_vwrite(log, level, fmt, ap);
+        va_end(ap);
+    }
+    pthread_mutex_unlock(&kvr_log_shared_lock);
+    return log != NULL;
+}
+
+static void kvr_log_vwrite(kvr_log_t *log, int level, const char *fmt, va_list ap)
+{
+    char text[KVR_LOG_TEXT];
+    int full = vsnprintf(text, sizeof(text), fmt, ap);
     if (full >= (int)sizeof(text)) {
         kvr_utf8_trim(text);
     }
@@ -119,6 +164,7 @@ int kvr_log_read(kvr_log_t *log, kvr_log_rec_t *out, int max, int timeout_ms)
 
 void kvr_log_close(kvr_log_t *log)
 {
+    kvr_log_shared_remove(log);
     pthread_mutex_lock(&log->lock);
     log->closed = 1;
     pthread_cond_broadcast(&log->cond);

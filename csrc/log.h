@@ -28,7 +28,7 @@ typedef struct {
     char text[KVR_LOG_TEXT];
 } kvr_log_rec_t;
 
-typedef struct {
+typedef struct kvr_log {
     pthread_mutex_t lock;
     pthread_cond_t cond;
     kvr_log_rec_t *ring; /* KVR_LOG_CAPACITY records */
@@ -38,6 +38,7 @@ typedef struct {
     int closed;
     int echo;            /* KVRECV_DEBUG */
     int min_level;       /* records below are not kept */
+    struct kvr_log *shared_next; /* open logs, newest first (kvr_log_write_shared) */
 } kvr_log_t;
 
 /* Returns 0, or -1 if memory ran out. */
@@ -60,6 +61,14 @@ void kvr_log_write(kvr_log_t *log, int level, const char *fmt, ...)
 int kvr_log_read(kvr_log_t *log, kvr_log_rec_t *out, int max, int timeout_ms);
 /* Wakes readers; later reads return what is left, then -1. */
 void kvr_log_close(kvr_log_t *log);
+
+/*
+ * For lines that belong to no one log (UCX's own, through its process-wide
+ * log hook): appends a record to the newest log that is initialized and
+ * not closed.  Returns 1, or 0 if there is none (the caller prints the line
+ * elsewhere).  Any thread; never blocks on I/O.
+ */
+int kvr_log_write_shared(int level, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 uint64_t kvr_log_dropped(kvr_log_t *log);
 
 #endif

@@ -11,6 +11,8 @@
 #include <ucp/api/ucp.h>
 #include <ucs/sys/string.h>
 
+#include "ucxlog.h"
+
 #if defined(__x86_64__) && defined(__SSE2__)
 #include <emmintrin.h>
 #define KVR_TP_STREAM 1
@@ -77,6 +79,7 @@ struct kvr_transport {
     kvr_tp_region_t *regions;
     size_t nregions;
     unsigned eps_without_peer_errors;
+    int said_lanes[2];        /* the INFO line on endpoints [without, with] peer errors was logged */
     char describe[256];
     char tuned[128];                   /* UCX settings kvrecv changed (kvr_tp_tune) */
     size_t tuned_bytes[KVR_TP_NTUNE];  /* their values in effect, bytes (0: not known) */
@@ -420,6 +423,7 @@ int kvr_tp_create(const kvr_tp_callbacks_t *cb, size_t pack_max, kvr_transport_t
         return -1;
     }
 
+    kvr_ucxlog_install();
     st = ucp_config_read(NULL, NULL, &config);
     if (st != UCS_OK) {
         snprintf(err, errlen, "ucp_config_read: %s", ucs_status_string(st));
@@ -686,6 +690,7 @@ unsigned kvr_tp_memory_types(kvr_transport_t *tp, char *names, size_t len)
 int kvr_tp_probe_memory_types(unsigned *mask, char *names, size_t len, char *err, size_t errlen)
 {
     ucp_config_t *config = NULL;
+    kvr_ucxlog_install();
     ucs_status_t st = ucp_config_read(NULL, NULL, &config);
     if (st != UCS_OK) {
         snprintf(err, errlen, "ucp_config_read: %s", ucs_status_string(st));
@@ -787,8 +792,12 @@ int kvr_tp_ep_create(kvr_tp_worker_t *w, const void *addr, size_t len, void *ep_
     ep.err_handler.arg = e;
     /* Once UCX said it cannot handle peer failures here (it logs an error
      * line each time it is asked), do not ask again. */
-    ucs_status_t st = tp->eps_without_peer_errors ? UCS_ERR_UNREACHABLE
-                                                  : ucp_ep_create(w->worker, &ep, &e->ep);
+    ucs_status_t st = UCS_ERR_UNREACHABLE;
+    if (!tp->eps_without_peer_errors) {
+        kvr_ucxlog_expect_refusal(1);
+        st = ucp_ep_create(w->worker, &ep, &e->ep);
+        kvr_ucxlog_expect_refusal(0);
+    }
     if (st == UCS_ERR_UNREACHABLE) {
         /* UCX 1.13 offers peer-failure handling only on transports that
          * support it (tcp, not the shared-memory ones).  Without it the
@@ -805,6 +814,11 @@ int kvr_tp_ep_create(kvr_tp_worker_t *w, const void *addr, size_t len, void *ep_
         snprintf(err, errlen, "ucp_ep_create: %s", ucs_status_string(st));
         free(e);
         return -1;
+    }
+    /* Once per transport and kind of endpoint. */
+    if (!tp->said_lanes[!e->no_peer_errors]) {
+        tp->said_lanes[!e->no_peer_errors] = 1;
+        kvr_ucxlog_say_endpoint(e->ep, !e->no_peer_errors);
     }
     *ep_p = e;
     return 0;

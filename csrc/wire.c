@@ -87,13 +87,19 @@ static void kvr_put_layout(kvr_wbuf_t *b, const kvr_wire_layout_t *l)
     kvr_wbuf_put(b, l->aux_item_lens, (size_t)l->naux * 8);
 }
 
+/* The messages whose code names a failure (a kvr_status_t other than OK). */
+static int kvr_wire_carries_failure(uint16_t type)
+{
+    return type == KVR_MSG_HELLO_REJECT || type == KVR_MSG_ROOM_FAIL || type == KVR_MSG_SIB_FAIL;
+}
+
 int kvr_wire_encode(kvr_wbuf_t *b, const kvr_msg_t *m)
 {
     /* Never send what the decoder would refuse. */
     if (((m->type == KVR_MSG_HELLO || m->type == KVR_MSG_HELLO_OK) &&
          (m->addr_len == 0 || m->addr_len > KVR_WIRE_MAX_ADDR)) ||
         m->layout.nkv > KVR_WIRE_MAX_BUFFERS || m->layout.naux > KVR_WIRE_MAX_BUFFERS ||
-        m->npages > KVR_WIRE_MAX_PAGES) {
+        m->npages > KVR_WIRE_MAX_PAGES || (kvr_wire_carries_failure(m->type) && m->code == 0)) {
         return -1;
     }
     b->len = 0;
@@ -340,6 +346,10 @@ int kvr_wire_decode(const void *buf, size_t len, kvr_msg_t *m, const char **why)
     default:
         *why = "unknown message type";
         return -1;
+    }
+    if (!r.why && kvr_wire_carries_failure(m->type) && m->code == 0) {
+        /* 0 is KVR_OK: a failure message that says nothing failed. */
+        r.why = "failure code 0";
     }
     if (!r.why && r.left != 0) {
         r.why = "trailing bytes";

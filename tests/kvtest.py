@@ -15,12 +15,14 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import hashlib
 import hmac
 import multiprocessing
 import os
+import socket
 import struct
 import time
 import traceback
@@ -302,6 +304,19 @@ def split_chunks(rng: np.random.Generator, seq, nchunks: int) -> List:
 # --------------------------------------------------------------------------
 
 
+@contextlib.contextmanager
+def refusing_port():
+    """A loopback port that refuses connections for as long as the block
+    runs: bound by this process but not listening (a port bound, closed and
+    named later could be taken by another process meanwhile)."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind(("127.0.0.1", 0))
+        yield s.getsockname()[1]
+    finally:
+        s.close()
+
+
 def wait_for(room, targets, timeout: float = 10.0):
     """Polls room until its state is in targets (a KVPoll or a collection of
     them) or the deadline passes; returns the last state seen."""
@@ -449,6 +464,8 @@ class Dealer:
 
 MAGIC = 0x5752564B
 VERSION = 1
+# The shared secret of the tests that use one (csrc/auth.h).
+SECRET = b"kvrecv-test-secret"
 (MSG_BS_REGISTER, MSG_BS_REGISTER_OK, MSG_BS_QUERY, MSG_BS_QUERY_REPLY, MSG_HELLO, MSG_HELLO_OK,
  MSG_HELLO_REJECT, MSG_ROOM_REQ, MSG_ROOM_DONE, MSG_ROOM_FAIL, MSG_PING, MSG_PONG,
  MSG_BYE, MSG_SIB_FAIL, MSG_AUTH_REJECT) = range(1, 16)

@@ -253,7 +253,8 @@ def test_page_count_mismatch_fails_both_sides(ready, decode_pages, prefill_pages
         e = ei.value
         assert e.code == "LAYOUT_MISMATCH"
         assert e.bootstrap_room == 1
-        assert str(decode_pages) in e.failure_reason and str(prefill_pages) in e.failure_reason
+        assert e.failure_reason == (
+            f"room 1: decode asked for {decode_pages} pages, prefill announced {prefill_pages}")
     assert p.decode.stats()["failures_by_code"]["LAYOUT_MISMATCH"] == 1
     assert p.prefill.stats()["failures_by_code"]["LAYOUT_MISMATCH"] == 1
     time.sleep(0.05)

@@ -5,11 +5,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 
-from kvtest import STD
+from kvtest import STD, refusing_port
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL_DEMO = ["--rooms", "20", "--pages", "4", "--buffers", "4", "--item-len", "256"]
@@ -20,14 +19,6 @@ def kvrecv_cli(*args, timeout=60):
     env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
     return subprocess.run([sys.executable, "-m", "kvrecv", *args], capture_output=True, text=True,
                           timeout=timeout, env=env, cwd=ROOT)
-
-
-def closed_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 STD_ITEMS = ",".join(str(v) for v in STD.kv_item_lens)
@@ -55,8 +46,9 @@ def test_doctor_json_layout_mismatch(pair):
 
 
 def test_doctor_closed_port_fails_with_bootstrap():
-    addr = f"127.0.0.1:{closed_port()}"
-    r = kvrecv_cli("doctor", "--bootstrap", addr, "--timeout-ms", "500")
+    with refusing_port() as port:
+        addr = f"127.0.0.1:{port}"
+        r = kvrecv_cli("doctor", "--bootstrap", addr, "--timeout-ms", "500")
     assert r.returncode != 0, r.stdout + r.stderr
     assert re.search(r"\[FAIL\] bootstrap: BOOTSTRAP: ", r.stdout), r.stdout
     assert f"fix: the prefill rank is not registered at {addr}" in r.stdout

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ import numpy as np
 import pytest
 
 import kvrecv
+from kvtest import refusing_port
 from peer_proc import PeerProcess, peer_mod
 from kvrecv import (
     BootstrapServer,
@@ -80,12 +80,6 @@ pytestmark = pytest.mark.timeout(60)
 
 def _native_threads() -> int:
     return len(os.listdir("/proc/self/task"))
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_state(room, states, timeout):
@@ -331,7 +325,11 @@ def test_exceptions_construct_pickle_and_generic_failure(fail_bs, fail_closer):
 
 
 def test_bootstrap_unreachable_closed_port(fail_bs, fail_closer):
-    dead = f"127.0.0.1:{_free_port()}"  # bound, then closed: nobody listens
+    with refusing_port() as port:
+        _bootstrap_unreachable(fail_bs, fail_closer, f"127.0.0.1:{port}")
+
+
+def _bootstrap_unreachable(fail_bs, fail_closer, dead):
     d, dkv, daux = _decode(KVConfig(bootstrap_timeout_ms=300))
     fail_closer(d)
     r = KVReceiver(d, dead, 21)
@@ -537,9 +535,12 @@ def test_prefill_killed(fail_bs, fail_closer, fail_spawn, monkeypatch, tls):
         assert peer_name in e.failure_reason, e.failure_reason
         assert e.peer == peer_name, e.peer
         if tls == "tcp":
-            # UCX's endpoint error named the cause within milliseconds, even
-            # when the spinning poll() above was the thread that saw it.
-            assert "no heartbeat" not in e.failure_reason and times[rid] < 0.5, (e.failure_reason, times)
+            # UCX's endpoint error named the cause (milliseconds here), even
+            # when the spinning poll() above was the thread that saw it:
+            # sooner than the heartbeat timeout could have.
+            hb_s = KVConfig().heartbeat_timeout_ms / 1e3
+            assert "no heartbeat" not in e.failure_reason and times[rid] < hb_s, (
+                e.failure_reason, times, hb_s)
     assert rooms[401].poll() == KVPoll.Success, "a finished room changed state after the kill"
     stats = d.stats()
     assert stats["failures_by_code"]["PEER_LOST"] == 4, stats
@@ -819,40 +820,61 @@ def test_abort_mid_transfer(fail_bs, fail_closer, side):
     fail_closer(d)
     dst = [0, 1, 2, 3, 4, 5, 6, 7]
     src = [8, 9, 10, 11, 12, 13, 14, 15]
-    r = _open_receiver(d, fail_bs.address, 61, dst, aux=0)
-    s = KVSender(p, fail_bs.address, 61)
-    s.init(len(src), aux_index=0)
-    s.send(np.asarray(src[:4], dtype=np.int32))
-    _wait_until(lambda: d.stats()["bytes_moved"] == 4 * PAGE_BYTES, 20, "the first half landed")
-    assert r.poll() == KVPoll.Transferring and s.poll() == KVPoll.Transferring, (r.poll(), s.poll())
+    # After a decode abort the prefill hands over the rest at once, before it
+    # hears of the abort: that data reaches the decode after its room failed
+    # and must go nowhere.  Whether it leaves before the prefill hears is a
+    # race, so the decode case repeats until the decode refused some.
+    for attempt, rid in enumerate(range(600, 620)):
+        for buf in dkv + daux:
+            buf.fill(CANARY)
+        base = d.stats()["bytes_moved"]
+        r = _open_receiver(d, fail_bs.address, rid, dst, aux=0)
+        s = KVSender(p, fail_bs.address, rid)
+        s.init(len(src), aux_index=0)
+        s.send(np.asarray(src[:4], dtype=np.int32))
+        _wait_until(lambda: d.stats()["bytes_moved"] - base == 4 * PAGE_BYTES, 20,
+                    "the first half landed")
+        assert r.poll() == KVPoll.Transferring and s.poll() == KVPoll.Transferring, (
+            r.poll(), s.poll())
 
-    aborter, other = (r, s) if side == "decode" else (s, r)
-    t0 = time.monotonic()
-    aborter.abort()
-    st, el = _wait_state(aborter, TERMINAL, 10)
-    assert st == KVPoll.Failed, f"{side} abort(): {st} after {el:.3f} s"
-    st, el2 = _wait_state(other, TERMINAL, 10)
-    assert st == KVPoll.Failed, f"the other side after a {side} abort: {st} after {el2:.3f} s"
-    assert el2 < 3.0, f"the other side learnt of the abort after {el2:.3f} s"
-    print(f"{side} abort: local Failed after {el:.3f} s, remote after {el2:.3f} s")
-    # The rest of the pages are handed over after the abort: they must go nowhere.
-    s.send(np.asarray(src[4:], dtype=np.int32))
-    time.sleep(0.3)
+        aborter, other = (r, s) if side == "decode" else (s, r)
+        rejected0 = d.stats()["data_rejected"]
+        t0 = time.monotonic()
+        aborter.abort()
+        if side == "decode":
+            s.send(np.asarray(src[4:], dtype=np.int32))
+        st, el = _wait_state(aborter, TERMINAL, 10)
+        assert st == KVPoll.Failed, f"{side} abort(): {st} after {el:.3f} s"
+        st, el2 = _wait_state(other, TERMINAL, 10)
+        assert st == KVPoll.Failed, f"the other side after a {side} abort: {st} after {el2:.3f} s"
+        assert el2 < 3.0, f"the other side learnt of the abort after {el2:.3f} s"
+        if side == "prefill":
+            # The rest of the pages are handed over after the abort: they must go nowhere.
+            s.send(np.asarray(src[4:], dtype=np.int32))
+        time.sleep(0.3)
+        rejected = d.stats()["data_rejected"] - rejected0
+        print(f"{side} abort, attempt {attempt + 1}: local Failed after {el:.3f} s, remote after "
+              f"{el2:.3f} s; the decode refused {rejected} data messages after it")
 
-    for obj in (aborter, other):
-        e = _exc(obj)
-        assert type(e) is KVAbortedError and e.code == "ABORTED", (type(e), e.code, e.failure_reason)
-        assert e.bootstrap_room == 61
-        assert f"aborted by {side}" in e.failure_reason, e.failure_reason
-    assert _pages_equal(pkv, dkv, src[:4], dst[:4])
-    assert _pages_canary(dkv, dst[4:]), "pages sent after the abort landed"
-    assert (daux[0] == CANARY).all(), "the aux row landed after the abort"
-    assert d.stats()["failures_by_code"]["ABORTED"] == 1
-    assert p.stats()["failures_by_code"]["ABORTED"] == 1
+        for obj in (aborter, other):
+            e = _exc(obj)
+            assert type(e) is KVAbortedError and e.code == "ABORTED", (
+                type(e), e.code, e.failure_reason)
+            assert e.bootstrap_room == rid
+            assert e.failure_reason == f"room {rid}: aborted by {side} rank 0", e.failure_reason
+        assert _pages_equal(pkv, dkv, src[:4], dst[:4])
+        assert _pages_canary(dkv, dst[4:]), "pages sent after the abort landed"
+        assert (daux[0] == CANARY).all(), "the aux row landed after the abort"
+        assert d.stats()["failures_by_code"]["ABORTED"] == attempt + 1
+        assert p.stats()["failures_by_code"]["ABORTED"] == attempt + 1
+        r.clear()
+        s.clear()
+        if side == "prefill" or rejected > 0:
+            break
+    else:
+        pytest.fail("no data reached the decode after its abort in 20 attempts: nothing was tested")
 
     _check_new_room_in_process(p, pkv, paux, d, dkv, daux, fail_bs.address, 62, [16, 17, 18, 19], 1)
-    r.clear()
-    s.clear()
     _assert_no_rooms(p, d)
 
 
@@ -933,9 +955,8 @@ def test_prefill_restarted_same_port(fail_bs, fail_closer, fail_spawn, monkeypat
     # PEER_LOST within ~25 ms, before any new instance can start.  Shared
     # memory has no such report, so the new instance is what is noticed.
     monkeypatch.setenv("UCX_TLS", "posix,sysv,cma,self")
-    port = _free_port()
-    first = fail_spawn("prefill", fail_bs.address, seed=21, config={"ctrl_port": port})
-    assert first.port == port
+    first = fail_spawn("prefill", fail_bs.address, seed=21)  # on a port the OS picks
+    port = first.port
     d, dkv, daux = _decode(KVConfig(heartbeat_timeout_ms=10000))
     fail_closer(d)
     rooms = {}

@@ -126,8 +126,10 @@ def test_histograms_in_stats(pair):
     assert sum(dlat["counts"][bucket_of(dlat, hold):]) >= 1
     assert dlat["sum"] < 60
     # The prefill's clock starts at the last send(): the hold is not in it.
+    # Measured against the decode's clocks of the same two rooms (which hold
+    # it), not against a wall bound a loaded machine could overrun.
     plat = pre["transfer_latency"]
-    assert 0 < plat["sum"] < hold, plat
+    assert 0 < plat["sum"] < dlat["sum"] - hold / 2, (plat, dlat)
 
 
 def test_prometheus_text_matches_stats(pair):

@@ -31,6 +31,7 @@ from kvtest import (
     MSG_PONG,
     MSG_ROOM_FAIL,
     MSG_ROOM_REQ,
+    SECRET,
     SMALL,
     STD,
     Side,
@@ -53,7 +54,7 @@ from kvtest import (
 
 pytestmark = pytest.mark.timeout(90)
 
-KEY = b"kvrecv-test-secret"
+KEY = SECRET
 
 
 def server(res, secret=None) -> BootstrapServer:

@@ -26,6 +26,7 @@
     X(wire_room_req_prefix, 10, 0)                                    \
     X(wire_hello_tcp_rx_seg, 10, 0)                                   \
     X(wire_bad_header, 10, 0)                                                 \
+    X(wire_failure_code_zero, 10, 0)                                          \
     X(wire_limits, 30, 0)                                                     \
     X(wire_encoder_edges, 10, 0)                                              \
     X(wire_array_readers, 10, 0)                                              \
@@ -61,6 +62,7 @@
     X(log_close_wakes_reader, 10, 0)                                          \
     X(log_concurrent_writers_reader, 60, 0)                                   \
     X(log_read_negative_timeout, 1, 0)                                        \
+    X(log_write_shared, 10, 0)                                                \
     X(_selftest_assert, 5, TEST_HIDDEN)                                       \
     X(_selftest_crash, 5, TEST_HIDDEN)                                        \
     X(_selftest_hang, 1, TEST_HIDDEN)

@@ -317,3 +317,26 @@ TEST_IMPL(log_utf8_trim)
     ASSERT(strcmp(g, "\xff\xfe") == 0);
     ASSERT(strcmp(h, "") == 0);
 }
+
+/* Lines of no one log go to the newest open one; none open: not taken. */
+TEST_IMPL(log_write_shared)
+{
+    kvr_log_t a, b;
+    kvr_log_rec_t out[4];
+    ASSERT_EQ(kvr_log_write_shared(KVR_LOG_INFO, "before any %d", 0), 0);
+    ASSERT_EQ(kvr_log_init(&a), 0);
+    ASSERT_EQ(kvr_log_init(&b), 0);
+    ASSERT_EQ(kvr_log_write_shared(KVR_LOG_WARNING, "to %s", "b"), 1);
+    ASSERT_EQ(kvr_log_read(&a, out, 4, 0), 0);
+    ASSERT_EQ(kvr_log_read(&b, out, 4, 0), 1);
+    ASSERT_EQ(out[0].level, KVR_LOG_WARNING);
+    ASSERT(strcmp(out[0].text, "to b") == 0);
+    kvr_log_close(&b);
+    ASSERT_EQ(kvr_log_write_shared(KVR_LOG_INFO, "to %s", "a"), 1);
+    ASSERT_EQ(kvr_log_read(&a, out, 4, 0), 1);
+    ASSERT(strcmp(out[0].text, "to a") == 0);
+    ASSERT_EQ(kvr_log_read(&b, out, 4, 0), -1);
+    kvr_log_destroy(&a); /* destroyed without a close: no longer a target */
+    ASSERT_EQ(kvr_log_write_shared(KVR_LOG_INFO, "after %s", "all"), 0);
+    kvr_log_destroy(&b);
+}

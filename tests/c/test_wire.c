@@ -346,6 +346,32 @@ TEST_IMPL(wire_bad_header)
     kvr_wbuf_free(&b);
 }
 
+/* A failure message with code 0 (KVR_OK) says nothing failed: the decoder
+ * refuses it and the encoder never writes it; unknown codes pass (the
+ * receiver reports them as REMOTE). */
+TEST_IMPL(wire_failure_code_zero)
+{
+    kvr_wbuf_t b;
+    kvr_wbuf_init(&b);
+    int types[] = {KVR_MSG_HELLO_REJECT, KVR_MSG_ROOM_FAIL, KVR_MSG_SIB_FAIL};
+    for (size_t i = 0; i < 3; i++) {
+        kvr_msg_t m = sample(types[i]), d;
+        const char *why = NULL;
+        m.code = 0xffff;
+        ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+        ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
+        ASSERT_EQ(d.code, 0xffff);
+        /* the code sits after the rank (HELLO_REJECT) or room and tag */
+        size_t at = KVR_WIRE_HEADER_LEN + (types[i] == KVR_MSG_HELLO_REJECT ? 4 : 16);
+        put_le(b.data + at, 0, 2);
+        ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), -1);
+        ASSERT(strcmp(why, "failure code 0") == 0);
+        m.code = 0;
+        ASSERT_EQ(kvr_wire_encode(&b, &m), -1);
+    }
+    kvr_wbuf_free(&b);
+}
+
 /* Size limits: the largest legal value decodes, one more is rejected, and
  * a length field that claims more than the buffer never reads past it. */
 TEST_IMPL(wire_limits)
