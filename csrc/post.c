@@ -1,0 +1,231 @@
+#include "engine_int.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <string.h>
+
+/* 1 if messages of this buffer are staged on the prefill side. */
+static int kvr_prefill_stages(const kvr_engine_t *e, int kind, uint32_t buf)
+{
+    return e->gpu_path == KVR_GPU_STAGED &&
+           (kind == KVR_AM_KIND_KV ? e->kv_dev[buf] : e->aux_dev[buf]);
+}
+
+/* Returns 0 (posted, or the room failed), 1 if it must wait for a slot. */
+static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_header_t *h)
+{
+    kvr_slot_t *slot = NULL;
+    if (kvr_prefill_stages(e, h->kind, h->buf) && (slot = kvr_slot_get(e)) == NULL) {
+        kvr_slot_wait(e, r);
+        return 1;
+    }
+    uint64_t len = 0;
+    uint32_t niov = kvr_msg_pieces(e, h, r->src_pages, r->src_aux, NULL, &len);
+    kvr_op_t *op = kvr_op_new(r, len, niov);
+    if (op == NULL) {
+        if (slot != NULL) {
+            kvr_slot_put(e, slot);
+        }
+        kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory posting data");
+        return 0;
+    }
+    kvr_msg_pieces(e, h, r->src_pages, r->src_aux, op->iov, &len);
+    kvr_am_header_encode(op->hdr, h);
+    e->stats.ops_posted++;
+    if (slot != NULL) {
+        /* Staged: copy the pieces into the slot; the engine sends it when
+         * the copy is done (kvr_stage_poll_locked). */
+        char err[256];
+        op->slot = slot;
+        op->siov.buf = slot->buf;
+        op->siov.len = len;
+        if (kvr_stage_copy_locked(e, op, 1, err, sizeof(err)) != 0) {
+            kvr_op_end_locked(e, op, KVR_TP_ERROR, err);
+        }
+        return 0;
+    }
+    /* Device pieces go to UCX as they are only on the ucx-cuda path, one
+     * buffer per message (merge is 0 with device buffers). */
+    int host = !(e->gpu_path == KVR_GPU_UCX &&
+                 (h->kind == KVR_AM_KIND_KV ? e->kv_dev[h->buf] : e->aux_dev[h->buf]));
+    kvr_op_send_locked(e, r, op, op->iov, niov, host);
+    return 0;
+}
+
+/*
+ * How many buffers from b on (of n, item lengths items) share one message of
+ * npages pages with `pieces` pieces per buffer: at least one; more while the
+ * message stays within `merge` bytes and KVR_MAX_IOV pieces.
+ */
+static uint16_t kvr_buf_group(const uint64_t *items, uint32_t n, uint32_t b, uint32_t npages,
+                              uint32_t pieces, uint64_t merge)
+{
+    uint32_t nb = 1;
+    uint64_t bytes = (uint64_t)npages * items[b];
+    while (b + nb < n && nb < UINT16_MAX && (uint64_t)(nb + 1) * pieces <= KVR_MAX_IOV &&
+           bytes + (uint64_t)npages * items[b + nb] <= merge) {
+        bytes += (uint64_t)npages * items[b + nb];
+        nb++;
+    }
+    return (uint16_t)nb;
+}
+
+/* Prefill: post the operations for pages [posted, given) and, after the last
+ * page, the aux rows.  Called on the engine thread with the lock held. */
+void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    if (!r->bound || !r->inited || r->failing || kvr_room_terminal(r) || r->rejected_ns ||
+        r->peer == NULL || r->peer->state != KVR_PEER_READY) {
+        return;
+    }
+    if (r->peer->ep == NULL) {
+        char err[256] = "no worker address";
+        if (r->peer->worker == NULL) {
+            snprintf(err, sizeof(err), "no UCX worker for it");
+        }
+        if (r->peer->worker_addr == NULL || r->peer->worker == NULL ||
+            kvr_tp_ep_create(r->peer->worker, r->peer->worker_addr, r->peer->worker_addr_len,
+                             r->peer, &r->peer->ep, err, sizeof(err)) != 0) {
+            kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "cannot reach %s: %s", r->peer->name,
+                                  err);
+            return;
+        }
+    }
+    if (r->given > r->ndst) {
+        kvr_room_failf_locked(e, r, KVR_LAYOUT_MISMATCH, 1,
+                              "prefill sends %u pages but decode asked for %u", r->total_pages,
+                              r->ndst);
+        return;
+    }
+    if (r->dst_aux >= 0 && r->src_aux < 0) {
+        /* Checked before any page moves. */
+        kvr_room_failf_locked(e, r, KVR_LAYOUT_MISMATCH, 1,
+                              "decode asked for aux row %" PRId64
+                              " but the prefill sender has no aux_index",
+                              r->dst_aux);
+        return;
+    }
+    if (r->given > r->posted) {
+        kvr_room_advance(r, KVR_POLL_TRANSFERRING);
+    }
+    kvr_am_header_t h;
+    memset(&h, 0, sizeof(h));
+    h.tag = r->dst_tag;
+    h.epoch = e->epoch;
+    /*
+     * Messages: a run of pages consecutive on both sides that is at least
+     * coalesce_run_bytes long (in the widest buffer) goes alone, as one
+     * contiguous message per buffer (UCX moves it zero-copy); shorter runs
+     * in a row are coalesced into one scattered message per buffer of at
+     * most coalesce_bytes (one rendezvous instead of one per page).
+     */
+    uint64_t run_bytes = e->cfg.coalesce_run_bytes, cap = e->cfg.coalesce_bytes;
+    uint32_t max_pages = UINT32_MAX;
+    int shm = kvr_tp_ep_is_shm(r->peer->ep);
+    int aux = r->dst_aux >= 0;
+    if (shm && e->ndev == 0 && e->kv_item_max <= KVR_TP_SHM_EAGER_BYTES &&
+        (!aux || e->aux_item_max <= KVR_TP_SHM_EAGER_BYTES) &&
+        (uint64_t)r->total_pages * e->page_bytes + (aux ? e->aux_bytes : 0) <=
+            KVR_SHM_EAGER_ROOM_BYTES) {
+        /* A small room over shared memory goes as eager messages of at
+         * most KVR_TP_SHM_EAGER_BYTES, one fragment of UCX's segment each:
+         * send() pushes them all, the decode copies each one out while the
+         * next is copied in, and no rendezvous round trip waits for a
+         * thread of either side to be woken (measured, README). */
+        max_pages = (uint32_t)(KVR_TP_SHM_EAGER_BYTES / e->kv_item_max);
+        if (cap > KVR_TP_SHM_EAGER_BYTES) {
+            cap = KVR_TP_SHM_EAGER_BYTES;
+        }
+    }
+    if (run_bytes == 0) {
+        /* auto: over shared memory UCX moves a scattered message at memory
+         * speed, so every run is coalesced; over tcp a scattered message is
+         * packed into one copy first, which beats a message per run for
+         * 16 KiB runs and loses from 64 KiB (with 256 KiB tcp fragments;
+         * measured, README). */
+        run_bytes = shm ? UINT64_MAX : KVR_TCP_RUN_BYTES;
+    }
+    if (e->gpu_path == KVR_GPU_UCX && e->ndev > 0) {
+        /* UCX moves device memory itself: contiguous messages only (one
+         * per run), which it handles on every protocol. */
+        run_bytes = 0;
+    } else if (e->gpu_path == KVR_GPU_STAGED) {
+        /* Every message of a device buffer must fit one slot: runs are cut
+         * at max_pages and coalescing stops at the slot size (the widest
+         * item fits a slot: checked at creation). */
+        uint32_t slot_pages = (uint32_t)(e->cfg.staging_slot_bytes / e->kv_item_max);
+        max_pages = slot_pages < max_pages ? slot_pages : max_pages;
+        if (cap > e->cfg.staging_slot_bytes) {
+            cap = e->cfg.staging_slot_bytes;
+        }
+    }
+    /* Buffers share a message while it stays within `merge` bytes: every
+     * buffer of a small room in one message.  Not with device buffers (each
+     * is staged or handed to UCX on its own). */
+    uint64_t merge = e->ndev > 0 ? 0 : run_bytes < cap ? run_bytes : cap;
+    while (r->posted < r->given) {
+        uint32_t pos = r->posted, end = r->post_end;
+        if (end <= pos) {
+            /* A new position range [pos, end): one message per buffer. */
+            uint32_t runs = 0;
+            end = pos;
+            while (end < r->given && runs < KVR_MAX_IOV) {
+                uint32_t n = kvr_run_length(r->src_pages, r->dst_pages, end, r->given);
+                if ((uint64_t)n * e->kv_item_max >= run_bytes || n >= max_pages) {
+                    if (runs == 0) {
+                        end += n < max_pages ? n : max_pages;
+                    }
+                    break;
+                }
+                if (runs > 0 && ((uint64_t)(end - pos + n) * e->kv_item_max > cap ||
+                                 end - pos + n > max_pages)) {
+                    break;
+                }
+                end += n;
+                runs++;
+            }
+            r->post_end = end;
+            r->post_buf = 0;
+        }
+        h.kind = KVR_AM_KIND_KV;
+        h.pos = pos;
+        h.npages = end - pos;
+        uint32_t pieces = 0; /* per buffer: runs of consecutive source pages */
+        for (uint32_t at = pos; at < end; pieces++) {
+            at += kvr_run_length(NULL, r->src_pages, at, end);
+        }
+        for (uint32_t b = r->post_buf; b < e->nkv && !r->failing;) {
+            h.buf = (uint16_t)b;
+            h.nbuf = kvr_buf_group(e->kv_item, e->nkv, b, h.npages, pieces, merge);
+            if (kvr_post_one_locked(e, r, &h) == 1) {
+                r->post_buf = b; /* no free slot: resume here */
+                return;
+            }
+            b += h.nbuf;
+        }
+        if (r->failing) {
+            return;
+        }
+        r->posted = end;
+        r->post_end = 0;
+        r->post_buf = 0;
+    }
+    if (r->posted == r->total_pages && !r->aux_posted) {
+        if (r->dst_aux >= 0) {
+            kvr_room_advance(r, KVR_POLL_TRANSFERRING);
+            h.kind = KVR_AM_KIND_AUX;
+            h.pos = 0;
+            h.npages = 1;
+            for (uint32_t a = r->aux_post_buf; a < e->naux && !r->failing;) {
+                h.buf = (uint16_t)a;
+                h.nbuf = kvr_buf_group(e->aux_item, e->naux, a, 1, 1, merge);
+                if (kvr_post_one_locked(e, r, &h) == 1) {
+                    r->aux_post_buf = a;
+                    return;
+                }
+                a += h.nbuf;
+            }
+        }
+        r->aux_posted = 1;
+    }
+}

@@ -1,0 +1,356 @@
+#include "engine_int.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Decode: tells the room's prefill that every byte landed. */
+void kvr_send_done_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    r->done_pending = 0;
+    if (r->peer != NULL) {
+        kvr_msg_t m;
+        memset(&m, 0, sizeof(m));
+        m.type = KVR_MSG_ROOM_DONE;
+        m.room = r->id;
+        m.tag = r->tag;
+        kvr_send_ctrl_to_peer(e, r->peer, &m);
+    }
+}
+
+/* Decode: a data message arrived; decide where (if anywhere) it lands. */
+void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, int rndv,
+                 kvr_tp_accept_t *acc)
+{
+    kvr_engine_t *e = arg;
+    kvr_am_header_t h;
+    const char *why = NULL;
+    if (kvr_am_header_decode(hdr, hdr_len, &h, &why) != 0) {
+        goto reject;
+    }
+    kvr_room_t *r = kvr_table_get(&e->tags, h.tag);
+    if (r == NULL || r->role != KVR_ROLE_DECODE) {
+        why = "no such room";
+        goto foreign;
+    }
+    if (r->peer == NULL || r->peer->epoch != h.epoch) {
+        why = "sender is not the room's prefill";
+        goto foreign;
+    }
+    if (r->failing || kvr_room_terminal(r) || !r->meta_set) {
+        why = "room is not receiving";
+        goto reject;
+    }
+    /* The message covers positions [pos, pos + npages) of buffers
+     * [buf, buf + nbuf); the destination is what this room asked for there,
+     * never an address the sender names: one piece per buffer and run of
+     * consecutive destination pages. */
+    if (h.kind == KVR_AM_KIND_KV) {
+        if ((uint32_t)h.buf + h.nbuf > e->nkv || h.npages == 0 || h.pos >= r->npages ||
+            h.npages > r->npages - h.pos) {
+            why = "run outside the room";
+            goto protocol;
+        }
+    } else if ((uint32_t)h.buf + h.nbuf > e->naux || r->aux_index < 0 || h.npages != 1) {
+        why = "aux row does not match the room";
+        goto protocol;
+    }
+    uint64_t want = 0;
+    uint32_t niov = kvr_msg_pieces(e, &h, r->pages, r->aux_index, NULL, &want);
+    if ((uint64_t)len != want) {
+        why = h.kind == KVR_AM_KIND_KV ? "run length does not match item_len"
+                                       : "aux row does not match the room";
+        goto protocol;
+    }
+    if (r->received + len > r->expected) {
+        why = "more bytes than the room expects";
+        goto protocol;
+    }
+    kvr_op_t *op = kvr_op_new(r, len, niov);
+    if (op == NULL) {
+        why = "out of memory";
+        kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory receiving data");
+        goto reject;
+    }
+    kvr_msg_pieces(e, &h, r->pages, r->aux_index, op->iov, &want);
+    kvr_room_advance(r, KVR_POLL_TRANSFERRING); /* first byte */
+    r->peer->last_data_ns = kvr_now_ns();
+    e->stats.data_rendezvous += rndv != 0;
+    int dev = 0;
+    for (uint32_t b = h.buf; b < (uint32_t)h.buf + h.nbuf; b++) {
+        dev |= h.kind == KVR_AM_KIND_KV ? e->kv_dev[b] : e->aux_dev[b];
+    }
+    op->mixed = h.nbuf > 1;
+    /* Device pages are staged unless UCX moves device memory itself; even
+     * then eager data (copied here with memcpy) and scattered pieces (UCX's
+     * iov datatype is for host memory) go through a staging buffer. */
+    if (dev && (e->gpu_path == KVR_GPU_STAGED || !rndv || niov > 1)) {
+        if (len <= e->cfg.staging_slot_bytes && (op->slot = kvr_slot_get(e)) != NULL) {
+            op->siov.buf = op->slot->buf;
+        } else if ((op->bounce = malloc(len ? len : 1)) != NULL) {
+            op->siov.buf = op->bounce;
+            e->stats.staging_overflow++;
+        } else {
+            why = "out of memory";
+            kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory staging data");
+            kvr_op_end_locked(e, op, KVR_TP_ERROR, why);
+            goto reject;
+        }
+        op->siov.len = len;
+        op->stage = KVR_STAGE_XFER;
+        acc->iov = &op->siov;
+        acc->iovcnt = 1;
+    } else {
+        acc->iov = op->iov;
+        acc->iovcnt = niov;
+    }
+    acc->op = &op->base;
+    return;
+
+protocol:
+    kvr_room_failf_locked(e, r, KVR_PROTOCOL, 1, "%s sent a bad data message: %s",
+                          r->peer ? r->peer->name : "?", why);
+    goto reject;
+foreign:
+    e->stats.data_foreign++;
+    kvr_warn_limited(e, &e->data_log,
+                     "decode rank %d: refused a data message (%zu bytes, room tag %016" PRIx64
+                     ", sender epoch %016" PRIx64 "): %s",
+                     e->rank, len, h.tag, h.epoch, why);
+reject:
+    e->stats.data_rejected++;
+    kvr_log_write(&e->log, KVR_LOG_DEBUG, "decode rank %d: rejected a data message: %s", e->rank,
+                  why);
+    acc->iovcnt = 0;
+    acc->reject_why = why;
+}
+
+void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    kvr_msg_t m;
+    memset(&m, 0, sizeof(m));
+    m.type = KVR_MSG_ROOM_REQ;
+    m.room = r->id;
+    m.tag = r->tag;
+    m.aux_index = r->aux_index;
+    m.npages = r->npages;
+    m.pages = (const unsigned char *)r->pages; /* little-endian host */
+    m.prefix_len = r->prefix_len;
+    kvr_send_ctrl_to_peer(e, r->peer, &m);
+    r->req_sent = 1;
+    r->started_ns = kvr_now_ns();
+    r->deadline_ns = r->started_ns + e->cfg.deadline_base_ms * KVR_MS +
+                     (uint64_t)((double)r->expected * 1e9 / (double)e->cfg.deadline_floor_bps);
+    kvr_room_advance(r, KVR_POLL_TRANSFERRING);
+}
+
+/*
+ * A server we connected to could not authenticate our messages (its secret
+ * differs from ours, or one side has none).  Rooms that depend on it fail
+ * now with BOOTSTRAP and the server's reason, rather than at the bootstrap
+ * timeout.
+ */
+static void kvr_handle_auth_reject_locked(kvr_engine_t *e, kvr_ctl_conn_t *conn, kvr_peer_t *p,
+                                          const kvr_msg_t *m)
+{
+    char reason[KVR_WIRE_MAX_STR + 1];
+    snprintf(reason, sizeof(reason), "%.*s", (int)m->str_len, m->str);
+    e->stats.auth_refused_by_peer++;
+    if (e->mode == KVR_MODE_PREFILL) {
+        if (conn != e->bs_conn) {
+            kvr_warn_limited(e, &e->auth_log, "prefill rank %d: a sibling rank refused our "
+                             "messages: %s", e->rank, reason);
+            return;
+        }
+        snprintf(e->reg_auth_error, sizeof(e->reg_auth_error), "%s", reason);
+        kvr_warn_limited(e, &e->auth_log,
+                         "prefill rank %d cannot register with the bootstrap server %s: %s",
+                         e->rank, e->bootstrap_addr, reason);
+        for (size_t i = 0; i < e->rooms.capacity; i++) {
+            kvr_room_t *r = e->rooms.slots[i].value;
+            if (r != NULL && !r->bound && !r->failing && !kvr_room_terminal(r)) {
+                kvr_room_failf_locked(e, r, KVR_BOOTSTRAP, 0,
+                                      "this rank cannot register with the bootstrap server %s: %s",
+                                      e->bootstrap_addr, reason);
+            }
+        }
+        return;
+    }
+    if (p == NULL) {
+        kvr_warn_limited(e, &e->auth_log, "decode rank %d: a sibling rank refused our messages: %s",
+                         e->rank, reason);
+        return;
+    }
+    if (conn == p->vconn) {
+        kvr_warn_limited(e, &e->auth_log, "decode rank %d: the bootstrap server %s refused our "
+                         "check of %s: %s", e->rank, p->key, p->name, reason);
+        if (p->verifying) {
+            kvr_peer_verified_locked(e, p, 0, 0);
+        }
+        return;
+    }
+    if (conn != p->bs_conn && conn != p->conn) {
+        return;
+    }
+    char what[KVR_WIRE_MAX_STR + 64];
+    snprintf(what, sizeof(what), "refused our control messages: %s", reason);
+    kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, what);
+}
+
+/* Decode: a message from the bootstrap server or a prefill. */
+void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void *data,
+                     size_t len)
+{
+    kvr_engine_t *e = arg;
+    kvr_peer_t *p = conn_ctx;
+    kvr_msg_t m;
+    const char *why;
+    char err[256];
+    if (kvr_wire_decode(data, len, &m, &why) != 0) {
+        kvr_drop_locked(e, len, why);
+        return;
+    }
+    if (m.type == KVR_MSG_AUTH_REJECT) {
+        kvr_handle_auth_reject_locked(e, conn, p, &m);
+        return;
+    }
+    if (e->mode == KVR_MODE_PREFILL) {
+        /* Our registration with the bootstrap server. */
+        if (m.type == KVR_MSG_BS_REGISTER_OK) {
+            e->reg_auth_error[0] = '\0';
+            if (!e->registered) {
+                kvr_log_write(&e->log, KVR_LOG_INFO,
+                              "prefill rank %d registered with the bootstrap server %s as %s",
+                              e->rank, e->bootstrap_addr, kvr_ctl_endpoint(e->ctl));
+            }
+            e->registered = 1;
+        } else {
+            e->stats.ctrl_dropped++;
+        }
+        return;
+    }
+    if (p == NULL) {
+        e->stats.ctrl_dropped++;
+        return;
+    }
+    if (conn == p->vconn) {
+        if (m.type != KVR_MSG_BS_QUERY_REPLY || !p->verifying) {
+            e->stats.ctrl_dropped++;
+            return;
+        }
+        kvr_peer_verified_locked(e, p, m.found, m.peer_epoch);
+        return;
+    }
+    if (conn == p->bs_conn) {
+        if (m.type != KVR_MSG_BS_QUERY_REPLY || p->state != KVR_PEER_RESOLVING) {
+            e->stats.ctrl_dropped++;
+            return;
+        }
+        if (!m.found) {
+            return; /* not registered yet: the timer asks again */
+        }
+        char endpoint[KVR_WIRE_MAX_STR + 1];
+        memcpy(endpoint, m.str, m.str_len);
+        endpoint[m.str_len] = '\0';
+        unsigned char ident[12];
+        memcpy(ident, &e->epoch, 8);
+        memcpy(ident + 8, &e->rank, 4);
+        kvr_peer_disconnect(e, p); /* retires the bootstrap connection */
+        p->epoch = m.peer_epoch;
+        snprintf(p->name, sizeof(p->name), "prefill rank %d at %.120s", e->rank,
+                 strncmp(endpoint, "tcp://", 6) == 0 ? endpoint + 6 : endpoint);
+        if (kvr_ctl_connect(e->ctl, endpoint, ident, sizeof(ident), p, &p->conn, err,
+                            sizeof(err)) != 0) {
+            kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, err);
+            return;
+        }
+        if (kvr_peer_worker(e, p, err, sizeof(err)) != 0) {
+            char what[400];
+            snprintf(what, sizeof(what), "cannot be reached: %s", err);
+            kvr_peer_fail_locked(e, p, KVR_TRANSPORT, what);
+            return;
+        }
+        p->state = KVR_PEER_CONNECTING;
+        kvr_peer_hello(e, p);
+        return;
+    }
+    if (conn != p->conn) {
+        e->stats.ctrl_dropped++;
+        return;
+    }
+    if (m.epoch != p->epoch) {
+        /* A different instance answers at the address we bound rooms to. */
+        char what[200];
+        snprintf(what, sizeof(what), "restarted (epoch %016" PRIx64 " replaced by %016" PRIx64 ")",
+                 p->epoch, m.epoch);
+        kvr_peer_fail_locked(e, p, KVR_PEER_RESTARTED, what);
+        return;
+    }
+    p->last_heard_ns = kvr_now_ns();
+    switch (m.type) {
+    case KVR_MSG_HELLO_OK: {
+        if (p->state != KVR_PEER_CONNECTING) {
+            break;
+        }
+        char diff[256];
+        if (kvr_layout_diff(e, &m.layout, diff, sizeof(diff)) != 0) {
+            char what[400];
+            snprintf(what, sizeof(what), "has a different layout: %s", diff);
+            kvr_peer_fail_locked(e, p, KVR_LAYOUT_MISMATCH, what);
+            break;
+        }
+        /*
+         * The decode holds an endpoint to the prefill's worker too.  UCX
+         * pairs it with the prefill's own endpoint to us, so the prefill's
+         * data arrives on it: closing it when the prefill is lost cancels
+         * the receives the dead peer left hanging, and on transports with
+         * peer-failure support its error reports a dead prefill at once.
+         */
+        char eperr[256];
+        if (kvr_tp_ep_create(p->worker, m.addr, m.addr_len, p, &p->ep, eperr, sizeof(eperr)) != 0) {
+            char what[400];
+            snprintf(what, sizeof(what), "cannot be reached: %s", eperr);
+            kvr_peer_fail_locked(e, p, KVR_TRANSPORT, what);
+            break;
+        }
+        p->state = KVR_PEER_READY;
+        p->verified_ns = kvr_now_ns();
+        kvr_log_write(&e->log, KVR_LOG_INFO, "decode rank %d connected to %s", e->rank, p->name);
+        p->next_ping_ns = kvr_now_ns() + e->cfg.heartbeat_interval_ms * KVR_MS;
+        kvr_service_peer_rooms_locked(e, p);
+        break;
+    }
+    case KVR_MSG_HELLO_REJECT: {
+        kvr_failure_t f;
+        kvr_failure_fill(&f, m.code < KVR_STATUS_LAST ? m.code : KVR_REMOTE, (int)m.rank,
+                         p->name, "%.*s", (int)m.str_len, m.str);
+        f.from_remote = 1;
+        for (size_t i = 0; i < e->rooms.capacity; i++) {
+            kvr_room_t *r = e->rooms.slots[i].value;
+            if (r && r->peer == p && !kvr_room_terminal(r)) {
+                kvr_failure_t fr = f;
+                snprintf(fr.reason, sizeof(fr.reason), "room %" PRIu64 ": %.*s", r->id,
+                         (int)m.str_len, m.str);
+                kvr_room_fail_locked(e, r, &fr, 0);
+                /* The prefill rejected us before any request: tell it which
+                 * rooms this was about, so its senders fail now too. */
+                kvr_tell_room_failed(e, p, r, fr.code);
+            }
+        }
+        p->state = KVR_PEER_FAILED;
+        kvr_peer_disconnect(e, p);
+        break;
+    }
+    case KVR_MSG_PONG:
+        break;
+    case KVR_MSG_ROOM_FAIL:
+        kvr_handle_remote_fail_locked(e, p, &m);
+        break;
+    case KVR_MSG_BYE:
+        kvr_peer_fail_locked(e, p, KVR_PEER_LOST, "closed its manager");
+        break;
+    default:
+        e->stats.ctrl_dropped++;
+    }
+}
