@@ -306,9 +306,9 @@ static int kvr_validate_buffers(const char *what, uint32_t n, const uint64_t *pt
     return 0;
 }
 
-int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *err, size_t errlen)
+/* The checks of the parameters that need no engine yet. */
+static int kvr_engine_check_params(const kvr_engine_params_t *p, char *err, size_t errlen)
 {
-    int rc;
     if (p->mode != KVR_MODE_PREFILL && p->mode != KVR_MODE_DECODE) {
         return kvr_err(err, errlen, KVR_EVALUE, "mode must be 'prefill' or 'decode'");
     }
@@ -326,6 +326,91 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
         return kvr_err(err, errlen, KVR_EVALUE,
                        "deadline_floor_bps, heartbeat_interval_ms and heartbeat_timeout_ms must "
                        "be > 0");
+    }
+    return 0;
+}
+
+/* Checks the buffers and keeps copies of their description. */
+static int kvr_engine_copy_buffers(kvr_engine_t *e, const kvr_engine_params_t *p, char *err,
+                                   size_t errlen)
+{
+    int rc = kvr_validate_buffers("kv", p->nkv, p->kv_ptrs, p->kv_lens, p->kv_item_lens,
+                                  &e->min_pages, &e->page_bytes, err, errlen);
+    if (rc == 0) {
+        rc = kvr_validate_buffers("aux", p->naux, p->aux_ptrs, p->aux_lens, p->aux_item_lens,
+                                  &e->aux_rows, &e->aux_bytes, err, errlen);
+    }
+    if (rc != 0) {
+        return rc;
+    }
+    if (kvr_copy_u64(&e->kv_ptrs, p->kv_ptrs, p->nkv) || kvr_copy_u64(&e->kv_lens, p->kv_lens, p->nkv) ||
+        kvr_copy_u64(&e->kv_item, p->kv_item_lens, p->nkv) ||
+        kvr_copy_u64(&e->aux_ptrs, p->aux_ptrs, p->naux) ||
+        kvr_copy_u64(&e->aux_lens, p->aux_lens, p->naux) ||
+        kvr_copy_u64(&e->aux_item, p->aux_item_lens, p->naux) ||
+        (e->layout_kv = kvr_le_array(p->kv_item_lens, p->nkv)) == NULL ||
+        (e->layout_aux = kvr_le_array(p->aux_item_lens, p->naux)) == NULL) {
+        return kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+    }
+    e->kv_item_max = kvr_u64_max(e->kv_item, e->nkv);
+    e->aux_item_max = kvr_u64_max(e->aux_item, e->naux);
+    return 0;
+}
+
+/* Prefill: registers the buffers with UCX up front (config register_memory). */
+static int kvr_engine_map_buffers(kvr_engine_t *e, char *err, size_t errlen)
+{
+    if (e->mode != KVR_MODE_PREFILL || !e->cfg.register_memory) {
+        return 0;
+    }
+    for (uint32_t i = 0; i < e->nkv + e->naux; i++) {
+        if (e->gpu_path == KVR_GPU_STAGED && kvr_engine_buffer_is_device(e, i)) {
+            continue; /* this UCX cannot map device memory; the pool is mapped */
+        }
+        uint64_t ptr = i < e->nkv ? e->kv_ptrs[i] : e->aux_ptrs[i - e->nkv];
+        uint64_t len = i < e->nkv ? e->kv_lens[i] : e->aux_lens[i - e->nkv];
+        if (len && kvr_tp_mem_map(e->tp, (void *)(uintptr_t)ptr, len, err, errlen) != 0) {
+            return KVR_ESYSTEM;
+        }
+    }
+    return 0;
+}
+
+/* The control plane: our ROUTER, and on a prefill the connection to the
+ * bootstrap server.  On error nothing is left to close but e->ctl. */
+static int kvr_engine_open_ctl(kvr_engine_t *e, char *err, size_t errlen)
+{
+    kvr_ctl_callbacks_t ccb = {e, kvr_on_router_msg_entry, kvr_on_conn_msg_entry,
+                               kvr_on_refused_entry};
+    /* What our ROUTER may legitimately receive: on a prefill, a ROOM_REQ of
+     * the most pages a room can have; on a decode, only a sibling's
+     * SIB_FAIL (two strings of at most 1 KiB). */
+    int64_t max_msg = e->mode == KVR_MODE_PREFILL
+                          ? KVR_WIRE_HEADER_LEN + 28 + (int64_t)KVR_WIRE_MAX_PAGES * 4
+                          : 65536;
+    max_msg += e->cfg.secret_len ? KVR_AUTH_TRAILER_LEN : 0;
+    if (kvr_ctl_create(e->host, e->cfg.ctrl_port, max_msg, e->cfg.secret, e->cfg.secret_len,
+                       e->epoch, &ccb, &e->ctl, err, errlen) != 0) {
+        return KVR_ESYSTEM;
+    }
+    if (e->mode == KVR_MODE_PREFILL) {
+        char ep[192];
+        if (e->bootstrap_addr[0] == '\0') {
+            return kvr_err(err, errlen, KVR_EVALUE, "bootstrap_addr is required for a prefill manager");
+        }
+        snprintf(ep, sizeof(ep), "tcp://%s", e->bootstrap_addr);
+        if (kvr_ctl_connect(e->ctl, ep, NULL, 0, NULL, &e->bs_conn, err, errlen) != 0) {
+            return KVR_EVALUE;
+        }
+    }
+    return 0;
+}
+
+int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *err, size_t errlen)
+{
+    int rc = kvr_engine_check_params(p, err, errlen);
+    if (rc != 0) {
+        return rc;
     }
     kvr_engine_t *e = calloc(1, sizeof(*e));
     if (e == NULL) {
@@ -357,29 +442,10 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
             e->epoch = kvr_now_ns() ^ ((uint64_t)getpid() << 32);
         }
     }
-
-    rc = kvr_validate_buffers("kv", p->nkv, p->kv_ptrs, p->kv_lens, p->kv_item_lens,
-                              &e->min_pages, &e->page_bytes, err, errlen);
-    if (rc == 0) {
-        rc = kvr_validate_buffers("aux", p->naux, p->aux_ptrs, p->aux_lens, p->aux_item_lens,
-                                  &e->aux_rows, &e->aux_bytes, err, errlen);
-    }
+    rc = kvr_engine_copy_buffers(e, p, err, errlen);
     if (rc != 0) {
         goto err_free;
     }
-    if (kvr_copy_u64(&e->kv_ptrs, p->kv_ptrs, p->nkv) || kvr_copy_u64(&e->kv_lens, p->kv_lens, p->nkv) ||
-        kvr_copy_u64(&e->kv_item, p->kv_item_lens, p->nkv) ||
-        kvr_copy_u64(&e->aux_ptrs, p->aux_ptrs, p->naux) ||
-        kvr_copy_u64(&e->aux_lens, p->aux_lens, p->naux) ||
-        kvr_copy_u64(&e->aux_item, p->aux_item_lens, p->naux) ||
-        (e->layout_kv = kvr_le_array(p->kv_item_lens, p->nkv)) == NULL ||
-        (e->layout_aux = kvr_le_array(p->aux_item_lens, p->naux)) == NULL) {
-        rc = kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
-        goto err_free;
-    }
-    e->kv_item_max = kvr_u64_max(e->kv_item, e->nkv);
-    e->aux_item_max = kvr_u64_max(e->aux_item, e->naux);
-
     e->wake_fd = eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
     if (e->wake_fd < 0) {
         rc = kvr_err(err, errlen, KVR_ESYSTEM, "eventfd: %s", strerror(errno));
@@ -395,44 +461,13 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
     if (rc != 0) {
         goto err_tp;
     }
-    if (e->mode == KVR_MODE_PREFILL && e->cfg.register_memory) {
-        for (uint32_t i = 0; i < e->nkv + e->naux; i++) {
-            if (e->gpu_path == KVR_GPU_STAGED && kvr_engine_buffer_is_device(e, i)) {
-                continue; /* this UCX cannot map device memory; the pool is mapped */
-            }
-            uint64_t ptr = i < e->nkv ? e->kv_ptrs[i] : e->aux_ptrs[i - e->nkv];
-            uint64_t len = i < e->nkv ? e->kv_lens[i] : e->aux_lens[i - e->nkv];
-            if (len && kvr_tp_mem_map(e->tp, (void *)(uintptr_t)ptr, len, err, errlen) != 0) {
-                rc = KVR_ESYSTEM;
-                goto err_tp;
-            }
-        }
-    }
-    kvr_ctl_callbacks_t ccb = {e, kvr_on_router_msg_entry, kvr_on_conn_msg_entry,
-                               kvr_on_refused_entry};
-    /* What our ROUTER may legitimately receive: on a prefill, a ROOM_REQ of
-     * the most pages a room can have; on a decode, only a sibling's
-     * SIB_FAIL (two strings of at most 1 KiB). */
-    int64_t max_msg = e->mode == KVR_MODE_PREFILL
-                          ? KVR_WIRE_HEADER_LEN + 28 + (int64_t)KVR_WIRE_MAX_PAGES * 4
-                          : 65536;
-    max_msg += e->cfg.secret_len ? KVR_AUTH_TRAILER_LEN : 0;
-    if (kvr_ctl_create(e->host, e->cfg.ctrl_port, max_msg, e->cfg.secret, e->cfg.secret_len,
-                       e->epoch, &ccb, &e->ctl, err, errlen) != 0) {
-        rc = KVR_ESYSTEM;
+    rc = kvr_engine_map_buffers(e, err, errlen);
+    if (rc != 0) {
         goto err_tp;
     }
-    if (e->mode == KVR_MODE_PREFILL) {
-        char ep[192];
-        if (e->bootstrap_addr[0] == '\0') {
-            rc = kvr_err(err, errlen, KVR_EVALUE, "bootstrap_addr is required for a prefill manager");
-            goto err_ctl;
-        }
-        snprintf(ep, sizeof(ep), "tcp://%s", e->bootstrap_addr);
-        if (kvr_ctl_connect(e->ctl, ep, NULL, 0, NULL, &e->bs_conn, err, errlen) != 0) {
-            rc = KVR_EVALUE;
-            goto err_ctl;
-        }
+    rc = kvr_engine_open_ctl(e, err, errlen);
+    if (rc != 0) {
+        goto err_ctl;
     }
     if (pthread_create(&e->thread, NULL, kvr_engine_main, e) != 0) {
         rc = kvr_err(err, errlen, KVR_ESYSTEM, "pthread_create failed");

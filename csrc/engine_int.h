@@ -98,9 +98,6 @@ typedef struct kvr_op {
     kvr_tp_iov_t iov[];
 } kvr_op_t;
 
-/* Most pieces in one coalesced data message. */
-#define KVR_MAX_IOV 1024
-
 /* A decode request that reached the prefill before its KVSender. */
 typedef struct {
     kvr_peer_t *peer;

@@ -53,72 +53,12 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
 }
 
 /*
- * How many buffers from b on (of n, item lengths items) share one message of
- * npages pages with `pieces` pieces per buffer: at least one; more while the
- * message stays within `merge` bytes and KVR_MAX_IOV pieces.
+ * The coalescing limits for room r's peer: over shared memory a small room
+ * goes as eager messages; the auto run length depends on the transport;
+ * device memory limits messages to what UCX or a staging slot takes.
  */
-static uint16_t kvr_buf_group(const uint64_t *items, uint32_t n, uint32_t b, uint32_t npages,
-                              uint32_t pieces, uint64_t merge)
+static void kvr_post_limits(const kvr_engine_t *e, const kvr_room_t *r, kvr_plan_t *p)
 {
-    uint32_t nb = 1;
-    uint64_t bytes = (uint64_t)npages * items[b];
-    while (b + nb < n && nb < UINT16_MAX && (uint64_t)(nb + 1) * pieces <= KVR_MAX_IOV &&
-           bytes + (uint64_t)npages * items[b + nb] <= merge) {
-        bytes += (uint64_t)npages * items[b + nb];
-        nb++;
-    }
-    return (uint16_t)nb;
-}
-
-/* Prefill: post the operations for pages [posted, given) and, after the last
- * page, the aux rows.  Called on the engine thread with the lock held. */
-void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
-{
-    if (!r->bound || !r->inited || r->failing || kvr_room_terminal(r) || r->rejected_ns ||
-        r->peer == NULL || r->peer->state != KVR_PEER_READY) {
-        return;
-    }
-    if (r->peer->ep == NULL) {
-        char err[256] = "no worker address";
-        if (r->peer->worker == NULL) {
-            snprintf(err, sizeof(err), "no UCX worker for it");
-        }
-        if (r->peer->worker_addr == NULL || r->peer->worker == NULL ||
-            kvr_tp_ep_create(r->peer->worker, r->peer->worker_addr, r->peer->worker_addr_len,
-                             r->peer, &r->peer->ep, err, sizeof(err)) != 0) {
-            kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "cannot reach %s: %s", r->peer->name,
-                                  err);
-            return;
-        }
-    }
-    if (r->given > r->ndst) {
-        kvr_room_failf_locked(e, r, KVR_LAYOUT_MISMATCH, 1,
-                              "prefill sends %u pages but decode asked for %u", r->total_pages,
-                              r->ndst);
-        return;
-    }
-    if (r->dst_aux >= 0 && r->src_aux < 0) {
-        /* Checked before any page moves. */
-        kvr_room_failf_locked(e, r, KVR_LAYOUT_MISMATCH, 1,
-                              "decode asked for aux row %" PRId64
-                              " but the prefill sender has no aux_index",
-                              r->dst_aux);
-        return;
-    }
-    if (r->given > r->posted) {
-        kvr_room_advance(r, KVR_POLL_TRANSFERRING);
-    }
-    kvr_am_header_t h;
-    memset(&h, 0, sizeof(h));
-    h.tag = r->dst_tag;
-    h.epoch = e->epoch;
-    /*
-     * Messages: a run of pages consecutive on both sides that is at least
-     * coalesce_run_bytes long (in the widest buffer) goes alone, as one
-     * contiguous message per buffer (UCX moves it zero-copy); shorter runs
-     * in a row are coalesced into one scattered message per buffer of at
-     * most coalesce_bytes (one rendezvous instead of one per page).
-     */
     uint64_t run_bytes = e->cfg.coalesce_run_bytes, cap = e->cfg.coalesce_bytes;
     uint32_t max_pages = UINT32_MAX;
     int shm = kvr_tp_ep_is_shm(r->peer->ep);
@@ -159,73 +99,91 @@ void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
             cap = e->cfg.staging_slot_bytes;
         }
     }
+    p->src_pages = r->src_pages;
+    p->dst_pages = r->dst_pages;
+    p->given = r->given;
+    p->total_pages = r->total_pages;
+    p->aux = aux;
+    p->nkv = e->nkv;
+    p->naux = e->naux;
+    p->kv_item = e->kv_item;
+    p->aux_item = e->aux_item;
+    p->kv_item_max = e->kv_item_max;
+    p->run_bytes = run_bytes;
+    p->cap = cap;
     /* Buffers share a message while it stays within `merge` bytes: every
      * buffer of a small room in one message.  Not with device buffers (each
      * is staged or handed to UCX on its own). */
-    uint64_t merge = e->ndev > 0 ? 0 : run_bytes < cap ? run_bytes : cap;
-    while (r->posted < r->given) {
-        uint32_t pos = r->posted, end = r->post_end;
-        if (end <= pos) {
-            /* A new position range [pos, end): one message per buffer. */
-            uint32_t runs = 0;
-            end = pos;
-            while (end < r->given && runs < KVR_MAX_IOV) {
-                uint32_t n = kvr_run_length(r->src_pages, r->dst_pages, end, r->given);
-                if ((uint64_t)n * e->kv_item_max >= run_bytes || n >= max_pages) {
-                    if (runs == 0) {
-                        end += n < max_pages ? n : max_pages;
-                    }
-                    break;
-                }
-                if (runs > 0 && ((uint64_t)(end - pos + n) * e->kv_item_max > cap ||
-                                 end - pos + n > max_pages)) {
-                    break;
-                }
-                end += n;
-                runs++;
-            }
-            r->post_end = end;
-            r->post_buf = 0;
+    p->merge = e->ndev > 0 ? 0 : run_bytes < cap ? run_bytes : cap;
+    p->max_pages = max_pages;
+}
+
+/* Prefill: whether room r may post now; fails it if it never can.  Creates
+ * the endpoint to its decode on the first data. */
+static int kvr_post_ready_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    if (!r->bound || !r->inited || r->failing || kvr_room_terminal(r) || r->rejected_ns ||
+        r->peer == NULL || r->peer->state != KVR_PEER_READY) {
+        return 0;
+    }
+    if (r->peer->ep == NULL) {
+        char err[256] = "no worker address";
+        if (r->peer->worker == NULL) {
+            snprintf(err, sizeof(err), "no UCX worker for it");
         }
-        h.kind = KVR_AM_KIND_KV;
-        h.pos = pos;
-        h.npages = end - pos;
-        uint32_t pieces = 0; /* per buffer: runs of consecutive source pages */
-        for (uint32_t at = pos; at < end; pieces++) {
-            at += kvr_run_length(NULL, r->src_pages, at, end);
+        if (r->peer->worker_addr == NULL || r->peer->worker == NULL ||
+            kvr_tp_ep_create(r->peer->worker, r->peer->worker_addr, r->peer->worker_addr_len,
+                             r->peer, &r->peer->ep, err, sizeof(err)) != 0) {
+            kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "cannot reach %s: %s", r->peer->name,
+                                  err);
+            return 0;
         }
-        for (uint32_t b = r->post_buf; b < e->nkv && !r->failing;) {
-            h.buf = (uint16_t)b;
-            h.nbuf = kvr_buf_group(e->kv_item, e->nkv, b, h.npages, pieces, merge);
-            if (kvr_post_one_locked(e, r, &h) == 1) {
-                r->post_buf = b; /* no free slot: resume here */
-                return;
-            }
-            b += h.nbuf;
+    }
+    if (r->given > r->ndst) {
+        kvr_room_failf_locked(e, r, KVR_LAYOUT_MISMATCH, 1,
+                              "prefill sends %u pages but decode asked for %u", r->total_pages,
+                              r->ndst);
+        return 0;
+    }
+    if (r->dst_aux >= 0 && r->src_aux < 0) {
+        /* Checked before any page moves. */
+        kvr_room_failf_locked(e, r, KVR_LAYOUT_MISMATCH, 1,
+                              "decode asked for aux row %" PRId64
+                              " but the prefill sender has no aux_index",
+                              r->dst_aux);
+        return 0;
+    }
+    return 1;
+}
+
+/* Prefill: posts the messages for pages [posted, given) and, after the last
+ * page, the aux rows, as the plan says.  Engine lock held (engine thread,
+ * or send()'s caller). */
+void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    if (!kvr_post_ready_locked(e, r)) {
+        return;
+    }
+    kvr_plan_t plan;
+    kvr_post_limits(e, r, &plan);
+    kvr_am_header_t h;
+    memset(&h, 0, sizeof(h));
+    h.tag = r->dst_tag;
+    h.epoch = e->epoch;
+    for (;;) {
+        kvr_plan_cursor_t next = r->post;
+        if (!kvr_post_plan(&plan, &next, &h)) {
+            r->post.aux_done = next.aux_done;
+            return;
+        }
+        kvr_room_advance(r, KVR_POLL_TRANSFERRING);
+        if (kvr_post_one_locked(e, r, &h) == 1) {
+            kvr_plan_hold(&r->post, &h); /* no free slot: resume here */
+            return;
         }
         if (r->failing) {
             return;
         }
-        r->posted = end;
-        r->post_end = 0;
-        r->post_buf = 0;
-    }
-    if (r->posted == r->total_pages && !r->aux_posted) {
-        if (r->dst_aux >= 0) {
-            kvr_room_advance(r, KVR_POLL_TRANSFERRING);
-            h.kind = KVR_AM_KIND_AUX;
-            h.pos = 0;
-            h.npages = 1;
-            for (uint32_t a = r->aux_post_buf; a < e->naux && !r->failing;) {
-                h.buf = (uint16_t)a;
-                h.nbuf = kvr_buf_group(e->aux_item, e->naux, a, 1, 1, merge);
-                if (kvr_post_one_locked(e, r, &h) == 1) {
-                    r->aux_post_buf = a;
-                    return;
-                }
-                a += h.nbuf;
-            }
-        }
-        r->aux_posted = 1;
+        r->post = next;
     }
 }

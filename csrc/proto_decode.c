@@ -198,6 +198,118 @@ static void kvr_handle_auth_reject_locked(kvr_engine_t *e, kvr_ctl_conn_t *conn,
     kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, what);
 }
 
+/* Prefill: the bootstrap server's answer to our registration. */
+static void kvr_on_registered_locked(kvr_engine_t *e, const kvr_msg_t *m)
+{
+    if (m->type != KVR_MSG_BS_REGISTER_OK) {
+        e->stats.ctrl_dropped++;
+        return;
+    }
+    e->reg_auth_error[0] = '\0';
+    if (!e->registered) {
+        kvr_log_write(&e->log, KVR_LOG_INFO,
+                      "prefill rank %d registered with the bootstrap server %s as %s",
+                      e->rank, e->bootstrap_addr, kvr_ctl_endpoint(e->ctl));
+    }
+    e->registered = 1;
+}
+
+/* Decode: the bootstrap server named the prefill instance serving our rank
+ * (or none yet): connect to it and say HELLO. */
+static void kvr_on_bs_reply_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
+{
+    char err[256];
+    if (m->type != KVR_MSG_BS_QUERY_REPLY || p->state != KVR_PEER_RESOLVING) {
+        e->stats.ctrl_dropped++;
+        return;
+    }
+    if (!m->found) {
+        return; /* not registered yet: the timer asks again */
+    }
+    char endpoint[KVR_WIRE_MAX_STR + 1];
+    memcpy(endpoint, m->str, m->str_len);
+    endpoint[m->str_len] = '\0';
+    unsigned char ident[12];
+    memcpy(ident, &e->epoch, 8);
+    memcpy(ident + 8, &e->rank, 4);
+    kvr_peer_disconnect(e, p); /* retires the bootstrap connection */
+    p->epoch = m->peer_epoch;
+    snprintf(p->name, sizeof(p->name), "prefill rank %d at %.120s", e->rank,
+             strncmp(endpoint, "tcp://", 6) == 0 ? endpoint + 6 : endpoint);
+    if (kvr_ctl_connect(e->ctl, endpoint, ident, sizeof(ident), p, &p->conn, err,
+                        sizeof(err)) != 0) {
+        kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, err);
+        return;
+    }
+    if (kvr_peer_worker(e, p, err, sizeof(err)) != 0) {
+        char what[400];
+        snprintf(what, sizeof(what), "cannot be reached: %s", err);
+        kvr_peer_fail_locked(e, p, KVR_TRANSPORT, what);
+        return;
+    }
+    p->state = KVR_PEER_CONNECTING;
+    kvr_peer_hello(e, p);
+}
+
+/* Decode: the prefill accepted our HELLO: check its layout, connect our
+ * endpoint to its worker, and the peer is ready. */
+static void kvr_on_hello_ok_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
+{
+    if (p->state != KVR_PEER_CONNECTING) {
+        return;
+    }
+    char diff[256];
+    if (kvr_layout_diff(e, &m->layout, diff, sizeof(diff)) != 0) {
+        char what[400];
+        snprintf(what, sizeof(what), "has a different layout: %s", diff);
+        kvr_peer_fail_locked(e, p, KVR_LAYOUT_MISMATCH, what);
+        return;
+    }
+    /*
+     * The decode holds an endpoint to the prefill's worker too.  UCX
+     * pairs it with the prefill's own endpoint to us, so the prefill's
+     * data arrives on it: closing it when the prefill is lost cancels
+     * the receives the dead peer left hanging, and on transports with
+     * peer-failure support its error reports a dead prefill at once.
+     */
+    char eperr[256];
+    if (kvr_tp_ep_create(p->worker, m->addr, m->addr_len, p, &p->ep, eperr, sizeof(eperr)) != 0) {
+        char what[400];
+        snprintf(what, sizeof(what), "cannot be reached: %s", eperr);
+        kvr_peer_fail_locked(e, p, KVR_TRANSPORT, what);
+        return;
+    }
+    p->state = KVR_PEER_READY;
+    p->verified_ns = kvr_now_ns();
+    kvr_log_write(&e->log, KVR_LOG_INFO, "decode rank %d connected to %s", e->rank, p->name);
+    p->next_ping_ns = kvr_now_ns() + e->cfg.heartbeat_interval_ms * KVR_MS;
+    kvr_service_peer_rooms_locked(e, p);
+}
+
+/* Decode: the prefill refused our HELLO: every room bound to it fails with
+ * its reason. */
+static void kvr_on_hello_reject_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
+{
+    kvr_failure_t f;
+    kvr_failure_fill(&f, m->code < KVR_STATUS_LAST ? m->code : KVR_REMOTE, (int)m->rank,
+                     p->name, "%.*s", (int)m->str_len, m->str);
+    f.from_remote = 1;
+    for (size_t i = 0; i < e->rooms.capacity; i++) {
+        kvr_room_t *r = e->rooms.slots[i].value;
+        if (r && r->peer == p && !kvr_room_terminal(r)) {
+            kvr_failure_t fr = f;
+            snprintf(fr.reason, sizeof(fr.reason), "room %" PRIu64 ": %.*s", r->id,
+                     (int)m->str_len, m->str);
+            kvr_room_fail_locked(e, r, &fr, 0);
+            /* The prefill rejected us before any request: tell it which
+             * rooms this was about, so its senders fail now too. */
+            kvr_tell_room_failed(e, p, r, fr.code);
+        }
+    }
+    p->state = KVR_PEER_FAILED;
+    kvr_peer_disconnect(e, p);
+}
+
 /* Decode: a message from the bootstrap server or a prefill. */
 void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void *data,
                      size_t len)
@@ -206,7 +318,6 @@ void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void
     kvr_peer_t *p = conn_ctx;
     kvr_msg_t m;
     const char *why;
-    char err[256];
     if (kvr_wire_decode(data, len, &m, &why) != 0) {
         kvr_drop_locked(e, len, why);
         return;
@@ -216,18 +327,7 @@ void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void
         return;
     }
     if (e->mode == KVR_MODE_PREFILL) {
-        /* Our registration with the bootstrap server. */
-        if (m.type == KVR_MSG_BS_REGISTER_OK) {
-            e->reg_auth_error[0] = '\0';
-            if (!e->registered) {
-                kvr_log_write(&e->log, KVR_LOG_INFO,
-                              "prefill rank %d registered with the bootstrap server %s as %s",
-                              e->rank, e->bootstrap_addr, kvr_ctl_endpoint(e->ctl));
-            }
-            e->registered = 1;
-        } else {
-            e->stats.ctrl_dropped++;
-        }
+        kvr_on_registered_locked(e, &m); /* our registration with the bootstrap server */
         return;
     }
     if (p == NULL) {
@@ -243,36 +343,7 @@ void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void
         return;
     }
     if (conn == p->bs_conn) {
-        if (m.type != KVR_MSG_BS_QUERY_REPLY || p->state != KVR_PEER_RESOLVING) {
-            e->stats.ctrl_dropped++;
-            return;
-        }
-        if (!m.found) {
-            return; /* not registered yet: the timer asks again */
-        }
-        char endpoint[KVR_WIRE_MAX_STR + 1];
-        memcpy(endpoint, m.str, m.str_len);
-        endpoint[m.str_len] = '\0';
-        unsigned char ident[12];
-        memcpy(ident, &e->epoch, 8);
-        memcpy(ident + 8, &e->rank, 4);
-        kvr_peer_disconnect(e, p); /* retires the bootstrap connection */
-        p->epoch = m.peer_epoch;
-        snprintf(p->name, sizeof(p->name), "prefill rank %d at %.120s", e->rank,
-                 strncmp(endpoint, "tcp://", 6) == 0 ? endpoint + 6 : endpoint);
-        if (kvr_ctl_connect(e->ctl, endpoint, ident, sizeof(ident), p, &p->conn, err,
-                            sizeof(err)) != 0) {
-            kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, err);
-            return;
-        }
-        if (kvr_peer_worker(e, p, err, sizeof(err)) != 0) {
-            char what[400];
-            snprintf(what, sizeof(what), "cannot be reached: %s", err);
-            kvr_peer_fail_locked(e, p, KVR_TRANSPORT, what);
-            return;
-        }
-        p->state = KVR_PEER_CONNECTING;
-        kvr_peer_hello(e, p);
+        kvr_on_bs_reply_locked(e, p, &m);
         return;
     }
     if (conn != p->conn) {
@@ -289,59 +360,12 @@ void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void
     }
     p->last_heard_ns = kvr_now_ns();
     switch (m.type) {
-    case KVR_MSG_HELLO_OK: {
-        if (p->state != KVR_PEER_CONNECTING) {
-            break;
-        }
-        char diff[256];
-        if (kvr_layout_diff(e, &m.layout, diff, sizeof(diff)) != 0) {
-            char what[400];
-            snprintf(what, sizeof(what), "has a different layout: %s", diff);
-            kvr_peer_fail_locked(e, p, KVR_LAYOUT_MISMATCH, what);
-            break;
-        }
-        /*
-         * The decode holds an endpoint to the prefill's worker too.  UCX
-         * pairs it with the prefill's own endpoint to us, so the prefill's
-         * data arrives on it: closing it when the prefill is lost cancels
-         * the receives the dead peer left hanging, and on transports with
-         * peer-failure support its error reports a dead prefill at once.
-         */
-        char eperr[256];
-        if (kvr_tp_ep_create(p->worker, m.addr, m.addr_len, p, &p->ep, eperr, sizeof(eperr)) != 0) {
-            char what[400];
-            snprintf(what, sizeof(what), "cannot be reached: %s", eperr);
-            kvr_peer_fail_locked(e, p, KVR_TRANSPORT, what);
-            break;
-        }
-        p->state = KVR_PEER_READY;
-        p->verified_ns = kvr_now_ns();
-        kvr_log_write(&e->log, KVR_LOG_INFO, "decode rank %d connected to %s", e->rank, p->name);
-        p->next_ping_ns = kvr_now_ns() + e->cfg.heartbeat_interval_ms * KVR_MS;
-        kvr_service_peer_rooms_locked(e, p);
+    case KVR_MSG_HELLO_OK:
+        kvr_on_hello_ok_locked(e, p, &m);
         break;
-    }
-    case KVR_MSG_HELLO_REJECT: {
-        kvr_failure_t f;
-        kvr_failure_fill(&f, m.code < KVR_STATUS_LAST ? m.code : KVR_REMOTE, (int)m.rank,
-                         p->name, "%.*s", (int)m.str_len, m.str);
-        f.from_remote = 1;
-        for (size_t i = 0; i < e->rooms.capacity; i++) {
-            kvr_room_t *r = e->rooms.slots[i].value;
-            if (r && r->peer == p && !kvr_room_terminal(r)) {
-                kvr_failure_t fr = f;
-                snprintf(fr.reason, sizeof(fr.reason), "room %" PRIu64 ": %.*s", r->id,
-                         (int)m.str_len, m.str);
-                kvr_room_fail_locked(e, r, &fr, 0);
-                /* The prefill rejected us before any request: tell it which
-                 * rooms this was about, so its senders fail now too. */
-                kvr_tell_room_failed(e, p, r, fr.code);
-            }
-        }
-        p->state = KVR_PEER_FAILED;
-        kvr_peer_disconnect(e, p);
+    case KVR_MSG_HELLO_REJECT:
+        kvr_on_hello_reject_locked(e, p, &m);
         break;
-    }
     case KVR_MSG_PONG:
         break;
     case KVR_MSG_ROOM_FAIL:

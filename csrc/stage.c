@@ -14,7 +14,7 @@
  *            sends the slot as one contiguous message (KVR_STAGE_D2H ->
  *            XFER); the slot is free again when the send completes.  Messages
  *            are cut to at most staging_slot_bytes; with no slot free the
- *            room waits (post_end/post_buf keep its place) and resumes when
+ *            room waits (its posting cursor keeps its place) and resumes when
  *            one is released, so copies of later messages overlap the
  *            transfers of earlier ones.
  *   decode:  the message is received into a slot (a heap buffer if none is

@@ -1,77 +1,92 @@
+/*
+ * timer: what the engine thread does because time passed -- registration
+ * retries, peer timeouts and heartbeats, the force-drain of rooms whose
+ * operations a dead peer left hanging, expired pending requests, and room
+ * deadlines.  Every function here runs on the engine thread with the engine
+ * lock held.
+ */
 #include "engine_int.h"
 
 #include <inttypes.h>
 #include <stdio.h>
 #include <string.h>
 
-void kvr_timers_locked(kvr_engine_t *e)
+/* A ready peer silent for longer than the heartbeat timeout is lost.
+ * Returns 1 if it was declared lost. */
+static int kvr_timer_silence_locked(kvr_engine_t *e, kvr_peer_t *p, uint64_t now)
 {
-    uint64_t now = kvr_now_ns();
-    kvr_register_tick_locked(e, now);
-    kvr_tp_pack_trim(e->tp, now);
-    for (kvr_peer_t *p = e->peers; p; p = p->next) {
-        if (p->kind == KVR_PEER_IS_PREFILL) {
-            if (p->state == KVR_PEER_RESOLVING || p->state == KVR_PEER_CONNECTING) {
-                if (now >= p->resolve_deadline_ns) {
-                    char what[200];
-                    snprintf(what, sizeof(what), "%s within the bootstrap timeout (%u ms)",
-                             p->state == KVR_PEER_RESOLVING
-                                 ? "was not found at the bootstrap server (unreachable, or the "
-                                   "prefill rank is not registered)"
-                                 : "did not answer the handshake",
-                             e->cfg.bootstrap_timeout_ms);
-                    kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, what);
-                } else if (p->state == KVR_PEER_RESOLVING && now >= p->next_try_ns) {
-                    kvr_bs_query(e, p->bs_conn);
-                    p->next_try_ns = now + 200 * KVR_MS;
-                }
-            } else if (p->state == KVR_PEER_READY) {
-                if (p->verifying && now > p->verify_deadline_ns) {
-                    /* The bootstrap server did not answer: keep the peer. */
-                    kvr_peer_verified_locked(e, p, 0, 0);
-                }
-                if (p->state != KVR_PEER_READY) {
-                    continue;
-                }
-                if (now - p->last_heard_ns > e->cfg.heartbeat_timeout_ms * KVR_MS) {
-                    char what[200];
-                    snprintf(what, sizeof(what), "lost: no heartbeat for %" PRIu64 " ms",
-                             (now - p->last_heard_ns) / KVR_MS);
-                    e->stats.heartbeats_missed++;
-                    kvr_peer_fail_locked(e, p, KVR_PEER_LOST, what);
-                } else if (now >= p->next_ping_ns) {
-                    kvr_msg_t m;
-                    memset(&m, 0, sizeof(m));
-                    m.type = KVR_MSG_PING;
-                    m.rank = (uint32_t)e->rank;
-                    kvr_send_ctrl_to_peer(e, p, &m);
-                    p->next_ping_ns = now + e->cfg.heartbeat_interval_ms * KVR_MS;
-                }
-            }
-        } else if (p->state == KVR_PEER_READY &&
-                   now - p->last_heard_ns > e->cfg.heartbeat_timeout_ms * KVR_MS) {
-            char what[200];
-            snprintf(what, sizeof(what), "lost: no heartbeat for %" PRIu64 " ms",
-                     (now - p->last_heard_ns) / KVR_MS);
-            e->stats.heartbeats_missed++;
-            kvr_peer_fail_locked(e, p, KVR_PEER_LOST, what);
-        }
+    if (now - p->last_heard_ns <= e->cfg.heartbeat_timeout_ms * KVR_MS) {
+        return 0;
     }
-    /* The scans over every room run at most every KVR_SCAN_NS: with
-     * thousands of rooms in flight they would otherwise dominate a busy
-     * loop.  Deadlines and force-drains are coarse by nature. */
-    if (now < e->next_scan_ns) {
+    char what[200];
+    snprintf(what, sizeof(what), "lost: no heartbeat for %" PRIu64 " ms",
+             (now - p->last_heard_ns) / KVR_MS);
+    e->stats.heartbeats_missed++;
+    kvr_peer_fail_locked(e, p, KVR_PEER_LOST, what);
+    return 1;
+}
+
+/* Decode: a prefill peer's bootstrap timeout, query retries, verification
+ * timeout, heartbeat silence and pings. */
+static void kvr_timer_prefill_peer_locked(kvr_engine_t *e, kvr_peer_t *p, uint64_t now)
+{
+    if (p->state == KVR_PEER_RESOLVING || p->state == KVR_PEER_CONNECTING) {
+        if (now >= p->resolve_deadline_ns) {
+            char what[200];
+            snprintf(what, sizeof(what), "%s within the bootstrap timeout (%u ms)",
+                     p->state == KVR_PEER_RESOLVING
+                         ? "was not found at the bootstrap server (unreachable, or the "
+                           "prefill rank is not registered)"
+                         : "did not answer the handshake",
+                     e->cfg.bootstrap_timeout_ms);
+            kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, what);
+        } else if (p->state == KVR_PEER_RESOLVING && now >= p->next_try_ns) {
+            kvr_bs_query(e, p->bs_conn);
+            p->next_try_ns = now + 200 * KVR_MS;
+        }
         return;
     }
-    e->next_scan_ns = now + KVR_SCAN_NS;
-    /*
-     * Failing rooms whose peer was declared dead (heartbeat silence, endpoint
-     * error) but whose operations never completed: UCX endpoints without
-     * peer-failure support (shared memory in UCX 1.13) do not fail them.
-     * Ask UCX to cancel them at once, and after two heartbeat intervals
-     * declare the room drained.  A dead peer sends nothing more; a live one
-     * (an abort) is always waited for.
-     */
+    if (p->state != KVR_PEER_READY) {
+        return;
+    }
+    if (p->verifying && now > p->verify_deadline_ns) {
+        /* The bootstrap server did not answer: keep the peer. */
+        kvr_peer_verified_locked(e, p, 0, 0);
+    }
+    if (p->state != KVR_PEER_READY || kvr_timer_silence_locked(e, p, now)) {
+        return;
+    }
+    if (now >= p->next_ping_ns) {
+        kvr_msg_t m;
+        memset(&m, 0, sizeof(m));
+        m.type = KVR_MSG_PING;
+        m.rank = (uint32_t)e->rank;
+        kvr_send_ctrl_to_peer(e, p, &m);
+        p->next_ping_ns = now + e->cfg.heartbeat_interval_ms * KVR_MS;
+    }
+}
+
+static void kvr_timer_peers_locked(kvr_engine_t *e, uint64_t now)
+{
+    for (kvr_peer_t *p = e->peers; p; p = p->next) {
+        if (p->kind == KVR_PEER_IS_PREFILL) {
+            kvr_timer_prefill_peer_locked(e, p, now);
+        } else if (p->state == KVR_PEER_READY) {
+            kvr_timer_silence_locked(e, p, now);
+        }
+    }
+}
+
+/*
+ * Failing rooms whose peer was declared dead (heartbeat silence, endpoint
+ * error) but whose operations never completed: UCX endpoints without
+ * peer-failure support (shared memory in UCX 1.13) do not fail them.
+ * Ask UCX to cancel them at once, and after two heartbeat intervals
+ * declare the room drained.  A dead peer sends nothing more; a live one
+ * (an abort) is always waited for.
+ */
+static void kvr_timer_drains_locked(kvr_engine_t *e, uint64_t now)
+{
     kvr_peer_t *stalled = NULL;
     uint64_t stalled_ms = 0;
     for (size_t i = 0; i < e->tags.capacity; i++) {
@@ -130,7 +145,11 @@ void kvr_timers_locked(kvr_engine_t *e)
                  stalled_ms);
         kvr_peer_fail_locked(e, stalled, KVR_PEER_LOST, what);
     }
-    /* Requests whose sender never came, or whose decode is gone. */
+}
+
+/* Prefill: requests whose sender never came, or whose decode is gone. */
+static void kvr_timer_pending_locked(kvr_engine_t *e, uint64_t now)
+{
     for (size_t i = 0; i < e->pending.capacity; i++) {
         kvr_pending_t *pd = e->pending.slots[i].value;
         if (pd && (pd->peer == NULL || pd->peer->state != KVR_PEER_READY ||
@@ -140,6 +159,43 @@ void kvr_timers_locked(kvr_engine_t *e)
             i--; /* backward-shift deletion may have moved an entry here */
         }
     }
+}
+
+/* Room r passed its deadline: it fails, saying how far it got. */
+static void kvr_timer_deadline_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    uint64_t expected = e->mode == KVR_MODE_DECODE
+                            ? r->expected
+                            : (uint64_t)r->ndst * e->page_bytes +
+                                  (r->dst_aux >= 0 ? e->aux_bytes : 0);
+    uint64_t got = e->mode == KVR_MODE_DECODE ? r->received : 0;
+    if (e->mode == KVR_MODE_DECODE) {
+        kvr_room_failf_locked(e, r, KVR_TIMEOUT, 1,
+                              "no completion within its deadline of %" PRIu64
+                              " ms: %" PRIu64 " of %" PRIu64 " bytes received",
+                              (r->deadline_ns - r->started_ns) / KVR_MS, got, expected);
+    } else if (!r->bound) {
+        kvr_room_failf_locked(e, r, KVR_BOOTSTRAP, 0,
+                              "no decode asked for the room within the bootstrap "
+                              "timeout (%u ms); this rank is %sregistered with the "
+                              "bootstrap server %s%s%.600s",
+                              e->cfg.bootstrap_timeout_ms, e->registered ? "" : "NOT ",
+                              e->bootstrap_addr,
+                              e->reg_auth_error[0] ? ": " : "", e->reg_auth_error);
+    } else {
+        kvr_room_failf_locked(e, r, KVR_TIMEOUT, 1,
+                              "no completion within its deadline of %" PRIu64
+                              " ms: %u of %u pages handed to send(), %" PRIu64
+                              " bytes expected",
+                              (r->deadline_ns - r->started_ns) / KVR_MS, r->given,
+                              r->total_pages, expected);
+    }
+}
+
+/* Rooms refused by their decode without a reason, and rooms past their
+ * deadline. */
+static void kvr_timer_rooms_locked(kvr_engine_t *e, uint64_t now)
+{
     for (size_t i = 0; i < e->rooms.capacity; i++) {
         kvr_room_t *r = e->rooms.slots[i].value;
         if (r == NULL || r->failing || kvr_room_terminal(r)) {
@@ -150,32 +206,25 @@ void kvr_timers_locked(kvr_engine_t *e)
             continue;
         }
         if (r->deadline_ns && now > r->deadline_ns) {
-            uint64_t expected = e->mode == KVR_MODE_DECODE
-                                    ? r->expected
-                                    : (uint64_t)r->ndst * e->page_bytes +
-                                          (r->dst_aux >= 0 ? e->aux_bytes : 0);
-            uint64_t got = e->mode == KVR_MODE_DECODE ? r->received : 0;
-            if (e->mode == KVR_MODE_DECODE) {
-                kvr_room_failf_locked(e, r, KVR_TIMEOUT, 1,
-                                      "no completion within its deadline of %" PRIu64
-                                      " ms: %" PRIu64 " of %" PRIu64 " bytes received",
-                                      (r->deadline_ns - r->started_ns) / KVR_MS, got, expected);
-            } else if (!r->bound) {
-                kvr_room_failf_locked(e, r, KVR_BOOTSTRAP, 0,
-                                      "no decode asked for the room within the bootstrap "
-                                      "timeout (%u ms); this rank is %sregistered with the "
-                                      "bootstrap server %s%s%.600s",
-                                      e->cfg.bootstrap_timeout_ms, e->registered ? "" : "NOT ",
-                                      e->bootstrap_addr,
-                                      e->reg_auth_error[0] ? ": " : "", e->reg_auth_error);
-            } else {
-                kvr_room_failf_locked(e, r, KVR_TIMEOUT, 1,
-                                      "no completion within its deadline of %" PRIu64
-                                      " ms: %u of %u pages handed to send(), %" PRIu64
-                                      " bytes expected",
-                                      (r->deadline_ns - r->started_ns) / KVR_MS, r->given,
-                                      r->total_pages, expected);
-            }
+            kvr_timer_deadline_locked(e, r);
         }
     }
+}
+
+void kvr_timers_locked(kvr_engine_t *e)
+{
+    uint64_t now = kvr_now_ns();
+    kvr_register_tick_locked(e, now);
+    kvr_tp_pack_trim(e->tp, now);
+    kvr_timer_peers_locked(e, now);
+    /* The scans over every room run at most every KVR_SCAN_NS: with
+     * thousands of rooms in flight they would otherwise dominate a busy
+     * loop.  Deadlines and force-drains are coarse by nature. */
+    if (now < e->next_scan_ns) {
+        return;
+    }
+    e->next_scan_ns = now + KVR_SCAN_NS;
+    kvr_timer_drains_locked(e, now);
+    kvr_timer_pending_locked(e, now);
+    kvr_timer_rooms_locked(e, now);
 }
