@@ -1,3 +1,10 @@
+/*
+ * engine: the manager's lifecycle and its progress thread.  Create checks
+ * the parameters, opens the transport, the device path and the control
+ * plane, and starts the thread; the loop drains the work list, progresses
+ * UCX, runs the timers and sleeps in the socket poll; close stops it and
+ * fails what is open.  The small helpers every part uses live here too.
+ */
 #define _GNU_SOURCE /* pthread_setname_np */
 #include "engine_int.h"
 

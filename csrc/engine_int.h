@@ -1,4 +1,34 @@
-/* engine internals: shared by the files of the engine, never by the binding. */
+/*
+ * engine internals: the types and functions the files of the engine share
+ * (never the binding, which sees engine.h only).
+ *
+ * The map, following a prefill send() down to the wire:
+ *   handle.c        kvr_handle_send: pages into the room, then
+ *   post.c          kvr_post_locked: may the room post, with which limits;
+ *   plan.c          kvr_post_plan: which message next;
+ *   post.c          kvr_post_one_locked: one message, staged or not;
+ *   op.c            kvr_op_new, kvr_op_send_locked -> transport.c;
+ *   stage.c         (device memory) the copy into a slot first;
+ *   op.c            kvr_op_end_locked on completion;
+ *   proto_prefill.c the decode's ROOM_DONE: kvr_check_prefill_done_locked;
+ *   work.c          kvr_room_succeeded_locked, or kvr_room_fail_locked.
+ * engine.c runs the loop that drives all of it; peer.c, sibling.c and
+ * timer.c keep the connections, the siblings and the deadlines.
+ *
+ * Threads and locks: every function here expects the engine lock held
+ * (struct kvr_engine.lock), whether or not its name ends in _locked, except
+ * the transport and control callbacks (which the transport calls from the
+ * progress it was given, under the lock, and which the *_entry wrappers of
+ * engine.c lock for) and the few that say otherwise.  Functions that touch
+ * sockets run on the engine thread only; the API calls of handle.c that run
+ * under the lock on the caller's thread leave socket work on the work list.
+ * None of them blocks.
+ *
+ * Errors: functions returning int return 0, or a KVR_E* code with a message
+ * in err (kvr_err), unless their comment says otherwise.  Failures of a room
+ * or a peer are not returned: they are recorded (kvr_room_fail_locked,
+ * kvr_peer_fail_locked) and reported by poll().
+ */
 #ifndef KVR_ENGINE_INT_H
 #define KVR_ENGINE_INT_H
 
@@ -19,6 +49,8 @@
 /* ------------------------------------------------------------------ */
 /* Types                                                               */
 /* ------------------------------------------------------------------ */
+
+/* Peer states: see the diagram in peer.c. */
 
 enum { KVR_PEER_RESOLVING, KVR_PEER_CONNECTING, KVR_PEER_READY, KVR_PEER_FAILED };
 enum { KVR_PEER_IS_PREFILL, KVR_PEER_IS_DECODE };
@@ -109,13 +141,13 @@ typedef struct {
     uint64_t arrived_ns;
 } kvr_pending_t;
 
-/* A root cause waiting to be published to the siblings. */
 /* Rate limit of one kind of WARNING. */
 typedef struct {
     uint64_t last_ns;
     uint64_t held;
 } kvr_ratelog_t;
 
+/* A root cause waiting to be published to the siblings. */
 typedef struct kvr_sib_out {
     uint64_t room;
     kvr_failure_t f;
@@ -216,7 +248,9 @@ struct kvr_engine {
     kvr_room_t *slot_waiters;  /* prefill rooms waiting for a free slot */
 };
 
-/* engine.c */
+/* ------------------------------------------------------------------ */
+/* engine.c: helpers                                                   */
+/* ------------------------------------------------------------------ */
 /*
  * Logs a WARNING at most once a second per kind; the lines held back in
  * between are counted and reported with the next one.
@@ -229,7 +263,11 @@ int kvr_err(char *err, size_t errlen, int code, const char *fmt, ...)
 void kvr_wake(kvr_engine_t *e);
 const char *kvr_side(const kvr_engine_t *e);
 
-/* work.c */
+/* ------------------------------------------------------------------ */
+/* work.c: references, the work list, failing and succeeding           */
+/* ------------------------------------------------------------------ */
+/* Rooms are freed when the last reference goes (table, handle, operations,
+ * the work list, the slot-wait list).  Any thread, lock held. */
 void kvr_room_ref(kvr_room_t *r);
 void kvr_room_unref_locked(kvr_engine_t *e, kvr_room_t *r);
 void kvr_work_push_locked(kvr_engine_t *e, kvr_room_t *r);
@@ -241,7 +279,9 @@ void kvr_room_succeeded_locked(kvr_engine_t *e, kvr_room_t *r);
 void kvr_service_peer_rooms_locked(kvr_engine_t *e, kvr_peer_t *p);
 void kvr_drain_work_locked(kvr_engine_t *e);
 
-/* peer.c */
+/* ------------------------------------------------------------------ */
+/* peer.c                                                              */
+/* ------------------------------------------------------------------ */
 void kvr_send_ctrl_to_peer(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m);
 void kvr_fill_layout(kvr_engine_t *e, kvr_wire_layout_t *l);
 int kvr_layout_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *why, size_t n);
@@ -260,11 +300,18 @@ void kvr_peer_verified_locked(kvr_engine_t *e, kvr_peer_t *p, int found, uint64_
 void kvr_on_ep_error(void *arg, void *ep_ctx, const char *status_text);
 void kvr_ep_errors_locked(kvr_engine_t *e);
 
-/* sibling.c */
+/* ------------------------------------------------------------------ */
+/* sibling.c: engine thread                                            */
+/* ------------------------------------------------------------------ */
 void kvr_siblings_locked(kvr_engine_t *e);
 void kvr_handle_sib_fail_locked(kvr_engine_t *e, const kvr_msg_t *m);
 
-/* op.c */
+/* ------------------------------------------------------------------ */
+/* op.c: operations in flight                                          */
+/* ------------------------------------------------------------------ */
+/* kvr_on_recv_done / kvr_on_send_done are the transport's completion
+ * callbacks: they run inside kvr_tp_progress, under the lock, on the
+ * engine thread or (decode) poll()'s caller. */
 kvr_op_t *kvr_op_new(kvr_room_t *r, uint64_t len, uint32_t niov);
 void kvr_op_end_locked(kvr_engine_t *e, kvr_op_t *op, int failed, const char *status_text);
 void kvr_on_recv_done(void *arg, kvr_tp_op_t *tp_op, size_t len, int failed,
@@ -276,7 +323,11 @@ uint32_t kvr_msg_pieces(const kvr_engine_t *e, const kvr_am_header_t *h,
 void kvr_op_send_locked(kvr_engine_t *e, kvr_room_t *r, kvr_op_t *op,
                         const kvr_tp_iov_t *iov, uint32_t niov, int host);
 
-/* stage.c */
+/* ------------------------------------------------------------------ */
+/* stage.c: device memory                                              */
+/* ------------------------------------------------------------------ */
+/* kvr_gpu_setup runs in kvr_engine_create before the thread starts (no
+ * lock needed), kvr_gpu_free in kvr_engine_free after it stopped. */
 kvr_slot_t *kvr_slot_get(kvr_engine_t *e);
 void kvr_slot_put(kvr_engine_t *e, kvr_slot_t *s);
 void kvr_slot_wait(kvr_engine_t *e, kvr_room_t *r);
@@ -288,7 +339,9 @@ void kvr_stage_finish_locked(kvr_engine_t *e);
 int kvr_gpu_setup(kvr_engine_t *e, const kvr_engine_params_t *p, char *err, size_t errlen);
 void kvr_gpu_free(kvr_engine_t *e);
 
-/* proto_prefill.c */
+/* ------------------------------------------------------------------ */
+/* proto_prefill.c: messages on our ROUTER; engine thread              */
+/* ------------------------------------------------------------------ */
 void kvr_rejected_fail_locked(kvr_engine_t *e, kvr_room_t *r);
 void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r);
 void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint64_t tag,
@@ -303,7 +356,12 @@ void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, const voi
                        size_t len);
 void kvr_register_tick_locked(kvr_engine_t *e, uint64_t now);
 
-/* proto_decode.c */
+/* ------------------------------------------------------------------ */
+/* proto_decode.c: messages on our connections, data arriving          */
+/* ------------------------------------------------------------------ */
+/* kvr_on_data is the transport's data callback (under the lock, inside
+ * kvr_tp_progress): it accepts a message into the room's pages, or rejects
+ * it. */
 void kvr_send_done_locked(kvr_engine_t *e, kvr_room_t *r);
 void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, int rndv,
                  kvr_tp_accept_t *acc);
@@ -311,10 +369,14 @@ void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r);
 void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void *data,
                      size_t len);
 
-/* post.c */
+/* ------------------------------------------------------------------ */
+/* post.c: engine thread, or send()'s caller holding the lock          */
+/* ------------------------------------------------------------------ */
 void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r);
 
-/* timer.c */
+/* ------------------------------------------------------------------ */
+/* timer.c: engine thread, once per loop pass                          */
+/* ------------------------------------------------------------------ */
 void kvr_timers_locked(kvr_engine_t *e);
 
 #endif

@@ -1,3 +1,9 @@
+/*
+ * handle: the calls the binding makes on a room (engine.h): open, init,
+ * send_metadata, send, poll, failure, abort, clear, release.  Any thread;
+ * each takes the engine lock briefly (poll only tries it) and wakes the
+ * engine thread when it left work for it.
+ */
 #include "engine_int.h"
 
 #include <inttypes.h>

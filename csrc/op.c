@@ -1,3 +1,8 @@
+/*
+ * op: one data operation in flight (a message posted by the prefill or
+ * accepted by the decode), the room's list of them, and how an operation
+ * ends: accounting, then the room settles, succeeds or fails.
+ */
 #include "engine_int.h"
 
 #include <stdlib.h>

@@ -1,3 +1,21 @@
+/*
+ * peer: one remote rank we exchange rooms with, and its connections.
+ *
+ *   decode's view of a prefill (KVR_PEER_IS_PREFILL):
+ *
+ *     FAILED --kvr_peer_resolve--> RESOLVING --bootstrap names it--> CONNECTING
+ *       ^                              |                                 |
+ *       |                   bootstrap timeout             HELLO_OK: endpoint made
+ *       |                              v                                 v
+ *       +------------------------- FAILED <--- heartbeat, BYE, error --- READY
+ *
+ *   prefill's view of a decode (KVR_PEER_IS_DECODE): READY on its HELLO,
+ *   FAILED when the HELLO is refused, on BYE, silence or an endpoint error.
+ *
+ * A failed peer's sockets, endpoint and worker are retired to the engine's
+ * dead lists and closed by kvr_reap_locked outside any callback.  Engine
+ * thread, lock held, unless a prototype says otherwise.
+ */
 #include "engine_int.h"
 
 #include <inttypes.h>

@@ -1,3 +1,9 @@
+/*
+ * post: the prefill's posting of data messages.  kvr_post_locked checks
+ * that the room may post, chooses the coalescing limits for its peer, and
+ * posts the messages plan.c chooses, each as one operation (op.c), staged
+ * (stage.c) where its buffer is device memory UCX cannot move.
+ */
 #include "engine_int.h"
 
 #include <inttypes.h>

@@ -1,3 +1,10 @@
+/*
+ * proto_decode: the decode's side of the protocol -- messages on the
+ * connections we opened (the bootstrap server's replies, the prefill's
+ * HELLO_OK / HELLO_REJECT / ROOM_FAIL / BYE; on a prefill, the bootstrap
+ * server's answer to our registration), the room request, the completion
+ * notice, and where an arriving data message lands.
+ */
 #include "engine_int.h"
 
 #include <inttypes.h>

@@ -1,3 +1,10 @@
+/*
+ * proto_prefill: the control messages that arrive on our ROUTER -- on a
+ * prefill, the decode ranks' HELLO, ROOM_REQ, ROOM_DONE, ROOM_FAIL, PING and
+ * BYE; on either side, a sibling's SIB_FAIL -- and the prefill's registration
+ * with the bootstrap server.  Also what both sides do with a message that is
+ * malformed or refused before decoding.  Engine thread, lock held.
+ */
 #include "engine_int.h"
 
 #include <inttypes.h>

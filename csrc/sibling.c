@@ -1,3 +1,8 @@
+/*
+ * sibling: the other ranks of this instance.  A root cause recorded here is
+ * published to them (SIB_FAIL), and theirs fail our rooms, so every rank of
+ * a room reports the same cause.
+ */
 #include "engine_int.h"
 
 #include <pthread.h>

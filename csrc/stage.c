@@ -1,3 +1,8 @@
+/*
+ * stage: device memory -- which buffers are on the device, which path moves
+ * them (UCX itself, or staged through pinned host slots with CUDA copies),
+ * the slot pool, the copy events and the FIFO of copies in flight.
+ */
 #include "engine_int.h"
 
 #include <inttypes.h>

@@ -1,3 +1,9 @@
+/*
+ * work: the engine's side of a room -- its references, the work list the
+ * API calls fill and the engine thread drains, and the bookkeeping of a
+ * room failing (root cause, siblings, notice to the peer) or succeeding.
+ * The pure state machine these drive is room.c.
+ */
 #include "engine_int.h"
 
 #include <inttypes.h>
