@@ -172,12 +172,8 @@ static void kvr_reject_reply(kvr_sealer_t *s, void *router, const void *ident, s
              "BootstrapServer(secret=)) must be the same on every decode, prefill and bootstrap "
              "server",
              s->who, why);
-    kvr_msg_t m;
-    memset(&m, 0, sizeof(m));
-    m.type = KVR_MSG_AUTH_REJECT;
+    kvr_msg_t m = kvr_msg_text(KVR_MSG_AUTH_REJECT, 0, 0, reason);
     m.epoch = s->epoch;
-    m.str = reason;
-    m.str_len = (uint16_t)strlen(reason);
     kvr_wbuf_t b;
     kvr_wbuf_init(&b);
     if (kvr_wire_encode(&b, &m) == 0 &&
@@ -560,8 +556,6 @@ static void kvr_bs_handle(kvr_bootstrap_t *bs, zmq_msg_t frames[2], int nf)
         bs->dropped++;
         return;
     }
-    memset(&reply, 0, sizeof(reply));
-    reply.rank = m.rank;
     if (m.type == KVR_MSG_BS_REGISTER) {
         kvr_bs_entry_t *e = kvr_table_get(&bs->ranks, m.rank);
         if (e == NULL) {
@@ -577,17 +571,12 @@ static void kvr_bs_handle(kvr_bootstrap_t *bs, zmq_msg_t frames[2], int nf)
         e->epoch = m.epoch;
         memcpy(e->endpoint, m.str, m.str_len);
         e->endpoint[m.str_len] = '\0';
-        reply.type = KVR_MSG_BS_REGISTER_OK;
+        reply = kvr_msg_rank(KVR_MSG_BS_REGISTER_OK, m.rank);
         kvr_bs_reply(bs, &frames[0], &reply);
     } else if (m.type == KVR_MSG_BS_QUERY) {
         kvr_bs_entry_t *e = kvr_table_get(&bs->ranks, m.rank);
-        reply.type = KVR_MSG_BS_QUERY_REPLY;
-        if (e != NULL) {
-            reply.found = 1;
-            reply.peer_epoch = e->epoch;
-            reply.str = e->endpoint;
-            reply.str_len = (uint16_t)strlen(e->endpoint);
-        }
+        reply = e != NULL ? kvr_msg_bs_reply(m.rank, 1, e->epoch, e->endpoint)
+                          : kvr_msg_bs_reply(m.rank, 0, 0, NULL);
         kvr_bs_reply(bs, &frames[0], &reply);
     } else {
         bs->dropped++;

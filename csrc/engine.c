@@ -120,10 +120,7 @@ static void kvr_shutdown_locked(kvr_engine_t *e)
                                   kvr_side(e), e->rank);
         }
     }
-    kvr_msg_t bye;
-    memset(&bye, 0, sizeof(bye));
-    bye.type = KVR_MSG_BYE;
-    bye.rank = (uint32_t)e->rank;
+    kvr_msg_t bye = kvr_msg_rank(KVR_MSG_BYE, (uint32_t)e->rank);
     for (kvr_peer_t *p = e->peers; p; p = p->next) {
         if (p->state == KVR_PEER_READY) {
             kvr_send_ctrl_to_peer(e, p, &bye);

@@ -276,13 +276,18 @@ int kvr_room_fail_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_failure_t *f,
 int kvr_room_failf_locked(kvr_engine_t *e, kvr_room_t *r, int code, int notify,
                                  const char *fmt, ...) __attribute__((format(printf, 5, 6)));
 void kvr_room_succeeded_locked(kvr_engine_t *e, kvr_room_t *r);
+void kvr_failure_from_msg(kvr_failure_t *f, const kvr_msg_t *m, const char *peer);
 void kvr_service_peer_rooms_locked(kvr_engine_t *e, kvr_peer_t *p);
 void kvr_drain_work_locked(kvr_engine_t *e);
 
 /* ------------------------------------------------------------------ */
 /* peer.c                                                              */
 /* ------------------------------------------------------------------ */
+/* Encode m with our epoch and send it to peer p (its connection, or our
+ * ROUTER for a decode peer); a lost message is covered by heartbeats and
+ * deadlines.  Engine thread. */
 void kvr_send_ctrl_to_peer(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m);
+void kvr_send_conn_locked(kvr_engine_t *e, kvr_ctl_conn_t *conn, const kvr_msg_t *m);
 void kvr_fill_layout(kvr_engine_t *e, kvr_wire_layout_t *l);
 int kvr_layout_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *why, size_t n);
 kvr_peer_t *kvr_peer_find(kvr_engine_t *e, int kind, const char *key);

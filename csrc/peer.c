@@ -53,6 +53,17 @@ void kvr_send_ctrl_to_peer(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m_in
     (void)rc; /* a lost notice is covered by heartbeats and deadlines */
 }
 
+/* Encodes m with our epoch and sends it on a connection we opened (the
+ * bootstrap server's; a lost message is asked again by the timers). */
+void kvr_send_conn_locked(kvr_engine_t *e, kvr_ctl_conn_t *conn, const kvr_msg_t *m_in)
+{
+    kvr_msg_t m = *m_in;
+    m.epoch = e->epoch;
+    if (kvr_wire_encode(&e->wbuf, &m) == 0) {
+        kvr_ctl_send_conn(conn, e->wbuf.data, e->wbuf.len);
+    }
+}
+
 void kvr_fill_layout(kvr_engine_t *e, kvr_wire_layout_t *l)
 {
     l->page_size = e->page_size;
@@ -190,15 +201,7 @@ void kvr_tell_room_failed(kvr_engine_t *e, kvr_peer_t *p, kvr_room_t *r, int cod
     if (p->conn == NULL || !kvr_registry_peek(&e->registry, r->id, &f)) {
         return;
     }
-    kvr_msg_t n;
-    memset(&n, 0, sizeof(n));
-    n.type = KVR_MSG_ROOM_FAIL;
-    n.room = r->id;
-    n.tag = r->tag;
-    n.code = (uint16_t)code;
-    n.origin_rank = e->rank;
-    n.str = f.reason;
-    n.str_len = (uint16_t)strlen(f.reason);
+    kvr_msg_t n = kvr_msg_fail(KVR_MSG_ROOM_FAIL, r->id, r->tag, code, e->rank, f.reason, NULL);
     kvr_send_ctrl_to_peer(e, p, &n);
 }
 
@@ -269,28 +272,18 @@ int kvr_peer_resolve(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen)
 /* Asks the bootstrap server (on conn) which prefill instance serves our rank. */
 void kvr_bs_query(kvr_engine_t *e, kvr_ctl_conn_t *conn)
 {
-    kvr_msg_t m;
-    memset(&m, 0, sizeof(m));
-    m.type = KVR_MSG_BS_QUERY;
-    m.epoch = e->epoch;
-    m.rank = (uint32_t)e->rank;
-    if (kvr_wire_encode(&e->wbuf, &m) == 0) {
-        kvr_ctl_send_conn(conn, e->wbuf.data, e->wbuf.len);
-    }
+    kvr_msg_t m = kvr_msg_rank(KVR_MSG_BS_QUERY, (uint32_t)e->rank);
+    kvr_send_conn_locked(e, conn, &m);
 }
 
 void kvr_peer_hello(kvr_engine_t *e, kvr_peer_t *p)
 {
-    kvr_msg_t m;
     const void *addr;
     size_t alen;
-    memset(&m, 0, sizeof(m));
-    m.type = KVR_MSG_HELLO;
-    m.rank = (uint32_t)e->rank;
-    kvr_fill_layout(e, &m.layout);
+    kvr_wire_layout_t layout;
+    kvr_fill_layout(e, &layout);
     kvr_tp_address(p->worker, &addr, &alen);
-    m.addr = addr;
-    m.addr_len = (uint32_t)alen;
+    kvr_msg_t m = kvr_msg_hello(KVR_MSG_HELLO, (uint32_t)e->rank, &layout, addr, (uint32_t)alen);
     size_t rx = kvr_tp_tcp_rx_seg(e->tp);
     m.tcp_rx_seg = rx > UINT32_MAX ? UINT32_MAX : (uint32_t)rx;
     kvr_send_ctrl_to_peer(e, p, &m);

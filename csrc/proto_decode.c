@@ -17,11 +17,7 @@ void kvr_send_done_locked(kvr_engine_t *e, kvr_room_t *r)
 {
     r->done_pending = 0;
     if (r->peer != NULL) {
-        kvr_msg_t m;
-        memset(&m, 0, sizeof(m));
-        m.type = KVR_MSG_ROOM_DONE;
-        m.room = r->id;
-        m.tag = r->tag;
+        kvr_msg_t m = kvr_msg_room_done(r->id, r->tag);
         kvr_send_ctrl_to_peer(e, r->peer, &m);
     }
 }
@@ -135,15 +131,9 @@ reject:
 
 void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r)
 {
-    kvr_msg_t m;
-    memset(&m, 0, sizeof(m));
-    m.type = KVR_MSG_ROOM_REQ;
-    m.room = r->id;
-    m.tag = r->tag;
-    m.aux_index = r->aux_index;
-    m.npages = r->npages;
-    m.pages = (const unsigned char *)r->pages; /* little-endian host */
-    m.prefix_len = r->prefix_len;
+    kvr_msg_t m = kvr_msg_room_req(r->id, r->tag, r->aux_index, r->npages,
+                                   (const unsigned char *)r->pages, /* little-endian host */
+                                   r->prefix_len);
     kvr_send_ctrl_to_peer(e, r->peer, &m);
     r->req_sent = 1;
     r->started_ns = kvr_now_ns();

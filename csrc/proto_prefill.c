@@ -106,13 +106,7 @@ static kvr_peer_t *kvr_decode_peer_by_ident(kvr_engine_t *e, const void *ident, 
  */
 static void kvr_hello_reject_locked(kvr_engine_t *e, kvr_peer_t *p, int code, const char *reason)
 {
-    kvr_msg_t reply;
-    memset(&reply, 0, sizeof(reply));
-    reply.type = KVR_MSG_HELLO_REJECT;
-    reply.rank = (uint32_t)e->rank;
-    reply.code = (uint16_t)code;
-    reply.str = reason;
-    reply.str_len = (uint16_t)strnlen(reason, KVR_WIRE_MAX_STR);
+    kvr_msg_t reply = kvr_msg_text(KVR_MSG_HELLO_REJECT, (uint32_t)e->rank, code, reason);
     kvr_send_ctrl_to_peer(e, p, &reply);
     kvr_log_write(&e->log, KVR_LOG_WARNING, "%s", reason);
     p->state = KVR_PEER_FAILED;
@@ -130,9 +124,6 @@ static void kvr_handle_hello_locked(kvr_engine_t *e, const void *ident, size_t i
                                     const kvr_msg_t *m)
 {
     char key[2 * KVR_IDENT_MAX + 1], why[256], err[256] = "";
-    kvr_msg_t reply;
-    memset(&reply, 0, sizeof(reply));
-    reply.rank = (uint32_t)e->rank;
     for (size_t i = 0; i < ident_len; i++) {
         snprintf(key + 2 * i, 3, "%02x", ((const unsigned char *)ident)[i]);
     }
@@ -193,13 +184,13 @@ static void kvr_handle_hello_locked(kvr_engine_t *e, const void *ident, size_t i
         kvr_hello_reject_locked(e, p, KVR_TRANSPORT, err);
         return;
     }
-    reply.type = KVR_MSG_HELLO_OK;
-    kvr_fill_layout(e, &reply.layout);
+    kvr_wire_layout_t layout;
+    kvr_fill_layout(e, &layout);
     const void *own;
     size_t own_len;
     kvr_tp_address(p->worker, &own, &own_len);
-    reply.addr = own;
-    reply.addr_len = (uint32_t)own_len;
+    kvr_msg_t reply = kvr_msg_hello(KVR_MSG_HELLO_OK, (uint32_t)e->rank, &layout, own,
+                                    (uint32_t)own_len);
     kvr_send_ctrl_to_peer(e, p, &reply);
 }
 
@@ -216,15 +207,7 @@ static void kvr_refuse_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_
              e->rank, p->name, text);
     e->stats.requests_refused++;
     kvr_warn_limited(e, &e->refuse_log, "%s", reason);
-    kvr_msg_t f;
-    memset(&f, 0, sizeof(f));
-    f.type = KVR_MSG_ROOM_FAIL;
-    f.room = m->room;
-    f.tag = m->tag;
-    f.code = (uint16_t)code;
-    f.origin_rank = e->rank;
-    f.str = reason;
-    f.str_len = (uint16_t)strlen(reason);
+    kvr_msg_t f = kvr_msg_fail(KVR_MSG_ROOM_FAIL, m->room, m->tag, code, e->rank, reason, NULL);
     kvr_send_ctrl_to_peer(e, p, &f);
     kvr_room_t *r = kvr_table_get(&e->rooms, m->room);
     if (r != NULL && !r->bound && !kvr_room_terminal(r) && !r->failing) {
@@ -257,12 +240,11 @@ static void kvr_handle_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_
          * for it (an abort on the prefill, say) gets that cause.  A second
          * request for a room already bound (the decode restarted the room,
          * or a stale duplicate) is refused explicitly. */
-        kvr_msg_t f;
         kvr_failure_t rec;
         char reason[KVR_REASON_MAX];
-        memset(&f, 0, sizeof(f));
+        int code = KVR_PROTOCOL;
         if (!r->bound && r->failing && r->fail_code) {
-            f.code = (uint16_t)r->fail_code;
+            code = r->fail_code;
             if (kvr_registry_peek(&e->registry, r->id, &rec)) {
                 snprintf(reason, sizeof(reason), "%s", rec.reason);
             } else {
@@ -270,16 +252,10 @@ static void kvr_handle_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_
                          m->room, kvr_status_message(r->fail_code), e->rank);
             }
         } else {
-            f.code = KVR_PROTOCOL;
             snprintf(reason, sizeof(reason), "room %" PRIu64 ": prefill rank %d already serves it",
                      m->room, e->rank);
         }
-        f.type = KVR_MSG_ROOM_FAIL;
-        f.room = m->room;
-        f.tag = m->tag;
-        f.origin_rank = e->rank;
-        f.str = reason;
-        f.str_len = (uint16_t)strlen(reason);
+        kvr_msg_t f = kvr_msg_fail(KVR_MSG_ROOM_FAIL, m->room, m->tag, code, e->rank, reason, NULL);
         kvr_send_ctrl_to_peer(e, p, &f);
         return;
     }
@@ -355,16 +331,11 @@ void kvr_handle_remote_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
         return; /* about another incarnation of the room */
     }
     kvr_failure_t f;
-    memset(&f, 0, sizeof(f));
-    f.code = m->code < KVR_STATUS_LAST && m->code != KVR_OK ? m->code : KVR_REMOTE;
-    f.origin_rank = m->origin_rank;
+    kvr_failure_from_msg(&f, m, p->name);
     f.from_remote = 1;
     /* Rank r talks to rank r: a cause that originated at another rank came
      * through that rank's siblings, and ours will hear it from theirs. */
     f.from_sibling = m->origin_rank >= 0 && m->origin_rank != e->rank;
-    f.time_ns = kvr_now_ns();
-    snprintf(f.reason, sizeof(f.reason), "%.*s", (int)m->str_len, m->str);
-    snprintf(f.peer, sizeof(f.peer), "%s", p->name);
     if (r == NULL) {
         if (e->mode == KVR_MODE_PREFILL) {
             /* Kept for a sender not created yet (see kvr_handle_open). */
@@ -483,10 +454,7 @@ void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, const voi
     }
     kvr_peer_t *p = kvr_decode_peer_by_ident(e, ident, ident_len);
     if (m.type == KVR_MSG_PING) {
-        kvr_msg_t pong;
-        memset(&pong, 0, sizeof(pong));
-        pong.type = KVR_MSG_PONG;
-        pong.rank = (uint32_t)e->rank;
+        kvr_msg_t pong = kvr_msg_rank(KVR_MSG_PONG, (uint32_t)e->rank);
         pong.epoch = e->epoch;
         if (p) {
             p->last_heard_ns = kvr_now_ns();
@@ -536,15 +504,7 @@ void kvr_register_tick_locked(kvr_engine_t *e, uint64_t now)
         now < e->next_register_ns) {
         return;
     }
-    kvr_msg_t m;
-    memset(&m, 0, sizeof(m));
-    m.type = KVR_MSG_BS_REGISTER;
-    m.epoch = e->epoch;
-    m.rank = (uint32_t)e->rank;
-    m.str = kvr_ctl_endpoint(e->ctl);
-    m.str_len = (uint16_t)strlen(m.str);
-    if (kvr_wire_encode(&e->wbuf, &m) == 0) {
-        kvr_ctl_send_conn(e->bs_conn, e->wbuf.data, e->wbuf.len);
-    }
+    kvr_msg_t m = kvr_msg_text(KVR_MSG_BS_REGISTER, (uint32_t)e->rank, 0, kvr_ctl_endpoint(e->ctl));
+    kvr_send_conn_locked(e, e->bs_conn, &m);
     e->next_register_ns = now + 200 * KVR_MS;
 }

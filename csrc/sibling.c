@@ -38,17 +38,10 @@ void kvr_siblings_locked(kvr_engine_t *e)
     while (e->sib_out) {
         kvr_sib_out_t *o = e->sib_out;
         e->sib_out = o->next;
-        kvr_msg_t m;
-        memset(&m, 0, sizeof(m));
-        m.type = KVR_MSG_SIB_FAIL;
+        kvr_msg_t m = kvr_msg_fail(KVR_MSG_SIB_FAIL, o->room, 0, o->f.code,
+                                   o->f.origin_rank >= 0 ? o->f.origin_rank : e->rank,
+                                   o->f.reason, o->f.peer);
         m.epoch = e->epoch;
-        m.room = o->room;
-        m.code = (uint16_t)o->f.code;
-        m.origin_rank = o->f.origin_rank >= 0 ? o->f.origin_rank : e->rank;
-        m.str = o->f.reason;
-        m.str_len = (uint16_t)strlen(o->f.reason);
-        m.peer = o->f.peer;
-        m.peer_len = (uint16_t)strlen(o->f.peer);
         if (kvr_wire_encode(&e->wbuf, &m) == 0) {
             for (int i = 0; i < e->nsib_conns; i++) {
                 kvr_ctl_send_conn(e->sib_conns[i], e->wbuf.data, e->wbuf.len);
@@ -64,13 +57,8 @@ void kvr_siblings_locked(kvr_engine_t *e)
 void kvr_handle_sib_fail_locked(kvr_engine_t *e, const kvr_msg_t *m)
 {
     kvr_failure_t f;
-    memset(&f, 0, sizeof(f));
-    f.code = m->code > KVR_OK && m->code < KVR_STATUS_LAST ? m->code : KVR_REMOTE;
-    f.origin_rank = m->origin_rank;
+    kvr_failure_from_msg(&f, m, NULL);
     f.from_sibling = 1;
-    f.time_ns = kvr_now_ns();
-    snprintf(f.reason, sizeof(f.reason), "%.*s", (int)m->str_len, m->str);
-    snprintf(f.peer, sizeof(f.peer), "%.*s", (int)m->peer_len, m->peer);
     kvr_room_t *r = kvr_table_get(&e->rooms, m->room);
     if (r != NULL && !kvr_room_terminal(r) && !r->failing) {
         kvr_room_fail_locked(e, r, &f, 1);

@@ -57,10 +57,7 @@ static void kvr_timer_prefill_peer_locked(kvr_engine_t *e, kvr_peer_t *p, uint64
         return;
     }
     if (now >= p->next_ping_ns) {
-        kvr_msg_t m;
-        memset(&m, 0, sizeof(m));
-        m.type = KVR_MSG_PING;
-        m.rank = (uint32_t)e->rank;
+        kvr_msg_t m = kvr_msg_rank(KVR_MSG_PING, (uint32_t)e->rank);
         kvr_send_ctrl_to_peer(e, p, &m);
         p->next_ping_ns = now + e->cfg.heartbeat_interval_ms * KVR_MS;
     }

@@ -81,23 +81,32 @@ int kvr_room_fail_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_failure_t *f,
     return 1;
 }
 
+/* The root cause a ROOM_FAIL or SIB_FAIL message carries; peer: who sent
+ * it, or NULL for the peer the message names.  An unknown code becomes
+ * KVR_REMOTE. */
+void kvr_failure_from_msg(kvr_failure_t *f, const kvr_msg_t *m, const char *peer)
+{
+    memset(f, 0, sizeof(*f));
+    f->code = m->code > KVR_OK && m->code < KVR_STATUS_LAST ? m->code : KVR_REMOTE;
+    f->origin_rank = m->origin_rank;
+    f->time_ns = kvr_now_ns();
+    snprintf(f->reason, sizeof(f->reason), "%.*s", (int)m->str_len, m->str);
+    if (peer != NULL) {
+        snprintf(f->peer, sizeof(f->peer), "%s", peer);
+    } else {
+        snprintf(f->peer, sizeof(f->peer), "%.*s", (int)m->peer_len, m->peer);
+    }
+}
+
 /* Engine thread: tells the room's peer about the room's failure. */
 static void kvr_send_notice_locked(kvr_engine_t *e, kvr_room_t *r)
 {
     kvr_failure_t *f = r->notice;
     r->notice = NULL;
     if (r->peer != NULL && r->peer->state == KVR_PEER_READY) {
-        kvr_msg_t m;
-        memset(&m, 0, sizeof(m));
-        m.type = KVR_MSG_ROOM_FAIL;
-        m.room = r->id;
-        m.tag = e->mode == KVR_MODE_DECODE ? r->tag : r->dst_tag;
-        m.code = (uint16_t)f->code;
-        m.origin_rank = f->origin_rank;
-        m.str = f->reason;
-        m.str_len = (uint16_t)strlen(f->reason);
-        m.peer = f->peer;
-        m.peer_len = (uint16_t)strlen(f->peer);
+        kvr_msg_t m = kvr_msg_fail(KVR_MSG_ROOM_FAIL, r->id,
+                                   e->mode == KVR_MODE_DECODE ? r->tag : r->dst_tag, f->code,
+                                   f->origin_rank, f->reason, f->peer);
         kvr_send_ctrl_to_peer(e, r->peer, &m);
     }
     free(f);

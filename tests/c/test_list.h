@@ -28,6 +28,7 @@
     X(wire_bad_header, 10, 0)                                                 \
     X(wire_limits, 30, 0)                                                     \
     X(wire_encoder_edges, 10, 0)                                              \
+    X(wire_constructors, 10, 0)                                               \
     X(wire_array_readers, 10, 0)                                              \
     X(wire_type_names, 10, 0)                                                 \
     X(am_header_round_trip, 10, 0)                                            \
