@@ -542,14 +542,15 @@ static void kvr_bs_handle(kvr_bootstrap_t *bs, zmq_msg_t frames[2], int nf)
     if (!kvr_admit(&bs->sealer, 0, 1, zmq_msg_data(&frames[1]), &len, &kind, &why, &answer)) {
         bs->dropped++;
         bs->auth_rejected++;
-        if (answer) {
-            kvr_reject_reply(&bs->sealer, bs->router, zmq_msg_data(&frames[0]),
-                             zmq_msg_size(&frames[0]), why);
-        }
+        /* Recorded before the answer, so whoever reads the answer finds it. */
         pthread_mutex_lock(&bs->last_lock);
         snprintf(bs->last_rejected, sizeof(bs->last_rejected), "%s (%s)",
                  kvr_peer_address(&frames[1]), why);
         pthread_mutex_unlock(&bs->last_lock);
+        if (answer) {
+            kvr_reject_reply(&bs->sealer, bs->router, zmq_msg_data(&frames[0]),
+                             zmq_msg_size(&frames[0]), why);
+        }
         return;
     }
     if (kvr_wire_decode(zmq_msg_data(&frames[1]), len, &m, &why) != 0) {
