@@ -309,7 +309,7 @@ void kvr_ep_errors_locked(kvr_engine_t *e);
 /* sibling.c: engine thread                                            */
 /* ------------------------------------------------------------------ */
 void kvr_siblings_locked(kvr_engine_t *e);
-void kvr_handle_sib_fail_locked(kvr_engine_t *e, const kvr_msg_t *m);
+void kvr_on_sib_fail_locked(kvr_engine_t *e, const kvr_msg_t *m);
 
 /* ------------------------------------------------------------------ */
 /* op.c: operations in flight                                          */
@@ -352,7 +352,7 @@ void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r);
 void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint64_t tag,
                              int64_t aux_index, uint32_t npages, int32_t *pages);
 void kvr_pending_free(kvr_pending_t *pd);
-void kvr_handle_remote_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m);
+void kvr_on_room_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m);
 void kvr_drop_locked(kvr_engine_t *e, size_t len, const char *why);
 void kvr_on_refused(kvr_engine_t *e, int kind, kvr_ctl_conn_t *conn, void *conn_ctx,
                     const void *ident, size_t ident_len, const char *from, size_t len,

@@ -148,8 +148,8 @@ void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r)
  * now with BOOTSTRAP and the server's reason, rather than at the bootstrap
  * timeout.
  */
-static void kvr_handle_auth_reject_locked(kvr_engine_t *e, kvr_ctl_conn_t *conn, kvr_peer_t *p,
-                                          const kvr_msg_t *m)
+static void kvr_on_auth_reject_locked(kvr_engine_t *e, kvr_ctl_conn_t *conn, kvr_peer_t *p,
+                                      const kvr_msg_t *m)
 {
     char reason[KVR_WIRE_MAX_STR + 1];
     snprintf(reason, sizeof(reason), "%.*s", (int)m->str_len, m->str);
@@ -320,7 +320,7 @@ void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void
         return;
     }
     if (m.type == KVR_MSG_AUTH_REJECT) {
-        kvr_handle_auth_reject_locked(e, conn, p, &m);
+        kvr_on_auth_reject_locked(e, conn, p, &m);
         return;
     }
     if (e->mode == KVR_MODE_PREFILL) {
@@ -366,7 +366,7 @@ void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void
     case KVR_MSG_PONG:
         break;
     case KVR_MSG_ROOM_FAIL:
-        kvr_handle_remote_fail_locked(e, p, &m);
+        kvr_on_room_fail_locked(e, p, &m);
         break;
     case KVR_MSG_BYE:
         kvr_peer_fail_locked(e, p, KVR_PEER_LOST, "closed its manager");

@@ -120,8 +120,8 @@ static void kvr_hello_reject_locked(kvr_engine_t *e, kvr_peer_t *p, int code, co
 }
 
 /* Prefill: HELLO from a decode rank. */
-static void kvr_handle_hello_locked(kvr_engine_t *e, const void *ident, size_t ident_len,
-                                    const kvr_msg_t *m)
+static void kvr_on_hello_locked(kvr_engine_t *e, const void *ident, size_t ident_len,
+                                const kvr_msg_t *m)
 {
     char key[2 * KVR_IDENT_MAX + 1], why[256], err[256] = "";
     for (size_t i = 0; i < ident_len; i++) {
@@ -217,7 +217,7 @@ static void kvr_refuse_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_
     }
 }
 
-static void kvr_handle_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
+static void kvr_on_room_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
 {
     /* Indices are the decode's own pages: the prefill cannot check them
      * against the decode's registration, only that they are page numbers. */
@@ -314,7 +314,7 @@ static void kvr_handle_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_
 
 /* A ROOM_FAIL from a peer: the peer's root cause becomes ours (unless we
  * already have one). */
-void kvr_handle_remote_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
+void kvr_on_room_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
 {
     kvr_room_t *r = kvr_table_get(&e->rooms, m->room);
     uint64_t mytag = r == NULL ? 0 : e->mode == KVR_MODE_DECODE ? r->tag : r->dst_tag;
@@ -437,7 +437,7 @@ void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, const voi
             e->stats.ctrl_dropped++;
             return;
         }
-        kvr_handle_sib_fail_locked(e, &m);
+        kvr_on_sib_fail_locked(e, &m);
         return;
     }
     if (e->mode != KVR_MODE_PREFILL) {
@@ -449,7 +449,7 @@ void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, const voi
             e->stats.ctrl_dropped++;
             return;
         }
-        kvr_handle_hello_locked(e, ident, ident_len, &m);
+        kvr_on_hello_locked(e, ident, ident_len, &m);
         return;
     }
     kvr_peer_t *p = kvr_decode_peer_by_ident(e, ident, ident_len);
@@ -467,7 +467,7 @@ void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, const voi
     if (p != NULL && p->epoch == m.epoch && p->state == KVR_PEER_FAILED &&
         m.type == KVR_MSG_ROOM_FAIL) {
         /* A decode we rejected reports the rooms it gave up on. */
-        kvr_handle_remote_fail_locked(e, p, &m);
+        kvr_on_room_fail_locked(e, p, &m);
         return;
     }
     if (p == NULL || p->epoch != m.epoch || p->state != KVR_PEER_READY) {
@@ -477,7 +477,7 @@ void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, const voi
     p->last_heard_ns = kvr_now_ns();
     switch (m.type) {
     case KVR_MSG_ROOM_REQ:
-        kvr_handle_req_locked(e, p, &m);
+        kvr_on_room_req_locked(e, p, &m);
         break;
     case KVR_MSG_ROOM_DONE: {
         kvr_room_t *r = kvr_table_get(&e->rooms, m.room);
@@ -488,7 +488,7 @@ void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, const voi
         break;
     }
     case KVR_MSG_ROOM_FAIL:
-        kvr_handle_remote_fail_locked(e, p, &m);
+        kvr_on_room_fail_locked(e, p, &m);
         break;
     case KVR_MSG_BYE:
         kvr_peer_fail_locked(e, p, KVR_PEER_LOST, "closed its manager");

@@ -54,7 +54,7 @@ void kvr_siblings_locked(kvr_engine_t *e)
 
 /* A sibling's root cause for a room: it becomes this rank's record too, and
  * the room here fails with it (telling our own peer to stop). */
-void kvr_handle_sib_fail_locked(kvr_engine_t *e, const kvr_msg_t *m)
+void kvr_on_sib_fail_locked(kvr_engine_t *e, const kvr_msg_t *m)
 {
     kvr_failure_t f;
     kvr_failure_from_msg(&f, m, NULL);
