@@ -97,6 +97,22 @@ int kvr_err(char *err, size_t errlen, int code, const char *fmt, ...)
     return code;
 }
 
+void kvr_engine_ident(const kvr_engine_t *e, unsigned char ident[KVR_ENGINE_IDENT_LEN])
+{
+    memcpy(ident, &e->epoch, 8);
+    memcpy(ident + 8, &e->rank, 4);
+}
+
+uint64_t kvr_deadline_ns(const kvr_engine_t *e, uint64_t start_ns, uint64_t bytes)
+{
+    return start_ns + e->cfg.deadline_base_ms * KVR_MS + kvr_floor_ns(e, bytes);
+}
+
+uint64_t kvr_floor_ns(const kvr_engine_t *e, uint64_t bytes)
+{
+    return (uint64_t)((double)bytes * 1e9 / (double)e->cfg.deadline_floor_bps);
+}
+
 void kvr_wake(kvr_engine_t *e)
 {
     uint64_t one = 1;

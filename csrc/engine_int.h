@@ -261,6 +261,13 @@ uint64_t kvr_new_tag_locked(kvr_engine_t *e);
 int kvr_err(char *err, size_t errlen, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 void kvr_wake(kvr_engine_t *e);
+/* Our routing id on the peers' and siblings' ROUTERs: epoch, then rank. */
+#define KVR_ENGINE_IDENT_LEN 12
+void kvr_engine_ident(const kvr_engine_t *e, unsigned char ident[KVR_ENGINE_IDENT_LEN]);
+/* Room deadlines (the one formula): start + deadline_base_ms + the time
+ * bytes take at deadline_floor_bps; kvr_floor_ns is that last term. */
+uint64_t kvr_deadline_ns(const kvr_engine_t *e, uint64_t start_ns, uint64_t bytes);
+uint64_t kvr_floor_ns(const kvr_engine_t *e, uint64_t bytes);
 const char *kvr_side(const kvr_engine_t *e);
 
 /* ------------------------------------------------------------------ */

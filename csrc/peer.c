@@ -252,14 +252,11 @@ void kvr_peer_fail_locked(kvr_engine_t *e, kvr_peer_t *p, int code, const char *
 int kvr_peer_resolve(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen)
 {
     char ep[192];
-    unsigned char ident[12];
     kvr_peer_disconnect(e, p);
     p->state = KVR_PEER_RESOLVING;
     p->epoch = 0;
     snprintf(p->name, sizeof(p->name), "%s", p->key);
     snprintf(ep, sizeof(ep), "tcp://%s", p->key);
-    memcpy(ident, &e->epoch, 8);
-    memcpy(ident + 8, &e->rank, 4);
     if (kvr_ctl_connect(e->ctl, ep, NULL, 0, p, &p->bs_conn, err, errlen) != 0) {
         p->state = KVR_PEER_FAILED;
         return -1;

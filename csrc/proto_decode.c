@@ -137,8 +137,7 @@ void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r)
     kvr_send_ctrl_to_peer(e, r->peer, &m);
     r->req_sent = 1;
     r->started_ns = kvr_now_ns();
-    r->deadline_ns = r->started_ns + e->cfg.deadline_base_ms * KVR_MS +
-                     (uint64_t)((double)r->expected * 1e9 / (double)e->cfg.deadline_floor_bps);
+    r->deadline_ns = kvr_deadline_ns(e, r->started_ns, r->expected);
     kvr_room_advance(r, KVR_POLL_TRANSFERRING);
 }
 
@@ -226,9 +225,8 @@ static void kvr_on_bs_reply_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
     char endpoint[KVR_WIRE_MAX_STR + 1];
     memcpy(endpoint, m->str, m->str_len);
     endpoint[m->str_len] = '\0';
-    unsigned char ident[12];
-    memcpy(ident, &e->epoch, 8);
-    memcpy(ident + 8, &e->rank, 4);
+    unsigned char ident[KVR_ENGINE_IDENT_LEN];
+    kvr_engine_ident(e, ident);
     kvr_peer_disconnect(e, p); /* retires the bootstrap connection */
     p->epoch = m->peer_epoch;
     snprintf(p->name, sizeof(p->name), "prefill rank %d at %.120s", e->rank,

@@ -66,8 +66,7 @@ void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint
     r->dst_pages = pages;
     r->started_ns = kvr_now_ns();
     uint64_t bytes = (uint64_t)npages * e->page_bytes + (aux_index >= 0 ? e->aux_bytes : 0);
-    r->deadline_ns = r->started_ns + e->cfg.deadline_base_ms * KVR_MS +
-                     (uint64_t)((double)bytes * 1e9 / (double)e->cfg.deadline_floor_bps);
+    r->deadline_ns = kvr_deadline_ns(e, r->started_ns, bytes);
     kvr_room_advance(r, KVR_POLL_WAITING);
     if (r->inited && r->total_pages != npages) {
         kvr_room_failf_locked(e, r, KVR_LAYOUT_MISMATCH, 1,
@@ -87,15 +86,22 @@ void kvr_pending_free(kvr_pending_t *pd)
     free(pd);
 }
 
+/* A decode peer's key: its routing id in hex (len <= KVR_IDENT_MAX). */
+static void kvr_ident_key(const void *ident, size_t len, char key[2 * KVR_IDENT_MAX + 1])
+{
+    key[0] = '\0';
+    for (size_t i = 0; i < len; i++) {
+        snprintf(key + 2 * i, 3, "%02x", ((const unsigned char *)ident)[i]);
+    }
+}
+
 static kvr_peer_t *kvr_decode_peer_by_ident(kvr_engine_t *e, const void *ident, size_t len)
 {
     char key[2 * KVR_IDENT_MAX + 1];
     if (len == 0 || len > KVR_IDENT_MAX) {
         return NULL;
     }
-    for (size_t i = 0; i < len; i++) {
-        snprintf(key + 2 * i, 3, "%02x", ((const unsigned char *)ident)[i]);
-    }
+    kvr_ident_key(ident, len, key);
     return kvr_peer_find(e, KVR_PEER_IS_DECODE, key);
 }
 
@@ -124,9 +130,7 @@ static void kvr_on_hello_locked(kvr_engine_t *e, const void *ident, size_t ident
                                 const kvr_msg_t *m)
 {
     char key[2 * KVR_IDENT_MAX + 1], why[256], err[256] = "";
-    for (size_t i = 0; i < ident_len; i++) {
-        snprintf(key + 2 * i, 3, "%02x", ((const unsigned char *)ident)[i]);
-    }
+    kvr_ident_key(ident, ident_len, key);
     kvr_peer_t *p = kvr_peer_find(e, KVR_PEER_IS_DECODE, key);
     if (p == NULL) {
         p = kvr_peer_new(e, KVR_PEER_IS_DECODE, key);

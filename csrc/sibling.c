@@ -21,9 +21,8 @@ void kvr_siblings_locked(kvr_engine_t *e)
         free(e->sib_conns);
         e->nsib_conns = 0;
         e->sib_conns = calloc(e->nsib ? (size_t)e->nsib : 1, sizeof(*e->sib_conns));
-        unsigned char ident[12];
-        memcpy(ident, &e->epoch, 8);
-        memcpy(ident + 8, &e->rank, 4);
+        unsigned char ident[KVR_ENGINE_IDENT_LEN];
+        kvr_engine_ident(e, ident);
         for (int i = 0; e->sib_conns && i < e->nsib; i++) {
             char err[256];
             if (kvr_ctl_connect(e->ctl, e->sib_eps[i], ident, sizeof(ident), NULL,

@@ -108,8 +108,7 @@ static void kvr_timer_drains_locked(kvr_engine_t *e, uint64_t now)
             for (kvr_op_t *op = r->ops; op != NULL; op = op->next) {
                 bytes += op->len;
             }
-            uint64_t grace = e->cfg.heartbeat_timeout_ms * KVR_MS +
-                             (uint64_t)((double)bytes * 1e9 / (double)e->cfg.deadline_floor_bps);
+            uint64_t grace = e->cfg.heartbeat_timeout_ms * KVR_MS + kvr_floor_ns(e, bytes);
             if (stalled == NULL && now - r->failing_since_ns > grace &&
                 now - r->peer->last_data_ns > grace) {
                 stalled = r->peer;
