@@ -704,8 +704,9 @@ void kvr_bootstrap_stop(kvr_bootstrap_t *bs)
     zmq_close(bs->router);
     zmq_ctx_term(bs->zctx);
     close(bs->stop_fd);
-    for (size_t i = 0; i < bs->ranks.capacity; i++) {
-        free(bs->ranks.slots[i].value);
+    void *v;
+    for (kvr_table_iter_t it = {0}; (v = kvr_table_next(&bs->ranks, &it, NULL)) != NULL;) {
+        free(v);
     }
     kvr_table_destroy(&bs->ranks);
     kvr_sealer_destroy(&bs->sealer);

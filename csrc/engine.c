@@ -129,8 +129,8 @@ static void kvr_shutdown_locked(kvr_engine_t *e)
 {
     /* Fail what is still open, tell the peers, then close endpoints (force:
      * outstanding operations complete with an error and the rooms drain). */
-    for (size_t i = 0; i < e->rooms.capacity; i++) {
-        kvr_room_t *r = e->rooms.slots[i].value;
+    kvr_room_t *r;
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
         if (r && !kvr_room_terminal(r)) {
             kvr_room_failf_locked(e, r, KVR_ABORTED, 1, "%s manager rank %d closed",
                                   kvr_side(e), e->rank);
@@ -150,8 +150,7 @@ static void kvr_shutdown_locked(kvr_engine_t *e)
     }
     kvr_reap_locked(e);
     kvr_tp_progress(e->tp);
-    for (size_t i = 0; i < e->rooms.capacity; i++) {
-        kvr_room_t *r = e->rooms.slots[i].value;
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
         if (r) {
             kvr_room_settle(r);
         }
@@ -538,8 +537,8 @@ void kvr_engine_close(kvr_engine_t *e)
     }
     /* Operations that never completed cannot complete any more: their rooms
      * are drained by fiat now that the worker is going away. */
-    for (size_t i = 0; i < e->tags.capacity; i++) {
-        kvr_room_t *r = e->tags.slots[i].value;
+    kvr_room_t *r;
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->tags, &it, NULL)) != NULL;) {
         if (r) {
             r->inflight = 0;
             kvr_room_fail(r, KVR_ABORTED);
@@ -555,22 +554,19 @@ void kvr_engine_close(kvr_engine_t *e)
     kvr_tp_destroy(e->tp);
     e->tp = NULL;
     /* Drop the table's references; handles keep theirs. */
-    for (size_t i = 0; i < e->rooms.capacity; i++) {
-        kvr_room_t *r = e->rooms.slots[i].value;
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
         if (r) {
             r->in_table = 0;
         }
     }
     kvr_table_t rooms = e->rooms;
     kvr_table_init(&e->rooms);
-    for (size_t i = 0; i < rooms.capacity; i++) {
-        if (rooms.slots[i].value) {
-            kvr_room_unref_locked(e, rooms.slots[i].value);
-        }
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&rooms, &it, NULL)) != NULL;) {
+        kvr_room_unref_locked(e, r);
     }
     kvr_table_destroy(&rooms);
     while (e->work_head) {
-        kvr_room_t *r = e->work_head;
+        r = e->work_head;
         e->work_head = r->work_next;
         r->on_work = 0;
         kvr_room_unref_locked(e, r);
@@ -602,15 +598,14 @@ void kvr_engine_free(kvr_engine_t *e)
     if (!e->closed) {
         kvr_engine_close(e);
     }
-    for (size_t i = 0; i < e->pending.capacity; i++) {
-        if (e->pending.slots[i].value) {
-            kvr_pending_free(e->pending.slots[i].value);
-        }
+    kvr_pending_t *pd;
+    for (kvr_table_iter_t it = {0}; (pd = kvr_table_next(&e->pending, &it, NULL)) != NULL;) {
+        kvr_pending_free(pd);
     }
     kvr_table_destroy(&e->pending);
     /* Rooms still referenced by operations that never completed. */
-    for (size_t i = 0; i < e->tags.capacity; i++) {
-        kvr_room_t *r = e->tags.slots[i].value;
+    kvr_room_t *r;
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->tags, &it, NULL)) != NULL;) {
         if (r) {
             kvr_room_free(r);
         }
@@ -682,15 +677,14 @@ void kvr_engine_stats(kvr_engine_t *e, kvr_stats_t *s)
     memset(s->rooms_by_state, 0, sizeof(s->rooms_by_state));
     s->rooms_open = 0;
     s->rooms_draining = 0;
-    for (size_t i = 0; i < e->rooms.capacity; i++) {
-        kvr_room_t *r = e->rooms.slots[i].value;
+    kvr_room_t *r;
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
         if (r) {
             s->rooms_open++;
             s->rooms_by_state[atomic_load(&r->visible)]++;
         }
     }
-    for (size_t i = 0; i < e->tags.capacity; i++) {
-        kvr_room_t *r = e->tags.slots[i].value;
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->tags, &it, NULL)) != NULL;) {
         if (r && r->failing && r->inflight > 0) {
             s->rooms_draining++;
         }

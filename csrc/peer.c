@@ -28,8 +28,8 @@
 static void kvr_peer_fail_rooms_locked(kvr_engine_t *e, kvr_peer_t *p, int code, int notify,
                                        const char *what)
 {
-    for (size_t i = 0; i < e->rooms.capacity; i++) {
-        kvr_room_t *r = e->rooms.slots[i].value;
+    kvr_room_t *r;
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
         if (r == NULL || r->peer != p || kvr_room_terminal(r)) {
             continue;
         }
@@ -218,8 +218,8 @@ void kvr_peer_fail_locked(kvr_engine_t *e, kvr_peer_t *p, int code, const char *
     }
     int spare = p->kind == KVR_PEER_IS_PREFILL && (code == KVR_PEER_LOST || code == KVR_PEER_RESTARTED);
     int waiting = 0, failed = 0;
-    for (size_t i = 0; i < e->rooms.capacity; i++) {
-        kvr_room_t *r = e->rooms.slots[i].value;
+    kvr_room_t *r;
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
         if (r == NULL || r->peer != p || kvr_room_terminal(r)) {
             continue;
         }
@@ -332,8 +332,8 @@ void kvr_peer_verified_locked(kvr_engine_t *e, kvr_peer_t *p, int found, uint64_
                       p->name, what);
         /* Rooms bound to the old instance fail; rooms still bootstrapping
          * go to the new one. */
-        for (size_t i = 0; i < e->rooms.capacity; i++) {
-            kvr_room_t *r = e->rooms.slots[i].value;
+        kvr_room_t *r;
+        for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
             if (r && r->peer == p && !kvr_room_terminal(r) &&
                 atomic_load(&r->visible) > KVR_POLL_BOOTSTRAPPING) {
                 kvr_room_failf_locked(e, r, KVR_PEER_RESTARTED, 0, "%s %s", p->name, what);

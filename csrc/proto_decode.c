@@ -163,8 +163,8 @@ static void kvr_on_auth_reject_locked(kvr_engine_t *e, kvr_ctl_conn_t *conn, kvr
         kvr_warn_limited(e, &e->auth_log,
                          "prefill rank %d cannot register with the bootstrap server %s: %s",
                          e->rank, e->bootstrap_addr, reason);
-        for (size_t i = 0; i < e->rooms.capacity; i++) {
-            kvr_room_t *r = e->rooms.slots[i].value;
+        kvr_room_t *r;
+        for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
             if (r != NULL && !r->bound && !r->failing && !kvr_room_terminal(r)) {
                 kvr_room_failf_locked(e, r, KVR_BOOTSTRAP, 0,
                                       "this rank cannot register with the bootstrap server %s: %s",
@@ -289,8 +289,8 @@ static void kvr_on_hello_reject_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr
     kvr_failure_fill(&f, m->code < KVR_STATUS_LAST ? m->code : KVR_REMOTE, (int)m->rank,
                      p->name, "%.*s", (int)m->str_len, m->str);
     f.from_remote = 1;
-    for (size_t i = 0; i < e->rooms.capacity; i++) {
-        kvr_room_t *r = e->rooms.slots[i].value;
+    kvr_room_t *r;
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
         if (r && r->peer == p && !kvr_room_terminal(r)) {
             kvr_failure_t fr = f;
             snprintf(fr.reason, sizeof(fr.reason), "room %" PRIu64 ": %.*s", r->id,

@@ -116,8 +116,8 @@ static void kvr_hello_reject_locked(kvr_engine_t *e, kvr_peer_t *p, int code, co
     kvr_send_ctrl_to_peer(e, p, &reply);
     kvr_log_write(&e->log, KVR_LOG_WARNING, "%s", reason);
     p->state = KVR_PEER_FAILED;
-    for (size_t i = 0; i < e->pending.capacity; i++) {
-        kvr_pending_t *pd = e->pending.slots[i].value;
+    kvr_pending_t *pd;
+    for (kvr_table_iter_t it = {0}; (pd = kvr_table_next(&e->pending, &it, NULL)) != NULL;) {
         if (pd && pd->peer == p) {
             p->nrooms--;
             pd->peer = NULL;

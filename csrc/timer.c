@@ -86,8 +86,8 @@ static void kvr_timer_drains_locked(kvr_engine_t *e, uint64_t now)
 {
     kvr_peer_t *stalled = NULL;
     uint64_t stalled_ms = 0;
-    for (size_t i = 0; i < e->tags.capacity; i++) {
-        kvr_room_t *r = e->tags.slots[i].value;
+    kvr_room_t *r;
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->tags, &it, NULL)) != NULL;) {
         if (r == NULL || !r->failing || r->inflight == 0 || r->stage_copies > 0) {
             /* (A CUDA copy always finishes: a room with one in flight waits
              * for it, so nothing lands after Failed.) */
@@ -146,13 +146,12 @@ static void kvr_timer_drains_locked(kvr_engine_t *e, uint64_t now)
 /* Prefill: requests whose sender never came, or whose decode is gone. */
 static void kvr_timer_pending_locked(kvr_engine_t *e, uint64_t now)
 {
-    for (size_t i = 0; i < e->pending.capacity; i++) {
-        kvr_pending_t *pd = e->pending.slots[i].value;
-        if (pd && (pd->peer == NULL || pd->peer->state != KVR_PEER_READY ||
-                   now - pd->arrived_ns > e->cfg.bootstrap_timeout_ms * KVR_MS)) {
-            kvr_table_remove(&e->pending, e->pending.slots[i].key);
+    kvr_pending_t *pd;
+    for (kvr_table_iter_t it = {0}; (pd = kvr_table_next(&e->pending, &it, NULL)) != NULL;) {
+        if (pd->peer == NULL || pd->peer->state != KVR_PEER_READY ||
+            now - pd->arrived_ns > e->cfg.bootstrap_timeout_ms * KVR_MS) {
+            kvr_table_remove_current(&e->pending, &it);
             kvr_pending_free(pd);
-            i--; /* backward-shift deletion may have moved an entry here */
         }
     }
 }
@@ -192,8 +191,8 @@ static void kvr_timer_deadline_locked(kvr_engine_t *e, kvr_room_t *r)
  * deadline. */
 static void kvr_timer_rooms_locked(kvr_engine_t *e, uint64_t now)
 {
-    for (size_t i = 0; i < e->rooms.capacity; i++) {
-        kvr_room_t *r = e->rooms.slots[i].value;
+    kvr_room_t *r;
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
         if (r == NULL || r->failing || kvr_room_terminal(r)) {
             continue;
         }

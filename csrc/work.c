@@ -177,8 +177,8 @@ static void kvr_service_room_locked(kvr_engine_t *e, kvr_room_t *r)
 
 void kvr_service_peer_rooms_locked(kvr_engine_t *e, kvr_peer_t *p)
 {
-    for (size_t i = 0; i < e->rooms.capacity; i++) {
-        kvr_room_t *r = e->rooms.slots[i].value;
+    kvr_room_t *r;
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
         if (r != NULL && r->peer == p) {
             kvr_service_room_locked(e, r);
         }

@@ -13,6 +13,7 @@
     X(table_extreme_keys, 10, 0)                                              \
     X(table_wraparound_cluster, 10, 0)                                        \
     X(table_random_vs_reference, 60, 0)                                       \
+    X(table_iterate_and_remove, 30, 0)                                        \
     X(registry_first_cause_wins, 10, 0)                                       \
     X(registry_peek_pop_drop, 10, 0)                                          \
     X(registry_many_rooms, 20, 0)                                             \
