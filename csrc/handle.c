@@ -35,6 +35,19 @@ static int kvr_handle_enter(kvr_handle_t *h, char *err, size_t errlen)
     return 0;
 }
 
+/* Checks page indices against the registered pages. */
+static int kvr_handle_pages_check(const kvr_engine_t *e, const int32_t *pages, size_t n, char *err,
+                                  size_t errlen)
+{
+    long bad = kvr_pages_check(pages, n, e->min_pages);
+    if (bad >= 0) {
+        return kvr_err(err, errlen, KVR_EVALUE,
+                       "kv_indices[%ld]=%d is outside the registered pages [0, %" PRId64 ")", bad,
+                       pages[bad], e->min_pages);
+    }
+    return 0;
+}
+
 int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
                     kvr_handle_t **h_p, char *err, size_t errlen)
 {
@@ -191,11 +204,8 @@ int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, in
                      "send_metadata() was already called for room %" PRIu64, h->id);
         goto out;
     }
-    long bad = kvr_pages_check(pages, n, e->min_pages);
-    if (bad >= 0) {
-        rc = kvr_err(err, errlen, KVR_EVALUE,
-                     "kv_indices[%ld]=%d is outside the registered pages [0, %" PRId64 ")", bad,
-                     pages[bad], e->min_pages);
+    rc = kvr_handle_pages_check(e, pages, n, err, errlen);
+    if (rc != 0) {
         goto out;
     }
     if (n > KVR_WIRE_MAX_PAGES) {
@@ -311,11 +321,8 @@ int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, 
                      h->total_pages, h->given);
         goto out;
     }
-    long bad = kvr_pages_check(pages, n, e->min_pages);
-    if (bad >= 0) {
-        rc = kvr_err(err, errlen, KVR_EVALUE,
-                     "kv_indices[%ld]=%d is outside the registered pages [0, %" PRId64 ")", bad,
-                     pages[bad], e->min_pages);
+    rc = kvr_handle_pages_check(e, pages, n, err, errlen);
+    if (rc != 0) {
         goto out;
     }
     if (h->failing || kvr_room_terminal(h)) {
