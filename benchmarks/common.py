@@ -318,6 +318,32 @@ def merge_rounds(results: List[Dict], point: Dict, summarize_rounds) -> Dict:
     return summarize_rounds(out, point)
 
 
+def serve_points(bench, extra) -> None:
+    """Long-lived mode of a reference for run.py (see kv_bench.serve): one
+    JSON request per stdin line, {"cmd": "point", "point", "rounds",
+    "warmup", "reuse"}, answered by one "@@RESULT {...}" line with
+    extra() merged in; {"cmd": "exit"} ends it."""
+    import sys
+    import traceback
+
+    try:
+        for line in sys.stdin:
+            req = json.loads(line)
+            if req["cmd"] == "exit":
+                break
+            t = time.monotonic()
+            try:
+                r = bench.point(req["point"], req["rounds"], req.get("warmup", 1),
+                                req.get("reuse", False))
+                r.update(extra())
+            except Exception:  # noqa: BLE001
+                r = {"error": traceback.format_exc()}
+            r["wall_s"] = time.monotonic() - t
+            print("@@RESULT " + json.dumps(r, default=_json_default), flush=True)
+    finally:
+        bench.close()
+
+
 def dump(path: str, obj) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

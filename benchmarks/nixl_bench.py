@@ -273,25 +273,9 @@ def probe():
 
 
 def serve():
-    """Long-lived mode for run.py (see kv_bench.serve)."""
+    """Long-lived mode for run.py."""
     b = Bench()
-    try:
-        for line in sys.stdin:
-            req = json.loads(line)
-            if req["cmd"] == "exit":
-                break
-            t = time.monotonic()
-            try:
-                r = b.point(req["point"], req["rounds"], req.get("warmup", 1),
-                            req.get("reuse", False))
-                r["version"] = nixl_version(b.nx)
-                r["prog_thread"] = PROG_THREAD
-            except Exception:  # noqa: BLE001
-                r = {"error": traceback.format_exc()}
-            r["wall_s"] = time.monotonic() - t
-            print("@@RESULT " + json.dumps(r, default=C._json_default), flush=True)
-    finally:
-        b.close()
+    C.serve_points(b, lambda: {"version": nixl_version(b.nx), "prog_thread": PROG_THREAD})
 
 
 def main():

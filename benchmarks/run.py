@@ -206,6 +206,8 @@ def free_port():
 
 
 def cmd_out(args):
+    if not shutil.which(args[0]):
+        return f"({args[0]} not installed)"
     try:
         return subprocess.run(args, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                               timeout=30).stdout.strip()
@@ -485,6 +487,16 @@ def evaluate(res):
                      "(the target when NIXL cannot run)",
                 f"{label} {p['name']}", p["kvrecv"], p.get("c_put"), 1.5,
                 None if fallback else {"pass": None})
+    # 2b. Mooncake's Python TransferEngine over tcp, same bytes
+    for p in pts("tcp"):
+        lay, item = p["point"]["layout"], p["point"]["item"]
+        if lay == "contig" or item <= 16 * KiB:
+            add(f"tcp, {'contiguous runs: >= 1x' if lay == 'contig' else 'random 4-16 KiB pages: >= 2x'}"
+                " Mooncake TransferEngine", f"tcp {p['name']}", p["kvrecv"], p.get("mooncake"),
+                1.0 if lay == "contig" else 2.0,
+                None if _get(p, "mooncake", "gbps") else
+                {"pass": None, "note": "Mooncake did not run: " + str(
+                    _get(p, "mooncake", "error") or "not measured").strip().splitlines()[-1][:200]})
     # 3. latency
     for lat in _get(trs, "shm", "latency") or []:
         if "p50_us" not in lat:
@@ -611,8 +623,8 @@ def summary_md(res):
     out.append("### Throughput (GB/s = 1e9 B/s, median of rounds)")
     out.append("")
     out.append("| transport | point | msg | kvrecv | ops/room | CPU s/GB | send() max ms | NIXL | C put "
-               "| C get | tag_bw | memcpy | kv/NIXL | kv/put | kv/tag_bw |")
-    out.append("|" + "---|" * 15)
+               "| C get | tag_bw | memcpy | Mooncake | kv/NIXL | kv/Mooncake | kv/put | kv/tag_bw |")
+    out.append("|" + "---|" * 17)
     for label, tr in res["transports"].items():
         for p in tr.get("points", []):
             kv = p.get("kvrecv", {})
@@ -624,7 +636,9 @@ def summary_md(res):
                 f"{fmt(_get(p, 'nixl', 'gbps'))} | {fmt(_get(p, 'c_put', 'gbps'))} | "
                 f"{fmt(_get(p, 'c_get', 'gbps'))} | {fmt(_get(p, 'tag_bw', 'gbps'))} | "
                 f"{fmt(_get(res, 'memcpy', p['name'], 'memcpy_gbps'), 2)} | "
+                f"{fmt(_get(p, 'mooncake', 'gbps'))} | "
                 f"{fmt(ratio(g, _get(p, 'nixl', 'gbps')), 2)} | "
+                f"{fmt(ratio(g, _get(p, 'mooncake', 'gbps')), 2)} | "
                 f"{fmt(ratio(g, _get(p, 'c_put', 'gbps')), 2)} | "
                 f"{fmt(ratio(g, _get(p, 'tag_bw', 'gbps')), 2)} |")
     out.append("")
@@ -804,6 +818,8 @@ def run_transport(label, res, a, points, skip, exe, tmp, reps_pt):
     nixl_ok = "nixl" not in skip and res.get("nixl_probe", {}).get("tcp", {}).get("ok")
     ntls = tls if label == "tcp" else NIXL_SHM_TLS
     kv = Server("kv_bench.py", tls, tmp) if "kvrecv" not in skip else None
+    # Mooncake's Python TransferEngine moves host memory over tcp (or RDMA)
+    mc = Server("mooncake_bench.py", tls, tmp) if label == "tcp" and "mooncake" not in skip else None
     nx = Server("nixl_bench.py", ntls, tmp, {"KVBENCH_NIXL_PROG_THREAD": "0"}) if nixl_ok else None
     try:
         for p in points:
@@ -815,7 +831,8 @@ def run_transport(label, res, a, points, skip, exe, tmp, reps_pt):
             # figure); the other references follow.
             turns = [(k, srv, req) for k, srv, req in (
                 ("kvrecv", kv, {"cmd": "throughput", "point": p}),
-                ("nixl", nx, {"cmd": "point", "point": p})) if srv is not None]
+                ("nixl", nx, {"cmd": "point", "point": p}),
+                ("mooncake", mc, {"cmd": "point", "point": p})) if srv is not None]
             got = {k: [] for k, _s, _r in turns}
             for i in range(a.rounds):
                 for k, srv, req in turns:
@@ -835,6 +852,11 @@ def run_transport(label, res, a, points, skip, exe, tmp, reps_pt):
                 r["UCX_TLS"] = ntls
                 rec["nixl"] = r
                 log(f"  {label} {name:<30} NIXL   {fmt(r.get('gbps'))} GB/s, descs/room "
+                    f"{r.get('descs_per_room')}{' ERROR ' + r['error'][-300:] if 'error' in r else ''}")
+            if mc:
+                r = C.merge_rounds(got["mooncake"], p, C.summarize_nixl_rounds)
+                rec["mooncake"] = r
+                log(f"  {label} {name:<30} Mooncake {fmt(r.get('gbps'))} GB/s, batch entries/room "
                     f"{r.get('descs_per_room')}{' ERROR ' + r['error'][-300:] if 'error' in r else ''}")
             if exe:
                 for mode in ("put", "get"):
@@ -881,6 +903,8 @@ def run_transport(label, res, a, points, skip, exe, tmp, reps_pt):
             kv.close()
         if nx:
             nx.close()
+        if mc:
+            mc.close()
     if nixl_ok and not a.quick:
         # NIXL as configured by default: a progress thread per agent (it
         # spins, a core each); on the random points only.
@@ -931,7 +955,7 @@ def main():
     ap.add_argument("--quick", action="store_true", help="fewer points and samples")
     ap.add_argument("--only", choices=["tcp", "shm"], help="one transport")
     ap.add_argument("--skip", default="",
-                    help="comma list of: kvrecv,scale,nixl,cref,perftest,memcpy")
+                    help="comma list of: kvrecv,scale,nixl,mooncake,cref,perftest,memcpy")
     ap.add_argument("--rounds", type=int, default=5, help="measured rounds per point (>= 5)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "results.json"))
     ap.add_argument("--report-only", action="store_true",
@@ -949,6 +973,9 @@ def main():
         log(md)
         return
     skip = set(filter(None, a.skip.split(",")))
+    if "perftest" not in skip and not shutil.which("ucx_perftest"):
+        log("ucx_perftest: not run: not installed (Debian: apt-get install ucx-utils)")
+        skip.add("perftest")
     a.rounds = max(5, a.rounds)
     a.lat_samples = 150 if a.quick else 300
     reps_pt = 5
@@ -983,6 +1010,12 @@ def main():
             log(str(e))
     if "nixl" not in skip:
         nixl_probe(res)
+    if "mooncake" not in skip:
+        try:
+            import mooncake.engine  # noqa: F401
+        except ImportError as e:
+            log(f"Mooncake: not run: {e} (pip install --no-deps mooncake-transfer-engine-non-cuda)")
+            skip.add("mooncake")
     for label in [a.only] if a.only else ["tcp", "shm"]:
         try:
             run_transport(label, res, a, points, skip, exe, tmp, reps_pt)
@@ -1005,8 +1038,8 @@ def main():
         f.write(md)
     try:
         plot(res, os.path.join(os.path.dirname(a.out), "throughput.png"))
-    except Exception:  # noqa: BLE001
-        log("plot failed: " + traceback.format_exc())
+    except ImportError as e:
+        log(f"throughput.png: not drawn: {e} (pip install matplotlib)")
     shutil.rmtree(tmp, ignore_errors=True)
     log("")
     log(md)

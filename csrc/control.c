@@ -128,6 +128,12 @@ static int kvr_admit(kvr_sealer_t *s, int64_t max_msg, int inbound, unsigned cha
     }
     int type = kvr_auth_peek_type(buf, *len);
     int sealed = kvr_auth_is_sealed(buf, *len);
+    if (type != KVR_MSG_ROOM_REQ &&
+        *len > (size_t)KVR_CTL_SMALL_MAX_MSG + (sealed ? KVR_AUTH_TRAILER_LEN : 0)) {
+        *kind = KVR_CTL_REFUSED_OVERSIZED;
+        *why = "only a room request may be longer than 64 KiB";
+        return 0;
+    }
     if (!inbound && !sealed && type == KVR_MSG_AUTH_REJECT) {
         /* The server we connected to cannot authenticate us: it cannot
          * seal its answer either.  Only accepted from servers we chose. */
@@ -435,8 +441,10 @@ int kvr_ctl_poll(kvr_ctl_t *ctl, const int *fds, int nfds, int *fd_ready, long t
     }
     int dispatched = 0;
     /* Drain every socket regardless of revents: cheap, and ZMQ's readiness
-     * is edge-like, so a missed message would otherwise wait a whole poll. */
-    for (;;) {
+     * is edge-like, so a missed message would otherwise wait a whole poll.
+     * At most KVR_CTL_DRAIN_MAX from each: what is left makes the next
+     * zmq_poll return at once. */
+    for (int taken = 0; taken < KVR_CTL_DRAIN_MAX; taken++) {
         int nf = kvr_ctl_recv(ctl->router, ctl->frames);
         if (nf == 0) {
             break;
@@ -472,7 +480,9 @@ int kvr_ctl_poll(kvr_ctl_t *ctl, const int *fds, int nfds, int *fd_ready, long t
      * one: the engine closes them between polls. */
     for (kvr_ctl_conn_t *c = ctl->conns; c; c = c->next) {
         int nf;
-        while ((nf = kvr_ctl_recv(c->sock, ctl->frames)) > 0) {
+        for (int taken = 0;
+             taken < KVR_CTL_DRAIN_MAX && (nf = kvr_ctl_recv(c->sock, ctl->frames)) > 0;
+             taken++) {
             dispatched++;
             size_t len = nf == 1 ? zmq_msg_size(&ctl->frames[0]) : 0;
             int kind, reply;

@@ -31,6 +31,12 @@ enum {
  * one, a HELLO_OK with 2 x 4096 buffers and a 64 KiB worker address, is
  * about 128 KiB). */
 #define KVR_CTL_CONN_MAX_MSG (256 * 1024)
+/* Only a room request may be longer than this (its page list); anything
+ * else longer is refused before authentication spends work on it. */
+#define KVR_CTL_SMALL_MAX_MSG (64 * 1024)
+/* Messages taken from one socket per kvr_ctl_poll: the engine's timers and
+ * UCX progress run between batches however fast a sender sends. */
+#define KVR_CTL_DRAIN_MAX 256
 
 typedef struct {
     void *arg;

@@ -81,6 +81,7 @@ void kvr_config_default(kvr_config_t *cfg)
     cfg->coalesce_run_bytes = 0; /* auto */
     cfg->pack_bytes = (uint64_t)256 << 20;
     cfg->max_rooms_per_peer = 16384;
+    cfg->max_peers = 64;
     cfg->poll_progress = 1;
     cfg->secret_len = 0;
     cfg->staging_slots = 8;
@@ -493,6 +494,8 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
         goto err_ctl;
     }
     e->thread_started = 1;
+    snprintf(e->endpoint, sizeof(e->endpoint), "%s", kvr_ctl_endpoint(e->ctl));
+    snprintf(e->transport, sizeof(e->transport), "%s", kvr_tp_describe(e->tp));
     /* "kvr-prefill0" / "kvr-decode1": what top -H and perf show. */
     char tname[16];
     snprintf(tname, sizeof(tname), "kvr-%s%d", kvr_side(e), e->rank % 1000);
@@ -519,7 +522,7 @@ void kvr_engine_close(kvr_engine_t *e)
         pthread_mutex_unlock(&e->lock);
         return;
     }
-    e->closed = 1;
+    __atomic_store_n(&e->closed, 1, __ATOMIC_RELEASE);
     e->stopping = 1;
     pthread_mutex_unlock(&e->lock);
     kvr_wake(e);
@@ -600,7 +603,7 @@ void kvr_engine_free(kvr_engine_t *e)
     }
     kvr_pending_t *pd;
     for (kvr_table_iter_t it = {0}; (pd = kvr_table_next(&e->pending, &it, NULL)) != NULL;) {
-        kvr_pending_free(pd);
+        kvr_pending_free(e, pd);
     }
     kvr_table_destroy(&e->pending);
     /* Rooms still referenced by operations that never completed. */
@@ -649,15 +652,13 @@ void kvr_engine_free(kvr_engine_t *e)
 
 int kvr_engine_closed(kvr_engine_t *e)
 {
-    pthread_mutex_lock(&e->lock);
-    int c = e->closed;
-    pthread_mutex_unlock(&e->lock);
-    return c;
+    /* Without the lock: close() holds it while endpoints drain. */
+    return __atomic_load_n(&e->closed, __ATOMIC_ACQUIRE);
 }
 
 const char *kvr_engine_endpoint(kvr_engine_t *e)
 {
-    return e->ctl ? kvr_ctl_endpoint(e->ctl) : "";
+    return e->endpoint;
 }
 
 uint64_t kvr_engine_epoch(kvr_engine_t *e)
@@ -667,7 +668,7 @@ uint64_t kvr_engine_epoch(kvr_engine_t *e)
 
 const char *kvr_engine_transport(kvr_engine_t *e)
 {
-    return e->tp ? kvr_tp_describe(e->tp) : "closed";
+    return e->transport;
 }
 
 void kvr_engine_stats(kvr_engine_t *e, kvr_stats_t *s)
@@ -697,4 +698,11 @@ void kvr_engine_stats(kvr_engine_t *e, kvr_stats_t *s)
     }
     pthread_mutex_unlock(&e->lock);
     s->log_dropped = kvr_log_dropped(&e->log);
+}
+
+void kvr_engine_test_corrupt(kvr_engine_t *e, int mode)
+{
+    pthread_mutex_lock(&e->lock);
+    e->test_corrupt = mode;
+    pthread_mutex_unlock(&e->lock);
 }

@@ -47,6 +47,7 @@ typedef struct {
     uint32_t coalesce_run_bytes;    /* runs shorter than this are coalesced */
     uint64_t pack_bytes;            /* most bytes of packed scattered messages in flight (tcp) */
     uint32_t max_rooms_per_peer;    /* prefill: rooms one decode may have pending or bound */
+    uint32_t max_peers;             /* prefill: decode ranks connected at once (a UCX worker each) */
     /* Shared secret authenticating every control message (auth.h); none if
      * secret_len is 0. */
     unsigned char secret[KVR_AUTH_SECRET_MAX];
@@ -57,7 +58,8 @@ typedef struct {
     int poll_progress;              /* decode: poll() may progress UCX (kvr_handle_poll) */
 } kvr_config_t;
 
-/* The defaults documented in the README. */
+/* The defaults.  The binding hands them to Python (config_defaults), and a
+ * test checks the README's configuration table against them. */
 void kvr_config_default(kvr_config_t *cfg);
 
 /* Memory kinds of the buffers (kvr_engine_params_t.kv_kinds / aux_kinds). */
@@ -151,7 +153,9 @@ void kvr_engine_stats(kvr_engine_t *e, kvr_stats_t *s);
 int kvr_engine_log_read(kvr_engine_t *e, int *levels, char (*texts)[KVR_ENGINE_LOG_TEXT], int max,
                         int timeout_ms);
 
-/* The control endpoint ("tcp://host:port") and the instance epoch. */
+/* The control endpoint ("tcp://host:port"), the instance epoch and the
+ * transport's description: copies made at creation, the same text after
+ * close(), valid until free; any thread, without the lock. */
 const char *kvr_engine_endpoint(kvr_engine_t *e);
 uint64_t kvr_engine_epoch(kvr_engine_t *e);
 const char *kvr_engine_transport(kvr_engine_t *e);
@@ -178,8 +182,11 @@ void kvr_handle_release(kvr_handle_t *h);
 
 /* Decode side.  prefix_len: tokens of the request this decode already holds
  * (0 for none); the pages are those of the rest.  It travels with the
- * request for the prefill's scheduler (kvr_handle_prefix_len). */
-int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, char *err, size_t errlen);
+ * request for the prefill's scheduler (kvr_handle_prefix_len).
+ * kvr_handle_recv_init: bootstrap_addr, unless NULL or empty, replaces the
+ * rendezvous named at open (the one of the prefill DP group asked for). */
+int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *bootstrap_addr,
+                         char *err, size_t errlen);
 int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, int64_t aux_index,
                              uint32_t prefix_len, char *err, size_t errlen);
 /* Prefill side.  kvr_handle_prefix_len: the decode's prefix_len, once its
@@ -205,5 +212,10 @@ int kvr_handle_abort(kvr_handle_t *h, char *err, size_t errlen);
 int kvr_handle_clear(kvr_handle_t *h, char *err, size_t errlen);
 /* KVR_MODE_PREFILL or KVR_MODE_DECODE. */
 int kvr_handle_role(kvr_handle_t *h);
+
+/* Tests only: makes this prefill corrupt the headers of the KV data
+ * messages it posts from now on (KVR_TEST_CORRUPT_*, testhook.h; 0 turns
+ * it off).  Any thread. */
+void kvr_engine_test_corrupt(kvr_engine_t *e, int mode);
 
 #endif

@@ -57,6 +57,7 @@ enum { KVR_PEER_IS_PREFILL, KVR_PEER_IS_DECODE };
 
 #define KVR_MS ((uint64_t)1000000)
 #define KVR_MAX_DEAD 1024
+#define KVR_MAX_PENDING_PAGES (16u << 20) /* held by pending requests: 64 MiB */
 #define KVR_SCAN_NS (5 * KVR_MS) /* period of the timer scans over all rooms */
 #define KVR_BUSY_POLL_NS (100 * 1000) /* socket polls of a busy engine loop */
 #define KVR_TCP_RUN_BYTES (64u << 10)  /* auto coalesce_run_bytes over tcp */
@@ -187,6 +188,7 @@ struct kvr_engine {
     kvr_table_t rooms;   /* id -> room (open rooms) */
     kvr_table_t tags;    /* tag -> room (rooms alive, for data lookup) */
     kvr_table_t pending; /* room id -> kvr_pending_t* (prefill) */
+    uint64_t pending_pages; /* pages the pending requests hold */
     kvr_room_t *work_head;
     kvr_peer_t *peers;
     /* decode: poll() progressing UCX from the caller's thread */
@@ -246,6 +248,13 @@ struct kvr_engine {
     uint32_t nevents, events_cap;
     kvr_op_t *stage_head, *stage_tail; /* copies in flight, in stream order */
     kvr_room_t *slot_waiters;  /* prefill rooms waiting for a free slot */
+
+    int test_corrupt;          /* KVR_TEST_CORRUPT_*: tests only (testhook.h) */
+
+    /* Copied at creation: readable without the lock while close() frees
+     * the transport and the control layer. */
+    char endpoint[128];
+    char transport[256];
 };
 
 /* ------------------------------------------------------------------ */
@@ -358,7 +367,7 @@ void kvr_rejected_fail_locked(kvr_engine_t *e, kvr_room_t *r);
 void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r);
 void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint64_t tag,
                              int64_t aux_index, uint32_t npages, int32_t *pages);
-void kvr_pending_free(kvr_pending_t *pd);
+void kvr_pending_free(kvr_engine_t *e, kvr_pending_t *pd);
 void kvr_on_room_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m);
 void kvr_drop_locked(kvr_engine_t *e, size_t len, const char *why);
 void kvr_on_refused(kvr_engine_t *e, int kind, kvr_ctl_conn_t *conn, void *conn_ctx,

@@ -85,7 +85,8 @@ int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
     r->in_table = 1;
     r->refs = 2; /* table + handle */
     kvr_failure_t prior;
-    if (kvr_registry_pop(&e->registry, room, &prior) && (prior.from_sibling || prior.from_remote) &&
+    if (kvr_registry_pop_early(&e->registry, room, &prior) &&
+        (prior.from_sibling || prior.from_remote) &&
         kvr_now_ns() - prior.time_ns < e->cfg.bootstrap_timeout_ms * KVR_MS) {
         /* A sibling or the peer failed this room before this rank opened it. */
         kvr_room_fail_locked(e, r, &prior, 0);
@@ -102,7 +103,7 @@ int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
                                         pd->pages);
                 pd->pages = NULL;
             }
-            kvr_pending_free(pd);
+            kvr_pending_free(e, pd);
         }
     }
     *h_p = r;
@@ -146,18 +147,29 @@ void kvr_handle_release(kvr_handle_t *h)
     }
 }
 
-int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, char *err, size_t errlen)
+int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *bootstrap_addr,
+                         char *err, size_t errlen)
 {
     kvr_engine_t *e = kvr_handle_engine(h);
     int rc = kvr_handle_enter(h, err, errlen);
     if (rc) {
         return rc;
     }
-    (void)prefill_dp_rank; /* one prefill DP group per bootstrap address */
+    /* The caller names the rendezvous of the prefill DP group the decode
+     * asked for (bootstrap_addr); one rendezvous serves one DP group. */
+    (void)prefill_dp_rank;
     if (h->init_called) {
         rc = kvr_err(err, errlen, KVR_ERUNTIME, "init() was already called for room %" PRIu64,
                      h->id);
         goto out;
+    }
+    if (bootstrap_addr != NULL && bootstrap_addr[0] != '\0') {
+        if (strlen(bootstrap_addr) >= sizeof(h->bootstrap_addr)) {
+            rc = kvr_err(err, errlen, KVR_EVALUE, "bootstrap_addr '%.64s...' is too long",
+                         bootstrap_addr);
+            goto out;
+        }
+        snprintf(h->bootstrap_addr, sizeof(h->bootstrap_addr), "%s", bootstrap_addr);
     }
     if (h->bootstrap_addr[0] == '\0' || strchr(h->bootstrap_addr, ':') == NULL) {
         rc = kvr_err(err, errlen, KVR_EVALUE, "bootstrap_addr '%s' is not host:port",

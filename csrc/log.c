@@ -37,13 +37,34 @@ void kvr_log_destroy(kvr_log_t *log)
     log->ring = NULL;
 }
 
+void kvr_utf8_trim(char *s)
+{
+    size_t n = strlen(s);
+    /* The last sequence starts at most 3 bytes before the end. */
+    for (size_t back = 1; back <= 4 && back <= n; back++) {
+        unsigned char c = (unsigned char)s[n - back];
+        if ((c & 0xC0) == 0x80) {
+            continue; /* a continuation byte: look further back */
+        }
+        size_t want = c < 0x80 ? 1 : (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3
+                                   : (c & 0xF8) == 0xF0 ? 4 : 1;
+        if (want > back) {
+            s[n - back] = '\0';
+        }
+        return;
+    }
+}
+
 void kvr_log_write(kvr_log_t *log, int level, const char *fmt, ...)
 {
     char text[KVR_LOG_TEXT];
     va_list ap;
     va_start(ap, fmt);
-    vsnprintf(text, sizeof(text), fmt, ap);
+    int full = vsnprintf(text, sizeof(text), fmt, ap);
     va_end(ap);
+    if (full >= (int)sizeof(text)) {
+        kvr_utf8_trim(text);
+    }
     if (log->echo) {
         fprintf(stderr, "kvrecv[%d]: %s\n", level, text);
     }

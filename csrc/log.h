@@ -43,7 +43,14 @@ typedef struct {
 /* Returns 0, or -1 if memory ran out. */
 int kvr_log_init(kvr_log_t *log);
 void kvr_log_destroy(kvr_log_t *log);
-/* Appends a record; never blocks on I/O, never fails. */
+/* Cuts s (NUL-terminated) before a UTF-8 sequence that a fixed-size copy
+ * cut in the middle, so that a truncated text ends on a character
+ * boundary.  Other invalid bytes (a peer's) stay: readers decode with
+ * replacement. */
+void kvr_utf8_trim(char *s);
+
+/* Appends a record (its text cut at a character boundary); never blocks on
+ * I/O, never fails. */
 void kvr_log_write(kvr_log_t *log, int level, const char *fmt, ...)
     __attribute__((format(printf, 3, 4)));
 /*

@@ -5,6 +5,7 @@
  * (stage.c) where its buffer is device memory UCX cannot move.
  */
 #include "engine_int.h"
+#include "testhook.h"
 
 #include <inttypes.h>
 #include <stdio.h>
@@ -36,7 +37,11 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
         return 0;
     }
     kvr_msg_pieces(e, h, r->src_pages, r->src_aux, op->iov, &len);
-    kvr_am_header_encode(op->hdr, h);
+    kvr_am_header_t wire = *h;
+    if (e->test_corrupt != KVR_TEST_CORRUPT_NONE) {
+        kvr_test_corrupt_header(&wire, e->test_corrupt, r->ndst, e->nkv);
+    }
+    kvr_am_header_encode(op->hdr, &wire);
     e->stats.ops_posted++;
     if (slot != NULL) {
         /* Staged: copy the pieces into the slot; the engine sends it when
@@ -55,6 +60,11 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
     int host = !(e->gpu_path == KVR_GPU_UCX &&
                  (h->kind == KVR_AM_KIND_KV ? e->kv_dev[h->buf] : e->aux_dev[h->buf]));
     kvr_op_send_locked(e, r, op, op->iov, niov, host);
+    if (e->test_corrupt == KVR_TEST_CORRUPT_DUP && h->kind == KVR_AM_KIND_KV && !r->failing) {
+        e->test_corrupt = KVR_TEST_CORRUPT_NONE; /* the copy is sent once */
+        kvr_post_one_locked(e, r, h);
+        e->test_corrupt = KVR_TEST_CORRUPT_DUP;
+    }
     return 0;
 }
 

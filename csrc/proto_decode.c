@@ -37,13 +37,18 @@ void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, int rnd
         why = "no such room";
         goto foreign;
     }
-    if (r->peer == NULL || r->peer->epoch != h.epoch) {
+    if (r->peer == NULL) {
         why = "sender is not the room's prefill";
         goto foreign;
     }
     if (r->failing || kvr_room_terminal(r) || !r->meta_set) {
         why = "room is not receiving";
         goto reject;
+    }
+    if (r->peer->epoch != h.epoch) {
+        /* Only the instance the request went to knows the room's tag. */
+        why = "sender epoch is not the room's prefill's";
+        goto protocol;
     }
     /* The message covers positions [pos, pos + npages) of buffers
      * [buf, buf + nbuf); the destination is what this room asked for there,
@@ -66,11 +71,15 @@ void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, int rnd
                                        : "aux row does not match the room";
         goto protocol;
     }
-    if (r->received + len > r->expected) {
-        why = "more bytes than the room expects";
+    /* Counted when accepted, not when landed: a repeated rendezvous would
+     * otherwise be accepted again while the first copy is in flight. */
+    int claim = kvr_room_claim(r, h.kind == KVR_AM_KIND_AUX, e->nkv, e->naux, h.buf, h.nbuf, h.pos,
+                               h.npages);
+    if (claim == -1) {
+        why = "data for positions already received";
         goto protocol;
     }
-    kvr_op_t *op = kvr_op_new(r, len, niov);
+    kvr_op_t *op = claim == 0 ? kvr_op_new(r, len, niov) : NULL;
     if (op == NULL) {
         why = "out of memory";
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory receiving data");

@@ -77,8 +77,9 @@ void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint
     kvr_work_push_locked(e, r);
 }
 
-void kvr_pending_free(kvr_pending_t *pd)
+void kvr_pending_free(kvr_engine_t *e, kvr_pending_t *pd)
 {
+    e->pending_pages -= pd->npages;
     if (pd->peer != NULL && pd->peer->nrooms > 0) {
         pd->peer->nrooms--;
     }
@@ -125,6 +126,44 @@ static void kvr_hello_reject_locked(kvr_engine_t *e, kvr_peer_t *p, int code, co
     }
 }
 
+/*
+ * Prefill: a decode peer that failed and that nothing refers to any more (no
+ * room, alive or draining, and no pending request), renamed to key for a new
+ * decode: decode peers that come and go do not pile up.  NULL if none.
+ */
+static kvr_peer_t *kvr_decode_peer_recycle(kvr_engine_t *e, const char *key)
+{
+    for (kvr_peer_t *p = e->peers; p; p = p->next) {
+        if (p->kind != KVR_PEER_IS_DECODE || p->state != KVR_PEER_FAILED || p->nrooms > 0) {
+            continue;
+        }
+        int used = 0;
+        kvr_room_t *r;
+        for (kvr_table_iter_t it = {0};
+             !used && (r = kvr_table_next(&e->tags, &it, NULL)) != NULL;) {
+            used = r->peer == p;
+        }
+        kvr_pending_t *pd;
+        for (kvr_table_iter_t it = {0};
+             !used && (pd = kvr_table_next(&e->pending, &it, NULL)) != NULL;) {
+            used = pd->peer == p;
+        }
+        if (!used) {
+            kvr_peer_disconnect(e, p);
+            free(p->worker_addr);
+            kvr_peer_t *next = p->next;
+            memset(p, 0, sizeof(*p));
+            p->next = next;
+            p->kind = KVR_PEER_IS_DECODE;
+            p->remote_rank = -1;
+            snprintf(p->key, sizeof(p->key), "%s", key);
+            snprintf(p->name, sizeof(p->name), "%s", key);
+            return p;
+        }
+    }
+    return NULL;
+}
+
 /* Prefill: HELLO from a decode rank. */
 static void kvr_on_hello_locked(kvr_engine_t *e, const void *ident, size_t ident_len,
                                 const kvr_msg_t *m)
@@ -133,12 +172,19 @@ static void kvr_on_hello_locked(kvr_engine_t *e, const void *ident, size_t ident
     kvr_ident_key(ident, ident_len, key);
     kvr_peer_t *p = kvr_peer_find(e, KVR_PEER_IS_DECODE, key);
     if (p == NULL) {
+        p = kvr_decode_peer_recycle(e, key);
+    }
+    if (p == NULL) {
         p = kvr_peer_new(e, KVR_PEER_IS_DECODE, key);
         if (p == NULL) {
             return;
         }
     } else {
         kvr_peer_disconnect(e, p);
+    }
+    uint32_t live = 0;
+    for (kvr_peer_t *q = e->peers; q; q = q->next) {
+        live += q != p && q->kind == KVR_PEER_IS_DECODE && q->state == KVR_PEER_READY;
     }
     memcpy(p->ident, ident, ident_len);
     p->ident_len = ident_len;
@@ -149,6 +195,14 @@ static void kvr_on_hello_locked(kvr_engine_t *e, const void *ident, size_t ident
     p->last_heard_ns = kvr_now_ns();
     p->state = KVR_PEER_READY; /* so that the reply can be sent */
     char reason[1024];
+    if (live >= e->cfg.max_peers) {
+        snprintf(reason, sizeof(reason),
+                 "prefill rank %d (%s) refused %s: it already serves %u decode ranks "
+                 "(max_peers=%u)",
+                 e->rank, kvr_ctl_endpoint(e->ctl), p->name, live, e->cfg.max_peers);
+        kvr_hello_reject_locked(e, p, KVR_REFUSED, reason);
+        return;
+    }
     if (kvr_layout_diff(e, &m->layout, why, sizeof(why)) != 0) {
         snprintf(reason, sizeof(reason), "layout mismatch between prefill rank %d (%s) and %s: %s",
                  e->rank, kvr_ctl_endpoint(e->ctl), p->name, why);
@@ -264,12 +318,34 @@ static void kvr_on_room_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
         return;
     }
     kvr_pending_t *old = r == NULL ? kvr_table_get(&e->pending, m->room) : NULL;
+    if (old != NULL && old->peer != NULL && old->peer != p) {
+        /* First come keeps it: a later decode must not take over the room
+         * (the first would wait for its deadline while the other got the
+         * KV). */
+        kvr_refuse_req_locked(e, p, m, KVR_PROTOCOL, "%.100s already asked for this room",
+                              old->peer->name);
+        return;
+    }
     int replaces = old != NULL && old->peer == p;
     if (!replaces && p->nrooms >= e->cfg.max_rooms_per_peer) {
         kvr_refuse_req_locked(e, p, m, KVR_REFUSED,
                               "it already has %u rooms pending or open here "
                               "(max_rooms_per_peer=%u)",
                               p->nrooms, e->cfg.max_rooms_per_peer);
+        return;
+    }
+    if ((int64_t)m->npages > e->min_pages) {
+        kvr_refuse_req_locked(e, p, m, KVR_REFUSED,
+                              "it asks for %u pages, more than the %" PRId64
+                              " this prefill has registered",
+                              m->npages, e->min_pages);
+        return;
+    }
+    if (r == NULL && e->pending_pages + m->npages > KVR_MAX_PENDING_PAGES) {
+        kvr_refuse_req_locked(e, p, m, KVR_REFUSED,
+                              "the requests waiting for senders not created yet hold %" PRIu64
+                              " pages (at most %u)",
+                              e->pending_pages, KVR_MAX_PENDING_PAGES);
         return;
     }
     if (r == NULL && old == NULL && e->pending.count >= e->cfg.max_pending) {
@@ -304,15 +380,16 @@ static void kvr_on_room_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
     pd->tag = m->tag;
     pd->aux_index = m->aux_index;
     pd->npages = m->npages;
+    e->pending_pages += m->npages;
     pd->pages = pages;
     pd->prefix_len = m->prefix_len;
     pd->arrived_ns = kvr_now_ns();
     if (kvr_table_put(&e->pending, m->room, pd) != 0) {
-        kvr_pending_free(pd);
+        kvr_pending_free(e, pd);
         return;
     }
     if (old) {
-        kvr_pending_free(old);
+        kvr_pending_free(e, old);
     }
 }
 
@@ -326,9 +403,13 @@ void kvr_on_room_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
      * (the decode gave up on it before asking, e.g. a rejected layout). */
     int unbound = r != NULL && e->mode == KVR_MODE_PREFILL && !r->bound;
     if (r == NULL && e->mode == KVR_MODE_PREFILL) {
-        kvr_pending_t *pd = kvr_table_remove(&e->pending, m->room);
-        if (pd) {
-            kvr_pending_free(pd);
+        kvr_pending_t *pd = kvr_table_get(&e->pending, m->room);
+        if (pd != NULL && (pd->peer != p || pd->tag != m->tag)) {
+            return; /* about another decode's request (or an older one) */
+        }
+        if (pd != NULL) {
+            kvr_table_remove(&e->pending, m->room);
+            kvr_pending_free(e, pd);
         }
     }
     if (r != NULL && !unbound && (r->peer != p || mytag != m->tag)) {
@@ -343,7 +424,7 @@ void kvr_on_room_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
     if (r == NULL) {
         if (e->mode == KVR_MODE_PREFILL) {
             /* Kept for a sender not created yet (see kvr_handle_open). */
-            kvr_registry_record(&e->registry, m->room, &f);
+            kvr_registry_record_early(&e->registry, m->room, &f);
         }
         return;
     }

@@ -29,9 +29,15 @@ typedef struct {
     char reason[KVR_REASON_MAX];  /* full text, never empty */
 } kvr_failure_t;
 
+/* Most records kept for rooms not open here (see kvr_registry_record_early). */
+#define KVR_REGISTRY_EARLY_MAX 1024
+
 typedef struct {
     pthread_mutex_t lock;
     kvr_table_t records; /* room id -> kvr_failure_t* */
+    kvr_table_t early;   /* room id -> kvr_failure_t*, rooms not open here */
+    uint64_t early_ring[KVR_REGISTRY_EARLY_MAX]; /* their ids, oldest first */
+    size_t early_head, early_n;
 } kvr_registry_t;
 
 void kvr_registry_init(kvr_registry_t *reg);
@@ -44,6 +50,18 @@ void kvr_registry_destroy(kvr_registry_t *reg);
  */
 int kvr_registry_record(kvr_registry_t *reg, uint64_t room, const kvr_failure_t *f);
 
+/*
+ * Keeps a failure a peer or a sibling reported for a room that is not open
+ * here (yet, or any more), for kvr_registry_pop_early when it opens.  At
+ * most KVR_REGISTRY_EARLY_MAX are kept: the oldest goes first, so messages
+ * about rooms that never open cannot grow memory.  First record wins.
+ * Returns 1 if stored, 0 if one was there, -1 on ENOMEM.
+ */
+int kvr_registry_record_early(kvr_registry_t *reg, uint64_t room, const kvr_failure_t *f);
+
+/* Takes the early record of room out; returns 1 if there was one. */
+int kvr_registry_pop_early(kvr_registry_t *reg, uint64_t room, kvr_failure_t *out);
+
 /* Copies the record out; returns 1 if there was one, 0 otherwise. */
 int kvr_registry_peek(kvr_registry_t *reg, uint64_t room, kvr_failure_t *out);
 
@@ -53,7 +71,7 @@ int kvr_registry_pop(kvr_registry_t *reg, uint64_t room, kvr_failure_t *out);
 /* Drops the record of room, if any. */
 void kvr_registry_drop(kvr_registry_t *reg, uint64_t room);
 
-/* Number of records held. */
+/* Number of records held (early ones included). */
 size_t kvr_registry_count(kvr_registry_t *reg);
 
 /* Fills f (code, rank, peer, printf-style reason).  Never fails. */

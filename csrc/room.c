@@ -27,7 +27,34 @@ void kvr_room_free(kvr_room_t *r)
     free(r->src_pages);
     free(r->dst_pages);
     free(r->notice);
+    free(r->claimed);
     free(r);
+}
+
+int kvr_room_claim(kvr_room_t *r, int aux, uint32_t nkv, uint32_t naux, uint32_t buf,
+                   uint32_t nbuf, uint32_t pos, uint32_t npages)
+{
+    uint64_t kv_bits = (uint64_t)nkv * r->npages;
+    if (r->claimed == NULL) {
+        r->claimed = calloc((size_t)((kv_bits + naux + 7) / 8), 1);
+        if (r->claimed == NULL) {
+            return -2;
+        }
+    }
+    for (int set = 0; set < 2; set++) {
+        for (uint32_t b = buf; b < buf + nbuf; b++) {
+            uint64_t first = aux ? kv_bits + b : (uint64_t)b * r->npages + pos;
+            for (uint64_t i = first; i < first + (aux ? 1 : npages); i++) {
+                unsigned char bit = (unsigned char)(1u << (i & 7));
+                if (set) {
+                    r->claimed[i >> 3] |= bit;
+                } else if (r->claimed[i >> 3] & bit) {
+                    return -1;
+                }
+            }
+        }
+    }
+    return 0;
 }
 
 int kvr_room_terminal(const kvr_room_t *r)

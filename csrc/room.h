@@ -89,6 +89,7 @@ typedef struct kvr_room {
     int64_t aux_index;
     uint64_t expected;      /* bytes */
     uint64_t received;
+    unsigned char *claimed; /* one bit per (buffer, position) accepted (kvr_room_claim) */
 
     /* prefill */
     int inited;
@@ -145,6 +146,19 @@ int kvr_room_settle(kvr_room_t *r);
 /* Declares a failing room drained although operations are still
  * outstanding (their peer is dead); publishes Failed.  Returns 1 if it did. */
 int kvr_room_force_drain(kvr_room_t *r);
+
+/*
+ * Decode: claims the pieces of an accepted data message: positions
+ * [pos, pos + npages) of KV buffers [buf, buf + nbuf) (aux: rows of aux
+ * buffers [buf, buf + nbuf), npages 1), of a room of r->npages positions
+ * over nkv KV and naux aux buffers.  The ranges were checked against the
+ * room.  Returns 0 (claimed), -1 if a piece was claimed before (nothing is
+ * claimed: the sender repeats data), -2 if memory ran out.  So each byte of
+ * the room is accepted at most once, whether or not earlier messages have
+ * landed yet.
+ */
+int kvr_room_claim(kvr_room_t *r, int aux, uint32_t nkv, uint32_t naux, uint32_t buf,
+                   uint32_t nbuf, uint32_t pos, uint32_t npages);
 
 /* Decode: 1 when every expected byte has landed and nothing is in flight. */
 int kvr_room_complete(const kvr_room_t *r);

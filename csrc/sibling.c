@@ -63,6 +63,13 @@ void kvr_on_sib_fail_locked(kvr_engine_t *e, const kvr_msg_t *m)
         kvr_room_fail_locked(e, r, &f, 1);
     } else if (r == NULL) {
         /* Kept for a room this rank has not opened yet (see kvr_handle_open). */
+        kvr_registry_record_early(&e->registry, m->room, &f);
+    } else {
+        /* A room already terminal or failing here: a room whose part
+         * succeeded on this rank still fails as a whole (the schedulers
+         * MIN-reduce their ranks' polls), and failure_exception() must raise
+         * the origin's cause.  A record of this rank's own stays first;
+         * clearing the room drops the record. */
         kvr_registry_record(&e->registry, m->room, &f);
     }
 }

@@ -3,13 +3,13 @@
 #include <string.h>
 
 static const char *const kvr_status_names[] = {
-#define KVR_STATUS_NAME(name, str, msg) str,
+#define KVR_STATUS_NAME(name, str, pyclass, msg) str,
     KVR_STATUS_MAP(KVR_STATUS_NAME)
 #undef KVR_STATUS_NAME
 };
 
 static const char *const kvr_status_messages[] = {
-#define KVR_STATUS_MSG(name, str, msg) msg,
+#define KVR_STATUS_MSG(name, str, pyclass, msg) msg,
     KVR_STATUS_MAP(KVR_STATUS_MSG)
 #undef KVR_STATUS_MSG
 };

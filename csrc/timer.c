@@ -151,7 +151,7 @@ static void kvr_timer_pending_locked(kvr_engine_t *e, uint64_t now)
         if (pd->peer == NULL || pd->peer->state != KVR_PEER_READY ||
             now - pd->arrived_ns > e->cfg.bootstrap_timeout_ms * KVR_MS) {
             kvr_table_remove_current(&e->pending, &it);
-            kvr_pending_free(pd);
+            kvr_pending_free(e, pd);
         }
     }
 }

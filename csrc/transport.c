@@ -32,9 +32,9 @@
  * each with its own header, send call and receiver-side handling.  256 KiB
  * fragments into 512 KiB receive buffers move 16 MiB messages 1.3-1.7x
  * faster here (ucx_perftest tag_bw -e; kvrecv's 16 MiB rooms 3.4-3.6 ->
- * 5.1-5.4 GB/s; README, Tuning).  ucp_config_modify() applies a name to every
- * transport with a field of that name: among UCX 1.13's transports only tcp
- * has TX_SEG_SIZE and RX_SEG_SIZE (ucx_info -c). */
+ * 5.1-5.4 GB/s; docs/operations.md, Tuning).  ucp_config_modify() applies
+ * a name to every transport with a field of that name: among UCX 1.13's
+ * transports only tcp has TX_SEG_SIZE and RX_SEG_SIZE (ucx_info -c). */
 enum { KVR_TP_TCP_TX_SEG, KVR_TP_TCP_RX_SEG, KVR_TP_NTUNE };
 static const struct {
     const char *env, *name, *value;

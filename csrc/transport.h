@@ -148,7 +148,7 @@ void kvr_tp_ep_close(kvr_tp_ep_t *ep, int force);
  * that is sent as a one-piece scattered message, which UCX copies through
  * the shared segment with both processes working in a pipeline, instead of
  * one cross-memory read by the receiver (1.3-1.7x faster at 1 MiB on a
- * 2-core host; see the README's benchmarks).  Several pieces of host memory
+ * 2-core host; see benchmarks/README.md).  Several pieces of host memory
  * over any other endpoint (tcp) are packed into one contiguous bounce
  * buffer first, within pack_max bytes in flight: UCX moves a
  * contiguous message over tcp 1.4-1.8x faster than its scattered form, the

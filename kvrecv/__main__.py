@@ -6,7 +6,8 @@ import sys
 
 USAGE = ("usage: python -m kvrecv demo [options]     (python -m kvrecv demo --help)\n"
          "       python -m kvrecv doctor [options]   (python -m kvrecv doctor --help)\n"
-         "       python -m kvrecv bench [options]    (benchmarks/run.py of a source checkout)")
+         "       python -m kvrecv bench [options]    (benchmarks/run.py of a source checkout)\n"
+         "       python -m kvrecv bench faults [options]   (benchmarks/faults.py)")
 
 
 def main(argv=None) -> int:
@@ -27,10 +28,12 @@ def main(argv=None) -> int:
         import os
         import subprocess
 
+        name = "faults.py" if rest[:1] == ["faults"] else "run.py"
+        rest = rest[1:] if name == "faults.py" else rest
         script = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                              "benchmarks", "run.py")
+                              "benchmarks", name)
         if not os.path.exists(script):
-            print("the benchmark suite ships with the source checkout (benchmarks/run.py), "
+            print(f"the benchmark suite ships with the source checkout (benchmarks/{name}), "
                   "not with an installed package", file=sys.stderr)
             return 2
         return subprocess.call([sys.executable, script, *rest])

@@ -27,43 +27,52 @@ class KVPoll(enum.IntEnum):
 _core._set_poll_values([KVPoll(i) for i in range(5)])
 
 
+# The defaults are the C core's (kvr_config_default), read once.
+_DEFAULT = _core.config_defaults()
+
+
 @dataclasses.dataclass
 class KVConfig:
-    """Timeouts, bounds and the shared secret of a manager.  Every field may
-    be overridden by an environment variable KVRECV_<FIELD> (upper case).
+    """Timeouts, bounds and the shared secret of a manager; the defaults are
+    the C core's, and the README's Configuration table says what each field
+    means.  Every field may be overridden by an environment variable
+    KVRECV_<FIELD> (upper case).
 
     secret: when set (a str, or bytes), every control message is
     authenticated with HMAC-SHA256 under it, and messages that do not verify
     are refused.  Every decode, prefill and bootstrap server of a deployment
     needs the same one.  It is not shown by repr()."""
 
-    bootstrap_timeout_ms: int = 30000
-    heartbeat_interval_ms: int = 100
-    heartbeat_timeout_ms: int = 600
-    deadline_base_ms: int = 60000
-    deadline_floor_bps: int = 100_000_000
-    max_rooms: int = 65536
-    max_pending: int = 65536
-    ctrl_port: int = 0
-    sibling_wait_ms: int = 50
-    register_memory: bool = True
-    coalesce_bytes: int = 1 << 20
-    coalesce_run_bytes: int = 0  # 0: auto (see README)
-    pack_bytes: int = 256 << 20  # tcp: packed copies of scattered messages in flight
-    max_rooms_per_peer: int = 16384
+    bootstrap_timeout_ms: int = _DEFAULT["bootstrap_timeout_ms"]
+    heartbeat_interval_ms: int = _DEFAULT["heartbeat_interval_ms"]
+    heartbeat_timeout_ms: int = _DEFAULT["heartbeat_timeout_ms"]
+    deadline_base_ms: int = _DEFAULT["deadline_base_ms"]
+    deadline_floor_bps: int = _DEFAULT["deadline_floor_bps"]
+    max_rooms: int = _DEFAULT["max_rooms"]
+    max_pending: int = _DEFAULT["max_pending"]
+    ctrl_port: int = _DEFAULT["ctrl_port"]
+    sibling_wait_ms: int = _DEFAULT["sibling_wait_ms"]
+    register_memory: bool = _DEFAULT["register_memory"]
+    coalesce_bytes: int = _DEFAULT["coalesce_bytes"]
+    coalesce_run_bytes: int = _DEFAULT["coalesce_run_bytes"]
+    pack_bytes: int = _DEFAULT["pack_bytes"]
+    max_rooms_per_peer: int = _DEFAULT["max_rooms_per_peer"]
+    max_peers: int = _DEFAULT["max_peers"]
     secret: Any = dataclasses.field(default="", repr=False)
-    staging_slots: int = 8  # pinned host slots for staging device memory
-    staging_slot_bytes: int = 4 << 20  # bytes per slot: the most bytes of a staged message
-    force_staging: bool = False  # stage device memory even where UCX could move it
-    poll_progress: bool = True  # decode: poll() of a room waiting for data progresses UCX
+    staging_slots: int = _DEFAULT["staging_slots"]
+    staging_slot_bytes: int = _DEFAULT["staging_slot_bytes"]
+    force_staging: bool = _DEFAULT["force_staging"]
+    poll_progress: bool = _DEFAULT["poll_progress"]
 
     def resolved(self) -> dict:
+        """The fields with the environment applied, as the core reads them
+        (the secret is checked there)."""
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             env = os.environ.get("KVRECV_" + f.name.upper())
             if f.name == "secret":
-                out["secret"] = _secret(value if env is None else env, "KVConfig.secret")
+                out["secret"] = value if env is None else env
                 continue
             if env is not None:
                 try:
@@ -76,19 +85,6 @@ class KVConfig:
                 raise ValueError(f"KVConfig.{f.name} must be a non-negative integer, got {value!r}")
             out[f.name] = value
         return out
-
-
-def _secret(value: Any, what: str) -> bytes:
-    """A secret as bytes (b"" for none): str is taken as UTF-8."""
-    if value is None:
-        return b""
-    if isinstance(value, str):
-        value = value.encode()
-    if not isinstance(value, (bytes, bytearray)):
-        raise TypeError(f"{what} must be a str or bytes, not {type(value).__name__}")
-    if len(value) > 256:
-        raise ValueError(f"{what} is {len(value)} bytes long, more than 256")
-    return bytes(value)
 
 
 def _int_list(name: str, value: Any) -> list:
@@ -232,7 +228,7 @@ class BootstrapServer:
         self.host = host
         if secret is None:
             secret = os.environ.get("KVRECV_SECRET", "")
-        self._core = _core.BootstrapServer(host, port, _secret(secret, "secret"))
+        self._core = _core.BootstrapServer(host, port, secret)
         self.port = self._core.port
 
     @property
@@ -356,11 +352,15 @@ _log = logging.getLogger("kvrecv")
 
 def _pump_logs(core) -> None:
     while True:
-        records = core.read_logs(200)
-        if records is None:
-            return
-        for level, text in records:
-            _log.log(level, text)
+        try:
+            records = core.read_logs(200)
+            if records is None:
+                return
+            for level, text in records:
+                _log.log(level, text)
+        except Exception:  # a handler that raises must not end the pump
+            if core.closed:
+                return
 
 
 def _close_core(core, thread) -> None:
@@ -387,11 +387,7 @@ class _Room(_core.Room):
             )
         if mode == "decode":
             _check_addr(bootstrap_addr)
-        if isinstance(bootstrap_room, bool) or not hasattr(bootstrap_room, "__index__"):
-            raise TypeError(f"bootstrap_room must be an integer, not {type(bootstrap_room).__name__}")
-        if not 0 <= int(bootstrap_room) < 2**64:
-            raise ValueError(f"bootstrap_room={bootstrap_room} must be in [0, 2**64)")
-        super().__init__(mgr._core, bootstrap_addr or "", int(bootstrap_room))
+        super().__init__(mgr._core, bootstrap_addr or "", bootstrap_room)
         self.mgr = mgr
         self.bootstrap_addr = bootstrap_addr
         self.conclude_state: Optional[KVPoll] = None

@@ -26,11 +26,18 @@ says so.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import os
+import socket
 import time
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
-from ._api import BootstrapServer, KVArgs, KVManager, KVPoll, KVReceiver, KVSender
+from . import _core
+from ._api import BootstrapServer, KVArgs, KVConfig, KVManager, KVPoll, KVReceiver, KVSender
 from ._core import KVTransferError
+from .sglang_http import HTTPBootstrap, fetch_json
+
+_log = logging.getLogger("kvrecv")
 
 __all__ = [
     "KVRecvArgs",
@@ -82,10 +89,44 @@ def mode_name(disaggregation_mode: Any) -> str:
     raise ValueError(f"disaggregation_mode {disaggregation_mode!r} is neither prefill nor decode")
 
 
+_WILDCARD = ("", "0.0.0.0", "::", "[::]")
+
+
 def _connect_host(host: Optional[str]) -> str:
-    if not host or host in ("0.0.0.0", "::", "[::]"):
-        return "127.0.0.1"
-    return host
+    """Where this machine reaches its own listener on `host`."""
+    return "127.0.0.1" if not host or host in _WILDCARD else host
+
+
+def _route_source(target: str) -> Optional[str]:
+    """The local address the kernel would send from to reach target (a UDP
+    connect() sends nothing), or None."""
+    try:
+        with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+            s.connect((target, 9))
+            return s.getsockname()[0]
+    except OSError:
+        return None
+
+
+def advertise_host(host: Optional[str], peer_host: str, server_args: Any = None) -> str:
+    """The address this rank listens on and advertises to its peers.
+
+    KVRECV_ADVERTISE_HOST (or server_args.kvrecv_advertise_host) wins; then a
+    concrete ``host``; for a wildcard host (sglang's usual 0.0.0.0), the
+    address of the interface that reaches peer_host (the bootstrap server),
+    or, when that is loopback, the interface of the default route (another
+    machine could not reach 127.0.0.1); loopback only if there is none."""
+    override = os.environ.get("KVRECV_ADVERTISE_HOST") or \
+        getattr(server_args, "kvrecv_advertise_host", None)
+    if override:
+        return str(override)
+    if host and host not in _WILDCARD:
+        return host
+    for target in (peer_host, "192.0.2.1"):  # the second: any non-local address
+        src = _route_source(target) if target else None
+        if src and not src.startswith("127."):
+            return src
+    return "127.0.0.1"
 
 
 def _seq(value) -> list:
@@ -112,18 +153,55 @@ _NO_STATE = ("kvrecv registered no state buffers (it moves dense KV caches only;
              "with state_types is refused), so state_indices={!r} cannot be transferred")
 
 
+@dataclasses.dataclass
+class PrefillInfo:
+    """What ``GET /route`` says of a prefill instance: the fields of sglang's
+    PrefillServerInfo that its decode scheduler reads (dp_size,
+    follow_bootstrap_room) and that kvrecv checks, plus the rendezvous."""
+
+    attn_tp_size: int
+    attn_cp_size: int
+    dp_size: int
+    pp_size: int
+    page_size: Optional[int]
+    kv_cache_dtype: Optional[str]
+    follow_bootstrap_room: bool
+    rendezvous: str
+
+
+def _parallel(server_args: Any) -> dict:
+    """This instance's parallel sizes, as sglang's server args give them."""
+    tp = int(getattr(server_args, "tp_size", 1) or 1)
+    dp = int(getattr(server_args, "dp_size", 1) or 1)
+    dp_attention = bool(getattr(server_args, "enable_dp_attention", False))
+    return {"attn_tp_size": tp // dp if dp_attention else tp, "dp_size": dp,
+            "pp_size": int(getattr(server_args, "pp_size", 1) or 1),
+            "cp_size": int(getattr(server_args, "attn_cp_size", 1) or 1)}
+
+
 class KVRecvManager(KVManager):
     """sglang's ``kv_manager_class(kv_args, disaggregation_mode, server_args,
     is_mla_backend)``.
 
-    Fields read from server_args (each optional): ``host`` (this rank's
-    control host; 0.0.0.0 means loopback), ``disaggregation_bootstrap_port``
-    (default 8998) and, for a prefill rank, the bootstrap server it registers
-    with: ``kvrecv_bootstrap_addr`` if set, else ``host:disaggregation_bootstrap_port``
-    (sglang starts the bootstrap server next to the prefill instance).
-    ``kvrecv_config`` may carry a KVConfig; KVRECV_* environment variables
-    override its fields as usual.
+    ``kv_args`` stays sglang's own object (its schedulers read it back);
+    kvrecv's KVArgs built from it is ``kvrecv_args``.  Fields read from
+    server_args (each optional): ``host``, ``disaggregation_bootstrap_port``
+    (default 8998: sglang's bootstrap server of the prefill instance, which
+    for this backend is KVRecvBootstrapServer), ``tp_size``, ``dp_size``,
+    ``pp_size``.  ``KVRECV_ADVERTISE_HOST`` (or ``kvrecv_advertise_host``)
+    overrides the address this rank advertises; ``kvrecv_config`` may carry a
+    KVConfig, and KVRECV_* environment variables override its fields.
+
+    Refused at creation, with the reason: state buffers (hybrid models), a
+    prefill with more than one DP group, PP or CP stage (kvrecv's rendezvous
+    pairs decode rank r with prefill rank r of one group).
     """
+
+    supports_host_destination = False
+    # A kvrecv room reports Failed only once none of its bytes can land any
+    # more (its in-flight operations drained), so the decode may hold pages
+    # until then: is_abort_release_safe() says when.
+    enable_deferred_decode_kv_release = True
 
     def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any = None,
                  is_mla_backend: Optional[bool] = False):
@@ -132,6 +210,11 @@ class KVRecvManager(KVManager):
         if state_types:
             raise NotImplementedError(
                 f"kvrecv moves dense KV caches only; state buffers {list(state_types)!r} are not supported")
+        par = _parallel(server_args)
+        if mode == "prefill" and (par["dp_size"] > 1 or par["pp_size"] > 1 or par["cp_size"] > 1):
+            raise NotImplementedError(
+                f"kvrecv serves one prefill DP group without PP or CP (dp_size={par['dp_size']}, "
+                f"pp_size={par['pp_size']}, attn_cp_size={par['cp_size']})")
         if isinstance(args, KVArgs):
             kv_args = args
         else:
@@ -147,22 +230,149 @@ class KVRecvManager(KVManager):
             )
         host = getattr(server_args, "host", None)
         port = int(getattr(server_args, "disaggregation_bootstrap_port", 8998) or 8998)
-        bootstrap_addr = getattr(server_args, "kvrecv_bootstrap_addr", None)
-        if mode == "prefill" and not bootstrap_addr:
-            bootstrap_addr = f"{_connect_host(host)}:{port}"
-        config = getattr(server_args, "kvrecv_config", None)
-        super().__init__(kv_args, mode, bootstrap_addr=bootstrap_addr or None,
-                         host=_connect_host(host), config=config)
-        self.sglang_kv_args = args
+        config = getattr(server_args, "kvrecv_config", None) or KVConfig()
+        self.http_bootstrap_addr = f"{_connect_host(host)}:{port}"
+        rendezvous = getattr(server_args, "kvrecv_bootstrap_addr", None)
+        if mode == "prefill" and not rendezvous:
+            rendezvous = _wait_rendezvous(self.http_bootstrap_addr,
+                                          config.resolved()["bootstrap_timeout_ms"] / 1000)
+        peer_host = (rendezvous or self.http_bootstrap_addr).rpartition(":")[0]
+        super().__init__(kv_args, mode, bootstrap_addr=rendezvous or None,
+                         host=advertise_host(host, peer_host, server_args), config=config)
+        self.kvrecv_args = kv_args
+        self.kv_args = args
         self.disaggregation_mode = disaggregation_mode
         self.server_args = server_args
         self.is_mla_backend = bool(is_mla_backend)
         self.page_bytes = sum(kv_args.kv_item_lens)
         self.aux_row_bytes = sum(kv_args.aux_item_lens)
+        self.parallel = par
+        self.prefill_info_table: Dict[str, PrefillInfo] = {}
+        self._aborted: Dict[int, "KVRecvReceiver"] = {}
+        self._executor = None
+        if mode == "prefill":
+            self._register_route(port)
+
+    def _register_route(self, port: int) -> None:
+        """PUT /route: this rank in sglang's rank table of the bootstrap
+        server, so that sglang's GET /route and /health see the instance."""
+        par, args = self.parallel, self.kv_args
+        host, _, ctl_port = self.endpoint[len("tcp://"):].rpartition(":")
+        body = {
+            "attn_tp_size": par["attn_tp_size"], "attn_tp_rank": int(self.kvrecv_args.engine_rank),
+            "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1, "attn_dp_rank": 0,
+            "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0,
+            "rank_ip": host, "rank_port": int(ctl_port),
+            "page_size": int(getattr(args, "page_size", 1) or 1),
+            "kv_cache_dtype": getattr(args, "kv_cache_dtype_str", None),
+            "instance_id": str(getattr(self.server_args, "kvrecv_instance_id", "") or
+                               f"{getattr(self.server_args, 'host', '')}:"
+                               f"{getattr(self.server_args, 'port', '')}:{port}"),
+            "kvrecv_endpoint": self.endpoint,
+        }
+        status, text = fetch_json(self.http_bootstrap_addr, "/route", method="PUT", body=body)
+        if status != 200:
+            self.close()
+            raise RuntimeError(f"kvrecv: the bootstrap server {self.http_bootstrap_addr} refused "
+                               f"rank {body['attn_tp_rank']}: {status} {text}")
 
     def register_to_bootstrap(self) -> None:
         """A prefill manager registers with the bootstrap server when it is
         created; nothing left to do."""
+
+    # --- decode: sglang's DecodePreallocQueue ---------------------------
+
+    def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
+        """One attempt (sglang retries) to learn the prefill instance at
+        bootstrap_addr: its parallel info and kvrecv rendezvous.  Never
+        raises; a refusal is logged with its reason and returns False."""
+        if bootstrap_addr in self.prefill_info_table:
+            return True
+        try:
+            status, data = fetch_json(bootstrap_addr, "/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
+                                                      "&target_tp_rank=-1&target_pp_rank=-1")
+            if status != 200 or not isinstance(data, dict):
+                _log.warning("kvrecv: prefill info from %s: %s %s", bootstrap_addr, status, data)
+                return False
+            status, rv = fetch_json(bootstrap_addr, "/kvrecv")
+            if status != 200 or not isinstance(rv, dict) or "rendezvous" not in rv:
+                _log.error("kvrecv: %s is not a kvrecv bootstrap server (GET /kvrecv: %s %s)",
+                           bootstrap_addr, status, rv)
+                return False
+            info = PrefillInfo(**{f.name: data.get(f.name) for f in dataclasses.fields(PrefillInfo)
+                                  if f.name != "rendezvous"}, rendezvous=str(rv["rendezvous"]))
+        except (OSError, ValueError, TypeError) as e:
+            _log.warning("kvrecv: prefill info from %s: %s", bootstrap_addr, e)
+            return False
+        page_size = int(getattr(self.kv_args, "page_size", 1) or 1)
+        if info.page_size is not None and info.page_size != page_size:
+            _log.error("kvrecv: prefill %s has page_size=%s, this decode %s", bootstrap_addr,
+                       info.page_size, page_size)
+            return False
+        if info.attn_tp_size != self.parallel["attn_tp_size"]:
+            _log.error("kvrecv: prefill %s has attention TP %s, this decode %s; kvrecv pairs "
+                       "equal TP sizes only", bootstrap_addr, info.attn_tp_size,
+                       self.parallel["attn_tp_size"])
+            return False
+        host = bootstrap_addr.rpartition(":")[0]
+        rv_host, _, rv_port = info.rendezvous.rpartition(":")
+        if rv_host in ("0.0.0.0", "::", "[::]", ""):
+            info.rendezvous = f"{host}:{rv_port}"
+        self.prefill_info_table[bootstrap_addr] = info
+        return True
+
+    def _ensure_prefill_recompute_executor(self):
+        """The worker sglang's decode runs ``query_prefill_dp_ranks`` on."""
+        if self._executor is None:
+            import concurrent.futures
+
+            self._executor = concurrent.futures.ThreadPoolExecutor(1, "kvrecv-dp-query")
+        return self._executor
+
+    def should_verify_kv_checksum(self, bootstrap_addr: str) -> bool:
+        return False
+
+    # --- decode: deferred release of a failed room's pages ---------------
+
+    def is_abort_release_safe(self, bootstrap_room: int, required_acks: int = 0) -> bool:
+        """True once no byte of the room can land in the decode's pages any
+        more: its kvrecv room has reached Failed (which the core reports only
+        after the room's in-flight operations drained), or was never
+        started here."""
+        rcv = self._aborted.get(bootstrap_room)
+        return rcv is None or rcv.drained()
+
+    def clear_deferred_abort_state(self, bootstrap_room: int) -> None:
+        self._aborted.pop(bootstrap_room, None)
+
+    def close(self) -> None:
+        if self._executor is not None:
+            self._executor.shutdown(wait=False, cancel_futures=True)
+        super().close()
+
+
+def _wait_rendezvous(http_addr: str, timeout_s: float) -> str:
+    """The kvrecv rendezvous of the bootstrap server at http_addr (GET
+    /kvrecv), retried until timeout_s: sglang may start the prefill's
+    schedulers before its bootstrap server listens."""
+    deadline = time.monotonic() + timeout_s
+    why = "no answer"
+    while True:
+        try:
+            status, data = fetch_json(http_addr, "/kvrecv", timeout=2.0)
+            if status == 200 and isinstance(data, dict) and "rendezvous" in data:
+                host, _, port = str(data["rendezvous"]).rpartition(":")
+                if host in ("0.0.0.0", "::", "[::]", ""):
+                    host = http_addr.rpartition(":")[0]
+                return f"{host}:{port}"
+            why = f"GET /kvrecv answered {status} {data!r}"[:200]
+        except OSError as e:
+            why = str(e)
+        if time.monotonic() >= deadline:
+            raise RuntimeError(f"kvrecv: no kvrecv bootstrap server at {http_addr} within "
+                               f"{timeout_s:.0f} s ({why}); is the prefill started with "
+                               "--disaggregation-transfer-backend kvrecv?")
+        time.sleep(0.2)
 
 
 class _RoomMixin:
@@ -209,7 +419,14 @@ class _RoomMixin:
 
 class KVRecvSender(_RoomMixin, KVSender):
     """sglang's ``kv_sender_class(mgr, bootstrap_addr, bootstrap_room,
-    dest_tp_ranks, pp_rank)`` (prefill side of one room)."""
+    dest_tp_ranks, pp_rank)`` (prefill side of one room).
+
+    The aux (metadata) row leaves with the last chunk the scheduler sends,
+    never earlier: sglang fills that row just before its last chunk.  The
+    core sends the row once the room's pages are all posted, so a chunk that
+    is not the last (should_send_kv_chunk() is told which is) keeps its
+    final page back for the last one, and init(0, aux) (a full prefix hit)
+    starts the room only at the 0-page last chunk."""
 
     def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: int,
                  dest_tp_ranks: Sequence[int] = (0,), pp_rank: int = 0,
@@ -219,20 +436,47 @@ class KVRecvSender(_RoomMixin, KVSender):
         self._t_init = None
         self._t_done = None
         self._num_kv_indices = 0
-        self._with_aux = False
+        self._aux_index = None
+        self._started = False
+        self._posted = 0
+        self._held: list = []
+        self._next_is_last = None
+
+    @property
+    def kv_mgr(self) -> KVManager:
+        return self.mgr
 
     def init(self, num_kv_indices: int, aux_index: Optional[int] = None) -> None:
         self._num_kv_indices = int(num_kv_indices)
-        self._with_aux = aux_index is not None
+        self._aux_index = aux_index
         self._t_init = time.perf_counter()
-        super().init(num_kv_indices, aux_index)
+        if self._num_kv_indices > 0:
+            self._start()
+
+    def _start(self) -> None:
+        self._started = True
+        KVSender.init(self, self._num_kv_indices, self._aux_index)
 
     def send(self, kv_indices, state_indices: Optional[list] = None, num_kv_tokens=None,
-             token_position_offset: int = 0) -> None:
+             token_position_offset: int = 0, **_ignored) -> None:
         if _has_state(state_indices):
             self._fail_local(_NO_STATE.format(state_indices))
             return
-        super().send(kv_indices)
+        pages = [int(i) for i in kv_indices]
+        last = self._next_is_last
+        self._next_is_last = None
+        if last is None:  # a caller that does not ask should_send_kv_chunk()
+            last = self._posted + len(pages) >= self._num_kv_indices
+        if not self._started:
+            self._start()
+        if last:
+            pages = self._held + pages
+            self._held = []
+        elif pages and self._posted + len(pages) >= self._num_kv_indices:
+            self._held, pages = pages[-1:], pages[:-1]
+        if pages:
+            self._posted += len(pages)
+            KVSender.send(self, pages)
 
     def pop_decode_prefix_len(self) -> int:
         """Tokens of the request the decode already holds (its radix-cache
@@ -243,16 +487,23 @@ class KVRecvSender(_RoomMixin, KVSender):
         except RuntimeError:  # cleared
             return 0
 
+    def get_max_transfer_tokens(self) -> Optional[int]:
+        """No limit: the core splits and coalesces the pages itself."""
+        return None
+
     def should_send_kv_chunk(self, num_pages: int, last_chunk: bool) -> bool:
-        return num_pages > 0
+        """Whether the scheduler sends this chunk: any chunk with pages, and
+        the last one even with none (it carries the aux row)."""
+        self._next_is_last = bool(last_chunk)
+        return num_pages > 0 or bool(last_chunk)
 
     def get_transfer_metric(self) -> KVTransferMetric:
         latency = None
         if self._t_init is not None and self._t_done is not None:
             latency = self._t_done - self._t_init
-        args = self.mgr.kv_args
+        args = self.mgr.kvrecv_args if hasattr(self.mgr, "kvrecv_args") else self.mgr.kv_args
         total = (self._num_kv_indices * sum(args.kv_item_lens)
-                 + (sum(args.aux_item_lens) if self._with_aux else 0))
+                 + (sum(args.aux_item_lens) if self._aux_index is not None else 0))
         return KVTransferMetric(transfer_latency_s=latency, transfer_total_bytes=total)
 
 
@@ -260,14 +511,35 @@ class KVRecvReceiver(_RoomMixin, KVReceiver):
     """sglang's ``kv_receiver_class(mgr, bootstrap_addr, bootstrap_room)``
     (decode side of one room)."""
 
+    supports_host_destination = False
+
     def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: Optional[int] = None,
                  prefill_dp_rank: Optional[int] = None, **_ignored):
         super().__init__(mgr, bootstrap_addr, 0 if bootstrap_room is None else bootstrap_room)
         self._local_reason = None
         self._t_done = None
+        self.abort_notified = False
+        self.bootstrap_infos: list = []
+
+    @property
+    def kv_mgr(self) -> KVManager:
+        return self.mgr
 
     def init(self, prefill_dp_rank: int = 0) -> None:
-        super().init(int(prefill_dp_rank or 0))
+        """Starts resolving the prefill rank of the DP group asked for (the
+        manager learnt the instance in try_ensure_parallel_info)."""
+        dp = int(prefill_dp_rank or 0)
+        info = getattr(self.mgr, "prefill_info_table", {}).get(self.bootstrap_addr)
+        if info is None:
+            self._fail_local(f"init() before the decode manager learnt the prefill at "
+                             f"{self.bootstrap_addr} (try_ensure_parallel_info)")
+            return
+        if not 0 <= dp < info.dp_size:
+            self._fail_local(f"prefill DP rank {dp} asked for, but the prefill at "
+                             f"{self.bootstrap_addr} has dp_size={info.dp_size}")
+            return
+        self.bootstrap_infos = [info]
+        self.recv_init(dp, info.rendezvous)
 
     def send_metadata(self, kv_indices, aux_index: Optional[int] = None,
                       state_indices: Optional[list] = None,
@@ -279,19 +551,64 @@ class KVRecvReceiver(_RoomMixin, KVReceiver):
             return
         KVReceiver.send_metadata(self, kv_indices, aux_index, decode_prefix_len or 0)
 
+    def ensure_abort_notified(self, force_arm: bool = False) -> None:
+        """sglang's deferred release: aborts the room (the prefill is told)
+        unless it already failed, and has the manager hold its pages until
+        drained() says no byte can land any more."""
+        if not self.abort_notified:
+            self.abort()
+            self.abort_notified = True
+            self.mgr._aborted[self.bootstrap_room] = self
 
-class KVRecvBootstrapServer(BootstrapServer):
-    """sglang's ``kv_bootstrap_server_class(host, port)``."""
+    def drained(self) -> bool:
+        """True once the core reports the room Failed (its in-flight
+        operations drained) or has dropped it."""
+        try:
+            return _core.Room.poll(self) == KVPoll.Failed
+        except RuntimeError:
+            return True
+
+    def is_abort_release_safe(self) -> bool:
+        return self.drained()
+
+
+class KVRecvBootstrapServer:
+    """sglang's ``kv_bootstrap_server_class(host, port)``: sglang's HTTP
+    routes on ``port`` (see kvrecv.sglang_http) and kvrecv's rendezvous (the
+    C core's bootstrap server) on a port the OS picks, which managers learn
+    from ``GET /kvrecv``."""
 
     def __init__(self, host: Optional[str] = None, port: int = 8998, **_ignored):
-        super().__init__(host or "0.0.0.0", int(port))
+        bind = host or "0.0.0.0"
+        self.rendezvous = BootstrapServer(bind, 0)
+        try:
+            self.http = HTTPBootstrap(bind, int(port), f"{bind}:{self.rendezvous.port}")
+        except BaseException:
+            self.rendezvous.close()
+            raise
+        self.host = bind
+        self.port = self.http.port
+
+    @property
+    def address(self) -> str:
+        return f"{_connect_host(self.host)}:{self.port}"
+
+    def stats(self) -> dict:
+        return self.rendezvous.stats()
 
     def close(self) -> None:
-        super().close()
+        self.http.close()
+        self.rendezvous.close()
 
     # sglang's launcher may call these on its bootstrap server object
     def run(self) -> None:
         pass
 
     def shutdown(self) -> None:
+        self.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
         self.close()

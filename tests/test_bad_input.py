@@ -4,6 +4,7 @@ until a valid call, after which exactly the valid pages land."""
 
 from __future__ import annotations
 
+import threading
 import time
 
 import numpy as np
@@ -311,6 +312,16 @@ def test_room_id_not_an_integer(pair, room):
         KVReceiver(pair.decode, pair.addr, room)
 
 
+def test_room_id_messages(pair):
+    with pytest.raises(TypeError) as ei:
+        KVSender(pair.prefill, pair.addr, True)
+    assert str(ei.value) == "bootstrap_room must be an integer, not bool"
+    with pytest.raises(ValueError) as ei:
+        KVReceiver(pair.decode, pair.addr, np.int64(-3))
+    assert str(ei.value) == "bootstrap_room=-3 must be in [0, 2**64)"
+    assert KVReceiver(pair.decode, pair.addr, np.uint64(2**64 - 1)).bootstrap_room == 2**64 - 1
+
+
 # ---- KVArgs --------------------------------------------------------------
 
 
@@ -426,6 +437,19 @@ def test_bootstrap_port_in_use(bootstrap):
         BootstrapServer("127.0.0.1", 70000)
 
 
+def test_secret_checks(res):
+    for make, what in [(lambda s: BootstrapServer("127.0.0.1", 0, secret=s), "secret"),
+                       (lambda s: res.manager(Side(SMALL, 0), "decode", secret=s),
+                        "KVConfig.secret")]:
+        with pytest.raises(TypeError) as ei:
+            make(5)
+        assert str(ei.value) == f"{what} must be a str or bytes, not int"
+        with pytest.raises(ValueError) as ei:
+            make("x" * 257)
+        assert str(ei.value) == f"{what} is 257 bytes long, more than 256"
+    BootstrapServer("127.0.0.1", 0, secret=bytearray(b"k" * 256)).close()
+
+
 # ---- aux_index -----------------------------------------------------------
 
 
@@ -497,6 +521,34 @@ def test_calls_on_a_closed_manager(pair):
     r.abort()
     r.clear()
     assert_all_canary(pair.dst)
+
+
+def test_endpoint_and_transport_readable_while_close_runs(res, bootstrap):
+    """Reader threads racing close(): the same text before, during and after
+    (close() frees the control layer and the transport with the GIL
+    released; the properties are copies made at creation)."""
+    side = Side(SMALL, 0)
+    mgr = res.manager(side, "prefill", bootstrap.address)
+    endpoint, transport = mgr.endpoint, mgr.transport
+    assert endpoint.startswith("tcp://127.0.0.1:") and transport
+    seen, stop = set(), threading.Event()
+
+    def read():
+        while not stop.is_set():
+            seen.add((mgr.endpoint, mgr.transport, mgr.closed in (True, False)))
+
+    threads = [threading.Thread(target=read) for _ in range(2)]
+    for t in threads:
+        t.start()
+    time.sleep(0.05)
+    mgr.close()
+    time.sleep(0.05)
+    stop.set()
+    for t in threads:
+        t.join(10)
+    assert mgr.closed
+    assert seen == {(endpoint, transport, True)}
+    assert (mgr.endpoint, mgr.transport) == (endpoint, transport)
 
 
 def test_manager_as_context_manager_closes(bootstrap):

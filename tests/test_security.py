@@ -16,6 +16,7 @@ from kvrecv import (
     BootstrapServer,
     KVBootstrapError,
     KVPoll,
+    KVProtocolError,
     KVReceiver,
     KVRefusedError,
     KVSender,
@@ -327,7 +328,8 @@ def test_data_from_a_prefill_the_room_is_not_bound_to_is_refused(res, bootstrap,
     """A relay registers itself for rank 0 under its own epoch, so the decode
     binds its room to the relay; it hands the decode's HELLO and request to
     the real prefill, which then sends the room's data with its own epoch.
-    The decode refuses every byte: the sender is not the room's peer."""
+    The decode refuses every byte and fails the room with PROTOCOL: the
+    sender is not the room's peer."""
     caplog.set_level(logging.WARNING, logger="kvrecv")
     # 128 STD pages (1 MiB): the data goes in rendezvous messages, whose
     # refusal the sender sees (a refused eager message is dropped silently;
@@ -370,14 +372,16 @@ def test_data_from_a_prefill_the_room_is_not_bound_to_is_refused(res, bootstrap,
     s = KVSender(prefill, bootstrap.address, 41)
     s.init(128)
     s.send(list(range(128)))
-    assert wait_until(lambda: decode.stats()["data_foreign"] >= 1), decode.stats()
-    time.sleep(0.2)
-    assert r.poll() != KVPoll.Success
+    # It holds the room's tag (the relay passed the request on) but is not
+    # the instance the room is bound to: the room fails with PROTOCOL.
+    assert wait_for(r, terminal()) == KVPoll.Failed, decode.stats()
+    with pytest.raises(KVProtocolError) as ei:
+        r.failure_exception()
+    assert ei.value.failure_reason.endswith(
+        "sent a bad data message: sender epoch is not the room's prefill's")
     assert decode.stats()["bytes_moved"] == 0
-    assert decode.stats()["data_rejected"] >= decode.stats()["data_foreign"]
+    assert decode.stats()["data_rejected"] >= 1
     assert_all_canary(dst)
-    assert wait_until(lambda: warnings_with(caplog, "refused a data message",
-                                            "sender is not the room's prefill"))
     # The prefill learns its data was refused; a refusing decode that says
     # nothing more (this one never heard of the sender's room) leaves it
     # with TRANSPORT after two heartbeat intervals, told to the decode.

@@ -58,7 +58,8 @@ class Cluster:
         self.closers.append(self.server)
         cfg = KVConfig(**dict(ROBUST_CONFIG, sibling_wait_ms=3000))
         self.server_args = types.SimpleNamespace(
-            host="127.0.0.1", disaggregation_bootstrap_port=self.server.port, kvrecv_config=cfg)
+            host="127.0.0.1", disaggregation_bootstrap_port=self.server.port, kvrecv_config=cfg,
+            tp_size=RANKS)
         self.src = [Side(STD, rank=r, seed=500 + r) for r in range(RANKS)]
         self.dst = [Side(STD, rank=r) for r in range(RANKS)]
         self.prefill = [KVRecvManager(sglang_kv_args(s), DisaggregationMode.PREFILL,
@@ -71,6 +72,8 @@ class Cluster:
             for m in group:
                 m.set_siblings([x.endpoint for x in group])
         self.addr = f"127.0.0.1:{self.server.port}"
+        # sglang's DecodePreallocQueue learns the prefill before any init()
+        assert all(m.try_ensure_parallel_info(self.addr) for m in self.decode)
 
     def close(self):
         for obj in reversed(self.closers):

@@ -20,7 +20,7 @@ static int kvr_bs_pyinit(PyObject *op, PyObject *args, PyObject *kwds)
     if (!PyArg_ParseTupleAndKeywords(args, kwds, "|siO", kwlist, &host, &port, &secret_obj)) {
         return -1;
     }
-    if (kvr_py_secret(secret_obj, secret, &secret_len) < 0) {
+    if (kvr_py_secret(secret_obj, "secret", secret, &secret_len) < 0) {
         return -1;
     }
     if (port < 0 || port > 65535) {

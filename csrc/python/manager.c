@@ -1,4 +1,5 @@
 #include "module.h"
+#include "../testhook.h"
 
 #include <string.h>
 
@@ -47,6 +48,58 @@ fail:
     return -1;
 }
 
+/*
+ * The numeric fields of kvr_config_t that Python sets, with the largest
+ * value each takes and whether Python sees it as a bool.  KVConfig's fields
+ * and defaults come from here (config_defaults); the secret is read apart.
+ */
+#define KVR_PY_CONFIG(X)                                                                      \
+    X(bootstrap_timeout_ms, UINT32_MAX, 0)                                                    \
+    X(heartbeat_interval_ms, UINT32_MAX, 0)                                                   \
+    X(heartbeat_timeout_ms, UINT32_MAX, 0)                                                    \
+    X(deadline_base_ms, UINT32_MAX, 0)                                                        \
+    X(deadline_floor_bps, (uint64_t)1 << 62, 0)                                               \
+    X(max_rooms, UINT32_MAX, 0)                                                               \
+    X(max_pending, UINT32_MAX, 0)                                                             \
+    X(ctrl_port, 65535, 0)                                                                    \
+    X(sibling_wait_ms, UINT32_MAX, 0)                                                         \
+    X(register_memory, 1, 1)                                                                  \
+    X(coalesce_bytes, UINT32_MAX, 0)                                                          \
+    X(coalesce_run_bytes, UINT32_MAX, 0)                                                      \
+    X(pack_bytes, (uint64_t)1 << 40, 0)                                                       \
+    X(max_rooms_per_peer, UINT32_MAX, 0)                                                      \
+    X(max_peers, UINT32_MAX, 0)                                                               \
+    X(staging_slots, 65536, 0)                                                                \
+    X(staging_slot_bytes, 1u << 30, 0)                                                        \
+    X(force_staging, 1, 1)                                                                    \
+    X(poll_progress, 1, 1)
+
+PyObject *kvr_py_config_defaults(PyObject *m, PyObject *unused)
+{
+    (void)m;
+    (void)unused;
+    kvr_config_t c;
+    kvr_config_default(&c);
+    PyObject *d = PyDict_New();
+    if (d == NULL) {
+        return NULL;
+    }
+#define KVR_CFG_DEFAULT(field, max, is_bool)                                                  \
+    {                                                                                         \
+        PyObject *o = (is_bool) ? PyBool_FromLong((long)c.field)                              \
+                                : PyLong_FromUnsignedLongLong((unsigned long long)c.field);   \
+        if (o == NULL || PyDict_SetItemString(d, #field, o) < 0) {                            \
+            Py_XDECREF(o);                                                                    \
+            Py_DECREF(d);                                                                     \
+            return NULL;                                                                      \
+        }                                                                                     \
+        Py_DECREF(o);                                                                         \
+    }
+    KVR_PY_CONFIG(KVR_CFG_DEFAULT)
+#undef KVR_CFG_DEFAULT
+    return d;
+}
+
 static int kvr_cfg_get(PyObject *cfg, const char *key, uint64_t max, uint64_t *dst)
 {
     if (cfg == NULL || cfg == Py_None) {
@@ -76,7 +129,7 @@ static int kvr_cfg_get(PyObject *cfg, const char *key, uint64_t max, uint64_t *d
     return 0;
 }
 
-/* config["secret"]: str (UTF-8) or bytes; absent, None or empty: none. */
+/* config["secret"]: str (UTF-8), bytes or bytearray; absent, None or empty: none. */
 static int kvr_cfg_secret(PyObject *cfg, kvr_config_t *c)
 {
     c->secret_len = 0;
@@ -88,7 +141,7 @@ static int kvr_cfg_secret(PyObject *cfg, kvr_config_t *c)
         PyErr_Clear();
         return 0;
     }
-    int rc = kvr_py_secret(v, c->secret, &c->secret_len);
+    int rc = kvr_py_secret(v, "KVConfig.secret", c->secret, &c->secret_len);
     Py_DECREF(v);
     return rc;
 }
@@ -183,31 +236,14 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     }
     kvr_config_default(&p.cfg);
     uint64_t v;
-#define KVR_CFG(field, max)                                                                   \
+#define KVR_CFG_READ(field, max, is_bool)                                                 \
     v = p.cfg.field;                                                                          \
     if (kvr_cfg_get(cfg, #field, (max), &v) < 0) {                                            \
         goto out;                                                                             \
     }                                                                                         \
     p.cfg.field = (__typeof__(p.cfg.field))v;
-    KVR_CFG(bootstrap_timeout_ms, UINT32_MAX)
-    KVR_CFG(heartbeat_interval_ms, UINT32_MAX)
-    KVR_CFG(heartbeat_timeout_ms, UINT32_MAX)
-    KVR_CFG(deadline_base_ms, UINT32_MAX)
-    KVR_CFG(deadline_floor_bps, (uint64_t)1 << 62)
-    KVR_CFG(max_rooms, UINT32_MAX)
-    KVR_CFG(max_pending, UINT32_MAX)
-    KVR_CFG(ctrl_port, 65535)
-    KVR_CFG(sibling_wait_ms, UINT32_MAX)
-    KVR_CFG(register_memory, 1)
-    KVR_CFG(coalesce_bytes, UINT32_MAX)
-    KVR_CFG(coalesce_run_bytes, UINT32_MAX)
-    KVR_CFG(pack_bytes, (uint64_t)1 << 40)
-    KVR_CFG(max_rooms_per_peer, UINT32_MAX)
-    KVR_CFG(staging_slots, 65536)
-    KVR_CFG(staging_slot_bytes, 1u << 30)
-    KVR_CFG(force_staging, 1)
-    KVR_CFG(poll_progress, 1)
-#undef KVR_CFG
+    KVR_PY_CONFIG(KVR_CFG_READ)
+#undef KVR_CFG_READ
     if (kvr_cfg_secret(cfg, &p.cfg) < 0) {
         goto out;
     }
@@ -532,7 +568,7 @@ static PyObject *kvr_manager_read_logs(PyObject *op, PyObject *arg)
     }
     PyObject *out = PyList_New(n);
     for (int i = 0; out != NULL && i < n; i++) {
-        PyObject *t = Py_BuildValue("(is)", levels[i], texts[i]);
+        PyObject *t = Py_BuildValue("(iN)", levels[i], kvr_py_text(texts[i]));
         if (t == NULL) {
             Py_CLEAR(out);
             break;
@@ -556,7 +592,28 @@ static PyObject *kvr_manager_is_device(PyObject *op, PyObject *arg)
     return PyBool_FromLong(i >= 0 && kvr_engine_buffer_is_device(self->engine, (uint32_t)i));
 }
 
+/* _test_corrupt_data(mode): tests only (csrc/testhook.h). */
+static PyObject *kvr_manager_test_corrupt(PyObject *op, PyObject *arg)
+{
+    kvr_py_manager_t *self = (kvr_py_manager_t *)op;
+    if (kvr_manager_check(self) < 0) {
+        return NULL;
+    }
+    long mode = PyLong_AsLong(arg);
+    if (mode == -1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    if (mode < 0 || mode >= KVR_TEST_CORRUPT_LAST) {
+        PyErr_Format(PyExc_ValueError, "no corruption mode %ld", mode);
+        return NULL;
+    }
+    kvr_engine_test_corrupt(self->engine, (int)mode);
+    Py_RETURN_NONE;
+}
+
 static PyMethodDef kvr_manager_methods[] = {
+    {"_test_corrupt_data", kvr_manager_test_corrupt, METH_O,
+     "Tests only: corrupt the headers of the data messages this prefill posts."},
     {"is_device", kvr_manager_is_device, METH_O,
      "True if buffer i (KV buffers first, then aux) is device memory."},
     {"read_logs", kvr_manager_read_logs, METH_O,

@@ -11,7 +11,7 @@ kvr_py_state_t *kvr_py_state_of_type(PyTypeObject *tp)
     return mod ? PyModule_GetState(mod) : NULL;
 }
 
-int kvr_py_secret(PyObject *v, unsigned char *out, size_t *len)
+int kvr_py_secret(PyObject *v, const char *what, unsigned char *out, size_t *len)
 {
     const char *data;
     Py_ssize_t n;
@@ -27,13 +27,16 @@ int kvr_py_secret(PyObject *v, unsigned char *out, size_t *len)
     } else if (PyBytes_Check(v)) {
         data = PyBytes_AS_STRING(v);
         n = PyBytes_GET_SIZE(v);
+    } else if (PyByteArray_Check(v)) {
+        data = PyByteArray_AS_STRING(v);
+        n = PyByteArray_GET_SIZE(v);
     } else {
-        PyErr_Format(PyExc_TypeError, "secret must be a str or bytes, not %s",
+        PyErr_Format(PyExc_TypeError, "%s must be a str or bytes, not %s", what,
                      Py_TYPE(v)->tp_name);
         return -1;
     }
     if (n > KVR_AUTH_SECRET_MAX) {
-        PyErr_Format(PyExc_ValueError, "secret is %zd bytes long, more than %d", n,
+        PyErr_Format(PyExc_ValueError, "%s is %zd bytes long, more than %d", what, n,
                      KVR_AUTH_SECRET_MAX);
         return -1;
     }
@@ -150,19 +153,11 @@ static PyType_Slot kvr_err_slots[] = {
     {0, NULL},
 };
 
-/* Subclass names per code, in KVR_STATUS_MAP order. */
+/* Subclass names per code, from the status table. */
 static const char *const kvr_err_names[KVR_STATUS_LAST] = {
-    NULL,                   /* OK */
-    "KVBootstrapError",     /* BOOTSTRAP */
-    "KVLayoutError",        /* LAYOUT_MISMATCH */
-    "KVPeerLostError",      /* PEER_LOST */
-    "KVPeerRestartedError", /* PEER_RESTARTED */
-    "KVTransportError",     /* TRANSPORT */
-    "KVTimeoutError",       /* TIMEOUT */
-    "KVAbortedError",       /* ABORTED */
-    "KVRemoteError",        /* REMOTE */
-    "KVProtocolError",      /* PROTOCOL */
-    "KVRefusedError",       /* REFUSED */
+#define KVR_STATUS_PYCLASS(name, str, pyclass, msg) pyclass,
+    KVR_STATUS_MAP(KVR_STATUS_PYCLASS)
+#undef KVR_STATUS_PYCLASS
 };
 
 static PyObject *kvr_make_error_type(PyObject *m, const char *name, PyObject *base,
@@ -191,12 +186,17 @@ static PyObject *kvr_make_error_type(PyObject *m, const char *name, PyObject *ba
     return tp;
 }
 
+PyObject *kvr_py_text(const char *s)
+{
+    return PyUnicode_DecodeUTF8(s, (Py_ssize_t)strlen(s), "replace");
+}
+
 PyObject *kvr_py_error_new(kvr_py_state_t *st, uint64_t room, const kvr_failure_t *f,
                            int is_from_another_rank)
 {
     int code = f->code > KVR_OK && f->code < KVR_STATUS_LAST ? f->code : KVR_REMOTE;
     PyObject *cls = st->error_by_code[code];
-    PyObject *args = Py_BuildValue("(Ksi)", (unsigned long long)room, f->reason,
+    PyObject *args = Py_BuildValue("(KNi)", (unsigned long long)room, kvr_py_text(f->reason),
                                    is_from_another_rank);
     if (args == NULL) {
         return NULL;
@@ -215,7 +215,7 @@ PyObject *kvr_py_error_new(kvr_py_state_t *st, uint64_t room, const kvr_failure_
         Py_DECREF(o);
     }
     if (f->peer[0]) {
-        PyObject *p = PyUnicode_FromString(f->peer);
+        PyObject *p = kvr_py_text(f->peer);
         if (p == NULL || PyDict_SetItemString(kw, "peer", p) < 0) {
             Py_XDECREF(p);
             goto fail;
@@ -313,6 +313,8 @@ static PyMethodDef kvr_module_methods[] = {
      "Memory types UCX supports here (comma separated) and whether cuda is one."},
     {"_set_poll_values", kvr_set_poll_values, METH_O, "Install the KVPoll members."},
     {"failure_codes", kvr_status_names, METH_NOARGS, "Failure codes and their meaning."},
+    {"config_defaults", kvr_py_config_defaults, METH_NOARGS,
+     "The core's default of every numeric KVConfig field."},
     {NULL, NULL, 0, NULL},
 };
 

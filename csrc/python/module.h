@@ -31,12 +31,21 @@ extern PyModuleDef kvr_py_module_def;
 
 kvr_py_state_t *kvr_py_state_of_type(PyTypeObject *tp);
 
-/* Reads a secret (str: its UTF-8 bytes; bytes; None or empty: none) into
- * out (KVR_AUTH_SECRET_MAX bytes).  Returns 0, or -1 with an exception. */
-int kvr_py_secret(PyObject *v, unsigned char *out, size_t *len);
+/* Reads a secret (str: its UTF-8 bytes; bytes or bytearray; None or empty:
+ * none) into out (KVR_AUTH_SECRET_MAX bytes).  Returns 0, or -1 with a
+ * TypeError or ValueError naming the argument as what. */
+int kvr_py_secret(PyObject *v, const char *what, unsigned char *out, size_t *len);
+
+/* config_defaults() -> {field: default} of the numeric KVConfig fields,
+ * from kvr_config_default (manager.c). */
+PyObject *kvr_py_config_defaults(PyObject *m, PyObject *unused);
 
 /* Raises the built-in exception matching a KVR_E* code with message err. */
 PyObject *kvr_py_raise(int rc, const char *err);
+
+/* A C string as str: UTF-8, bytes that are not (a peer's) replaced by
+ * U+FFFD, so text from the wire never raises UnicodeDecodeError. */
+PyObject *kvr_py_text(const char *s);
 
 /* Builds (without raising) a KVTransferError subclass instance for a failure
  * record. */

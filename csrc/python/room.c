@@ -30,7 +30,8 @@ static int kvr_room_pyinit(PyObject *op, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_RuntimeError, "the room is already open");
         return -1;
     }
-    PyObject *idx = PyNumber_Index(room_obj);
+    /* A bool is an int to Python, but True as a room id is a mistake. */
+    PyObject *idx = PyBool_Check(room_obj) ? NULL : PyNumber_Index(room_obj);
     if (idx == NULL) {
         PyErr_Format(PyExc_TypeError, "bootstrap_room must be an integer, not %.100s",
                      Py_TYPE(room_obj)->tp_name);
@@ -39,7 +40,7 @@ static int kvr_room_pyinit(PyObject *op, PyObject *args, PyObject *kwds)
     unsigned long long room = PyLong_AsUnsignedLongLong(idx);
     Py_DECREF(idx);
     if (room == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_SetString(PyExc_ValueError, "bootstrap_room must be in [0, 2**64)");
+        PyErr_Format(PyExc_ValueError, "bootstrap_room=%S must be in [0, 2**64)", room_obj);
         return -1;
     }
     kvr_py_manager_t *m = (kvr_py_manager_t *)mgr;
@@ -288,16 +289,17 @@ static int kvr_room_role_check(kvr_handle_t *h, int mode, const char *what)
 
 static PyObject *kvr_room_recv_init(PyObject *op, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"prefill_dp_rank", NULL};
+    static char *kwlist[] = {"prefill_dp_rank", "bootstrap_addr", NULL};
     int dp = 0;
+    const char *addr = NULL;
     kvr_handle_t *h = kvr_room_handle((kvr_py_room_t *)op);
-    if (h == NULL || !PyArg_ParseTupleAndKeywords(args, kwds, "|i", kwlist, &dp)) {
+    if (h == NULL || !PyArg_ParseTupleAndKeywords(args, kwds, "|iz", kwlist, &dp, &addr)) {
         return NULL;
     }
     if (kvr_room_role_check(h, KVR_MODE_DECODE, "recv_init") < 0) {
         return NULL;
     }
-    KVR_CALL(kvr_handle_recv_init(h, dp, err, errlen));
+    KVR_CALL(kvr_handle_recv_init(h, dp, addr, err, errlen));
     Py_RETURN_NONE;
 }
 

@@ -48,12 +48,15 @@
     X(room_random_walk, 30, 0)                                                \
     X(room_run_length, 10, 0)                                                 \
     X(room_pages_check, 10, 0)                                                \
-    X(plan_long_run_alone, 10, 0)                             \
-    X(plan_coalesce_and_cut, 10, 0)                           \
-    X(plan_merge_buffers, 10, 0)                              \
-    X(plan_resume_and_aux, 10, 0)                             \
-    X(plan_hold_retries_same, 10, 0)                          \
-    X(plan_random_cover, 60, 0)                               \
+    X(plan_long_run_alone, 10, 0)                                             \
+    X(plan_coalesce_and_cut, 10, 0)                                           \
+    X(plan_merge_buffers, 10, 0)                                              \
+    X(plan_resume_and_aux, 10, 0)                                             \
+    X(plan_hold_retries_same, 10, 0)                                          \
+    X(plan_random_cover, 60, 0)                                               \
+    X(room_claim_once, 10, 0)                                                 \
+    X(log_utf8_trim, 10, 0)                                                   \
+    X(registry_early_bounded, 10, 0)                                          \
     X(hist_bounds_tables, 10, 0)                                              \
     X(hist_observe_edges, 10, 0)                                              \
     X(hist_random_vs_reference, 30, 0)                                        \

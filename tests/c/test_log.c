@@ -292,3 +292,28 @@ TEST_IMPL(log_read_negative_timeout)
     }
     kvr_log_destroy(&log);
 }
+
+TEST_IMPL(log_utf8_trim)
+{
+    char a[] = "ab\xc3\xa9";       /* complete: kept */
+    char b[] = "ab\xc3";           /* 2-byte sequence cut after its lead */
+    char c[] = "ab\xe2\x82";       /* 3-byte sequence cut after 2 */
+    char d[] = "ab\xf0\x9f\x98";   /* 4-byte sequence cut after 3 */
+    char f[] = "ab\xf0\x9f\x98\x80"; /* complete 4-byte: kept */
+    char g[] = "\xff\xfe";         /* invalid, not cut: left for the reader */
+    char h[] = "";
+    kvr_utf8_trim(a);
+    kvr_utf8_trim(b);
+    kvr_utf8_trim(c);
+    kvr_utf8_trim(d);
+    kvr_utf8_trim(f);
+    kvr_utf8_trim(g);
+    kvr_utf8_trim(h);
+    ASSERT(strcmp(a, "ab\xc3\xa9") == 0);
+    ASSERT(strcmp(b, "ab") == 0);
+    ASSERT(strcmp(c, "ab") == 0);
+    ASSERT(strcmp(d, "ab") == 0);
+    ASSERT(strcmp(f, "ab\xf0\x9f\x98\x80") == 0);
+    ASSERT(strcmp(g, "\xff\xfe") == 0);
+    ASSERT(strcmp(h, "") == 0);
+}

@@ -254,3 +254,23 @@ TEST_IMPL(registry_concurrent_mixed)
     ASSERT_EQ(n, kvr_registry_count(&g_reg));
     kvr_registry_destroy(&g_reg);
 }
+
+TEST_IMPL(registry_early_bounded)
+{
+    kvr_registry_t reg;
+    kvr_registry_init(&reg);
+    kvr_failure_t f, out;
+    kvr_failure_fill(&f, 6, 1, "", "early");
+    for (uint64_t room = 1; room <= 3 * KVR_REGISTRY_EARLY_MAX; room++) {
+        ASSERT_EQ(kvr_registry_record_early(&reg, room, &f), 1);
+    }
+    ASSERT_EQ(kvr_registry_record_early(&reg, 3 * KVR_REGISTRY_EARLY_MAX, &f), 0);
+    ASSERT_EQ(kvr_registry_count(&reg), KVR_REGISTRY_EARLY_MAX);
+    ASSERT_EQ(kvr_registry_pop_early(&reg, 1, &out), 0); /* the oldest went */
+    ASSERT_EQ(kvr_registry_pop_early(&reg, 2 * KVR_REGISTRY_EARLY_MAX + 1, &out), 1);
+    ASSERT(strcmp(out.reason, "early") == 0);
+    ASSERT_EQ(kvr_registry_pop_early(&reg, 2 * KVR_REGISTRY_EARLY_MAX + 1, &out), 0);
+    ASSERT_EQ(kvr_registry_peek(&reg, 3 * KVR_REGISTRY_EARLY_MAX, &out), 0); /* apart */
+    ASSERT_EQ(kvr_registry_count(&reg), KVR_REGISTRY_EARLY_MAX - 1);
+    kvr_registry_destroy(&reg); /* frees what is left (LSan checks) */
+}

@@ -319,3 +319,22 @@ TEST_IMPL(room_pages_check)
     ASSERT_EQ(kvr_pages_check(z, 1, 1), -1);
     ASSERT_EQ(kvr_pages_check(z, 1, INT64_MIN), 0);
 }
+
+TEST_IMPL(room_claim_once)
+{
+    /* A room of 10 positions over 3 KV and 2 aux buffers. */
+    kvr_room_t *r = kvr_room_new(1, 2, KVR_ROLE_DECODE);
+    r->npages = 10;
+    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 0, 2, 0, 4), 0);
+    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 0, 1, 3, 1), -1); /* position 3 of buffer 0 again */
+    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 1, 2, 3, 2), -1); /* buffer 1 overlaps, 2 does not */
+    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 2, 1, 3, 2), 0); /* nothing of the refused one stuck */
+    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 0, 3, 4, 6), -1);
+    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 0, 2, 4, 6), 0);
+    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 2, 1, 9, 1), 0); /* the last bit of KV */
+    ASSERT_EQ(kvr_room_claim(r, 1, 3, 2, 0, 1, 0, 1), 0); /* aux bits follow */
+    ASSERT_EQ(kvr_room_claim(r, 1, 3, 2, 0, 2, 0, 1), -1);
+    ASSERT_EQ(kvr_room_claim(r, 1, 3, 2, 1, 1, 0, 1), 0);
+    ASSERT_EQ(kvr_room_claim(r, 1, 3, 2, 1, 1, 0, 1), -1);
+    kvr_room_free(r);
+}

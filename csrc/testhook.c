@@ -1,0 +1,33 @@
+#include "testhook.h"
+
+void kvr_test_corrupt_header(kvr_am_header_t *h, int mode, uint32_t room_pages, uint32_t nkv)
+{
+    if (h->kind != KVR_AM_KIND_KV) {
+        return;
+    }
+    switch (mode) {
+    case KVR_TEST_CORRUPT_POS:
+        h->pos = room_pages;
+        break;
+    case KVR_TEST_CORRUPT_BUF:
+        h->buf = (uint16_t)(nkv - h->nbuf + 1);
+        break;
+    case KVR_TEST_CORRUPT_BYTES:
+        /* The payload still carries every position the message was cut
+         * for: one position more than the header now says (or, for a
+         * one-position message, a buffer more). */
+        if (h->npages > 1) {
+            h->npages--;
+        } else if (h->nbuf > 1) {
+            h->nbuf--;
+        } else {
+            h->pos = room_pages; /* nothing smaller to claim */
+        }
+        break;
+    case KVR_TEST_CORRUPT_EPOCH:
+        h->epoch ^= 0x5a5a5a5a5a5a5a5aULL;
+        break;
+    default:
+        break;
+    }
+}

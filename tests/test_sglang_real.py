@@ -1,0 +1,364 @@
+"""kvrecv as sglang's transfer backend, checked against sglang's own code
+(the installed release, unpatched): its plugin loader, argument parser,
+get_kv_class, HTTP clients of the bootstrap server, its KVTransferError
+handling and poll_and_all_reduce.  Skipped where sglang is not installed;
+with KVRECV_REQUIRE_SGLANG=1 (set by CI) a missing sglang is a failure."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+
+import numpy as np
+import pytest
+
+from kvtest import STD, Side, wait_for
+
+from kvrecv import KVPoll, KVTransferError
+from kvrecv.sglang import (KVRecvBootstrapServer, KVRecvManager, KVRecvReceiver, KVRecvSender,
+                           _route_source, advertise_host)
+from kvrecv.sglang_http import fetch_json
+
+try:
+    import sglang  # noqa: F401
+    import torch  # noqa: F401
+    _MISSING = ""
+except ImportError as e:  # pragma: no cover - depends on the machine
+    _MISSING = f"sglang is not installed ({e}); scripts/setup_sglang.sh installs it"
+
+if _MISSING and os.environ.get("KVRECV_REQUIRE_SGLANG") == "1":
+    raise RuntimeError(f"KVRECV_REQUIRE_SGLANG=1 but {_MISSING}")
+
+pytestmark = [pytest.mark.sglang, pytest.mark.skipif(bool(_MISSING), reason=_MISSING)]
+
+from test_sglang import DisaggregationMode, cluster, sglang_kv_args  # noqa: E402,F401
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _entry_point_dir(tmp_path) -> str:
+    """A dist-info holding kvrecv's entry point, as `pip install kvrecv`
+    leaves it (pyproject.toml's [project.entry-points])."""
+    d = tmp_path / "kvrecv-0.0.dist-info"
+    d.mkdir()
+    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: kvrecv\nVersion: 0.0\n")
+    (d / "entry_points.txt").write_text(
+        "[sglang.srt.plugins]\nkvrecv = kvrecv.sglang_plugin:register\n")
+    return str(tmp_path)
+
+
+def _run_py(code: str, tmp_path, env=None) -> subprocess.CompletedProcess:
+    path = os.pathsep.join([ROOT, _entry_point_dir(tmp_path)])
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                          text=True, timeout=300, env=dict(os.environ, PYTHONPATH=path, **(env or {})))
+
+
+def test_sglang_loads_the_plugin_and_parses_the_flag(tmp_path):
+    """sglang's own load_plugins() finds the entry point; then its parser
+    takes --disaggregation-transfer-backend kvrecv and get_kv_class, as
+    imported by decode.py, prefill.py and disagg_service.py, returns
+    kvrecv's classes while the fake backend still resolves."""
+    out = _run_py("""
+        import argparse, json
+        from sglang.srt.plugins import load_plugins
+        load_plugins()
+        from sglang.srt.server_args import ServerArgs
+        from sglang.srt.disaggregation import decode, prefill, utils
+        from sglang.srt.managers import disagg_service
+        p = argparse.ArgumentParser(); ServerArgs.add_cli_args(p)
+        a = p.parse_args(["--model-path", "x", "--disaggregation-transfer-backend", "kvrecv"])
+        tb = utils.TransferBackend(a.disaggregation_transfer_backend)
+        K = utils.KVClassType
+        print(json.dumps({
+            "flag": a.disaggregation_transfer_backend,
+            "same_enum": decode.TransferBackend is prefill.TransferBackend is utils.TransferBackend,
+            "decode": decode.get_kv_class(tb, K.RECEIVER).__qualname__,
+            "prefill": prefill.get_kv_class(tb, K.SENDER).__qualname__,
+            "server": disagg_service.get_kv_class(tb, K.BOOTSTRAP_SERVER).__qualname__,
+            "kvargs": utils.get_kv_class(tb, K.KVARGS).__module__,
+            "fake": utils.get_kv_class(utils.TransferBackend.FAKE, K.MANAGER).__qualname__,
+        }))
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr[-3000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got == {"flag": "kvrecv", "same_enum": True, "decode": "KVRecvReceiver",
+                   "prefill": "KVRecvSender", "server": "KVRecvBootstrapServer",
+                   "kvargs": "sglang.srt.disaggregation.base.conn", "fake": "FakeKVManager"}
+
+
+def test_unsupported_sglang_is_refused_at_start(tmp_path):
+    out = _run_py("""
+        import sglang.version
+        sglang.version.__version__ = "0.4.0"
+        from kvrecv import sglang_plugin
+        print(sglang_plugin.register())
+    """, tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.strip().splitlines()[-1] == "False"
+    assert ("kvrecv: sglang 0.4.0 is not a supported release (supported: 0.5.23); "
+            "the 'kvrecv' transfer backend is not registered") in out.stderr
+
+
+def test_sglang_http_clients_against_the_bootstrap(cluster):
+    """sglang's own HTTP calls: the health check, the DP-rank registry its
+    prefill fills and the batch query its decode makes."""
+    import requests
+    from sglang.srt.disaggregation.common.conn import CommonKVReceiver
+
+    base = f"http://{cluster.addr}"
+    r = requests.get(f"{base}/health", timeout=5)
+    assert (r.status_code, r.text) == (200, "OK")
+    for room, dp in ((11, 0), (12, 0)):
+        assert requests.post(f"{base}/register_dp_rank", json={"bootstrap_room": room, "dp_rank": dp},
+                             timeout=5).status_code == 200
+    assert CommonKVReceiver.query_prefill_dp_ranks(cluster.addr, [11, 12, 13]) == {"11": 0, "12": 0}
+    info = requests.get(f"{base}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1"
+                        "&target_pp_rank=-1", timeout=5).json()
+    assert (info["attn_tp_size"], info["dp_size"], info["pp_size"], info["page_size"]) == (2, 1, 1, 1)
+    one = requests.get(f"{base}/route?prefill_dp_rank=0&prefill_cp_rank=0&target_tp_rank=1"
+                       "&target_pp_rank=0", timeout=5).json()
+    assert f"tcp://{one['rank_ip']}:{one['rank_port']}" == cluster.prefill[1].endpoint
+    r = requests.get(f"{base}/route?prefill_dp_rank=1&prefill_cp_rank=0&target_tp_rank=0"
+                     "&target_pp_rank=0", timeout=5)
+    assert (r.status_code, r.text) == (404, "Bootstrap info not found for dp_rank=1 cp_rank=0 "
+                                            "tp_rank=0 pp_rank=0")
+
+
+def _raw(addr: str, data: bytes) -> bytes:
+    host, _, port = addr.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=5) as s:
+        s.sendall(data)
+        s.shutdown(socket.SHUT_WR)
+        out = b""
+        while True:
+            chunk = s.recv(4096)
+            if not chunk:
+                return out
+            out += chunk
+
+
+@pytest.mark.parametrize("data,status", [
+    (b"\xff\x00\x00\x00\x00\x00\x00\x00\x01\x7f", b"400"),          # a ZMTP greeting
+    (b"GET /nowhere HTTP/1.1\r\nHost: x\r\n\r\n", b"404"),
+    (b"DELETE /route HTTP/1.1\r\nHost: x\r\n\r\n", b"405"),
+    (b"PUT /route HTTP/1.1\r\nHost: x\r\n\r\n", b"411"),
+    (b"PUT /route HTTP/1.1\r\nContent-Length: 99999999\r\n\r\n{", b"413"),
+    (b"POST /query_dp_ranks HTTP/1.1\r\nContent-Length: 3\r\n\r\n[1]", b"400"),
+    (b"GET /route?prefill_dp_rank=x HTTP/1.1\r\nHost: x\r\n\r\n", b"400"),
+], ids=["zmtp", "unknown", "method", "no-length", "huge", "not-object", "bad-query"])
+def test_bootstrap_http_junk_gets_4xx(cluster, data, status):
+    reply = _raw(cluster.addr, data)
+    assert reply.split(b" ")[1] == status, reply[:200]
+    assert fetch_json(cluster.addr, "/health")[0] == 200  # still serving
+
+
+def _put(addr, tp_rank, rank_port, instance):
+    body = {"attn_tp_size": 2, "attn_tp_rank": tp_rank, "attn_cp_size": 1, "attn_cp_rank": 0,
+            "attn_dp_size": 1, "attn_dp_rank": 0, "pp_size": 1, "pp_rank": 0,
+            "system_dp_size": 1, "system_dp_rank": 0, "rank_ip": "127.0.0.1",
+            "rank_port": rank_port, "page_size": 1, "instance_id": instance}
+    return fetch_json(addr, "/route", method="PUT", body=body)
+
+
+def test_rank_table_refuses_a_live_rank_of_another_instance():
+    """Ranks are keyed by (DP, CP, TP, PP): another instance may not take a
+    live rank; a dead one's key is taken (a restarted prefill); the same
+    instance re-registering (a restarted rank) always is."""
+    live = socket.socket()
+    live.bind(("127.0.0.1", 0))
+    live.listen(1)
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))
+    dead_port = dead.getsockname()[1]
+    dead.close()
+    server = KVRecvBootstrapServer(host="127.0.0.1", port=0)
+    try:
+        port = live.getsockname()[1]
+        addr = server.address
+        assert _put(addr, 0, port, "A") == (200, "OK")
+        status, text = _put(addr, 0, dead_port, "B")
+        assert status == 409 and text == (f"DP0 CP0 TP0 PP0 is held by live instance 'A' at "
+                                          f"127.0.0.1:{port}")
+        assert _put(addr, 0, dead_port, "A") == (200, "OK")  # rank 0 of A restarted
+        assert _put(addr, 0, port, "B") == (200, "OK")  # A's rank 0 is gone: B takes it
+    finally:
+        server.close()
+        live.close()
+
+
+def _open_one(cluster, room, dst_pages, dst_aux):
+    """Decode rank 0 and prefill rank 0 of one room, up to the prefill's
+    WaitingForInput (sglang's pop_preallocated and pop_bootstrapped)."""
+    recv = KVRecvReceiver(mgr=cluster.decode[0], bootstrap_addr=cluster.addr, bootstrap_room=room)
+    send = KVRecvSender(mgr=cluster.prefill[0], bootstrap_addr=cluster.addr, bootstrap_room=room)
+    recv.init(0)
+    assert wait_for(recv, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+    recv.send_metadata(dst_pages, dst_aux, None, decode_prefix_len=8 - len(dst_pages))
+    assert wait_for(send, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+    return recv, send
+
+
+def test_full_prefix_hit_aux_leaves_with_last_chunk(cluster):
+    """sglang's order on a full prefix hit: init(0, aux) at bootstrap, the
+    aux row written later, then a 0-page last chunk.  The decode must see
+    the row as it is at the last chunk, and not report Success before."""
+    src, dst = cluster.src[0], cluster.dst[0]
+    recv, send = _open_one(cluster, 501, np.zeros(0, dtype=np.int32), 3)
+    src.rows(0)[5][:] = 7
+    send.init(0, 5)
+    time.sleep(0.3)
+    assert recv.poll() != KVPoll.Success  # the last chunk is still to come
+    src.rows(0)[5][:] = 42  # the scheduler fills the row at the last chunk
+    assert send.should_send_kv_chunk(0, True) is True
+    send.send(np.zeros(0, dtype=np.int32), None)
+    assert wait_for(recv, KVPoll.Success) == KVPoll.Success
+    assert (dst.rows(0)[3] == 42).all()
+    recv.clear()
+    send.clear()
+
+
+def test_page_complete_chunk_that_is_not_last_keeps_the_aux_row(cluster):
+    """All pages sent in a chunk that is not the last (page-aligned chunked
+    prefill): the row must still leave with the last (0-page) chunk."""
+    src, dst = cluster.src[0], cluster.dst[0]
+    recv, send = _open_one(cluster, 502, np.arange(4, dtype=np.int32), 2)
+    src.rows(0)[6][:] = 7
+    send.init(4, 6)
+    assert send.should_send_kv_chunk(4, False)
+    send.send(np.array([10, 11, 12, 13], dtype=np.int32), None)
+    time.sleep(0.3)
+    assert recv.poll() != KVPoll.Success
+    src.rows(0)[6][:] = 42
+    assert send.should_send_kv_chunk(0, True)
+    send.send(np.zeros(0, dtype=np.int32), None)
+    assert wait_for(recv, KVPoll.Success) == KVPoll.Success
+    assert (dst.rows(0)[2] == 42).all()
+    assert (dst.pages(0)[3] == src.pages(0)[13]).all()
+    recv.clear()
+    send.clear()
+
+
+def _sglang_failure(room) -> tuple:
+    """What sglang's `except Exception as e:` in pop_transferred and
+    process_disagg_prefill_inflight_queue reads."""
+    try:
+        room.failure_exception()
+    except Exception as e:  # noqa: BLE001 - as sglang does
+        from sglang.srt.disaggregation.common.conn import KVTransferError as SglError
+
+        assert not isinstance(e, SglError)  # kvrecv's own class, same attributes
+        return type(e).__name__, e.failure_reason, e.is_from_another_rank
+    raise AssertionError("failure_exception() returned")
+
+
+def test_sibling_abort_after_this_rank_finished_raises_the_origin(cluster):
+    """Prefill rank 1 aborts after rank 0 finished its part: every rank
+    (decode 0 and prefill 0 included, whose own part succeeded) raises the
+    origin's code and reason once the MIN all-reduce says Failed."""
+    room = 503
+    recvs = [KVRecvReceiver(mgr=m, bootstrap_addr=cluster.addr, bootstrap_room=room)
+             for m in cluster.decode]
+    sends = [KVRecvSender(mgr=m, bootstrap_addr=cluster.addr, bootstrap_room=room)
+             for m in cluster.prefill]
+    for rv in recvs:
+        rv.init(0)
+        assert wait_for(rv, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+        rv.send_metadata(np.arange(2, dtype=np.int32), 1, None, decode_prefix_len=0)
+    for s in sends:
+        assert wait_for(s, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+        s.init(2, 1)
+    sends[0].should_send_kv_chunk(2, True)
+    sends[0].send(np.array([3, 4], dtype=np.int32), None)
+    assert wait_for(sends[0], KVPoll.Success) == KVPoll.Success
+    assert wait_for(recvs[0], KVPoll.Success) == KVPoll.Success
+    sends[1].abort()
+    assert wait_for(recvs[1], KVPoll.Failed) == KVPoll.Failed
+    time.sleep(0.5)  # the siblings publish the cause
+    reason = f"room {room}: aborted by prefill rank 1"
+    want_other = ("KVAbortedError", reason, True)
+    assert _sglang_failure(sends[1])[:2] == ("KVAbortedError", reason)
+    for rank_room in (sends[0], recvs[0], recvs[1]):
+        got = _sglang_failure(rank_room)
+        assert got[0] == want_other[0] and reason in got[1], got
+    assert _sglang_failure(sends[0])[2] is not None
+    for r in recvs + sends:
+        r.clear()
+
+
+def test_deferred_release_waits_for_the_room_to_drain(cluster):
+    """sglang's deferred KV release: ensure_abort_notified(), then
+    kv_mgr.is_abort_release_safe() only once no byte can land."""
+    mgr = cluster.decode[0]
+    assert mgr.enable_deferred_decode_kv_release is True
+    rv = KVRecvReceiver(mgr=mgr, bootstrap_addr=cluster.addr, bootstrap_room=504)
+    rv.init(0)
+    assert wait_for(rv, KVPoll.WaitingForInput) == KVPoll.WaitingForInput
+    assert rv.kv_mgr is mgr and not rv.abort_notified
+    rv.ensure_abort_notified(force_arm=True)
+    assert rv.abort_notified and len(rv.bootstrap_infos) == 1
+    deadline = time.monotonic() + 10
+    while not mgr.is_abort_release_safe(504, 1) and time.monotonic() < deadline:
+        time.sleep(0.005)
+    assert mgr.is_abort_release_safe(504, 1)
+    assert rv.poll() == KVPoll.Failed
+    mgr.clear_deferred_abort_state(504)
+    rv.clear()
+
+
+def test_unreachable_bootstrap_is_a_logged_false_not_an_exception(cluster):
+    """sglang's decode retries try_ensure_parallel_info, then aborts the
+    receivers: the call itself must not raise."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    assert cluster.decode[0].try_ensure_parallel_info(f"127.0.0.1:{port}") is False
+    rv = KVRecvReceiver(mgr=cluster.decode[0], bootstrap_addr=f"127.0.0.1:{port}", bootstrap_room=505)
+    rv.init(0)
+    assert rv.poll() == KVPoll.Failed
+    assert _sglang_failure(rv) == (
+        "KVTransferError", f"init() before the decode manager learnt the prefill at 127.0.0.1:{port} "
+        "(try_ensure_parallel_info)", False)
+    rv.clear()
+
+
+def test_dp_rank_outside_the_prefill_fails_the_room(cluster):
+    rv = KVRecvReceiver(mgr=cluster.decode[0], bootstrap_addr=cluster.addr, bootstrap_room=506)
+    rv.init(1)
+    assert rv.poll() == KVPoll.Failed
+    assert _sglang_failure(rv)[1] == (f"prefill DP rank 1 asked for, but the prefill at "
+                                      f"{cluster.addr} has dp_size=1")
+    rv.clear()
+
+
+def test_wildcard_host_advertises_a_routable_address(monkeypatch):
+    monkeypatch.delenv("KVRECV_ADVERTISE_HOST", raising=False)
+    got = advertise_host("0.0.0.0", "127.0.0.1")
+    src = _route_source("192.0.2.1")
+    if src and not src.startswith("127."):  # this machine has a non-loopback route
+        assert not got.startswith("127."), got
+    monkeypatch.setenv("KVRECV_ADVERTISE_HOST", "127.0.0.1")
+    assert advertise_host("0.0.0.0", "10.1.2.3") == "127.0.0.1"
+    assert advertise_host("127.0.0.1", "10.1.2.3") == "127.0.0.1"
+
+
+def test_manager_keeps_sglangs_kv_args(cluster):
+    """sglang reads kv_args.state_types (and more) back from the manager."""
+    from sglang.srt.disaggregation.base.conn import KVArgs as SglKVArgs
+
+    args = SglKVArgs()
+    src = sglang_kv_args(Side(STD, rank=0))
+    for k, v in vars(src).items():
+        setattr(args, k, v)
+    args.state_types = []
+    mgr = KVRecvManager(args, DisaggregationMode.DECODE, cluster.server_args, False)
+    try:
+        assert mgr.kv_args is args and mgr.kv_args.state_types == []
+        assert mgr.supports_host_destination is False
+    finally:
+        mgr.close()
