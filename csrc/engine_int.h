@@ -287,6 +287,9 @@ const char *kvr_side(const kvr_engine_t *e);
 void kvr_room_ref(kvr_room_t *r);
 void kvr_room_unref_locked(kvr_engine_t *e, kvr_room_t *r);
 void kvr_work_push_locked(kvr_engine_t *e, kvr_room_t *r);
+/* Puts r at the head of the list *head, linked through *next, unless *on
+ * says it is there already; the list holds a reference to each room. */
+void kvr_room_list_push(kvr_room_t **head, kvr_room_t *r, int *on, kvr_room_t **next);
 int kvr_room_fail_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_failure_t *f,
                          int notify);
 int kvr_room_failf_locked(kvr_engine_t *e, kvr_room_t *r, int code, int notify,
@@ -368,7 +371,10 @@ void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r);
 void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint64_t tag,
                              int64_t aux_index, uint32_t npages, int32_t *pages);
 void kvr_pending_free(kvr_engine_t *e, kvr_pending_t *pd);
-void kvr_on_room_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m);
+/* A message from peer p (a decode on our ROUTER, or the prefill on our
+ * connection) that either side may get: ROOM_FAIL, BYE; anything else is
+ * counted as dropped.  The dispatchers of both sides end here. */
+void kvr_on_peer_msg_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m);
 void kvr_drop_locked(kvr_engine_t *e, size_t len, const char *why);
 void kvr_on_refused(kvr_engine_t *e, int kind, kvr_ctl_conn_t *conn, void *conn_ctx,
                     const void *ident, size_t ident_len, const char *from, size_t len,

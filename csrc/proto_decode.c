@@ -372,13 +372,7 @@ void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void
         break;
     case KVR_MSG_PONG:
         break;
-    case KVR_MSG_ROOM_FAIL:
-        kvr_on_room_fail_locked(e, p, &m);
-        break;
-    case KVR_MSG_BYE:
-        kvr_peer_fail_locked(e, p, KVR_PEER_LOST, "closed its manager");
-        break;
     default:
-        e->stats.ctrl_dropped++;
+        kvr_on_peer_msg_locked(e, p, &m);
     }
 }

@@ -395,7 +395,7 @@ static void kvr_on_room_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
 
 /* A ROOM_FAIL from a peer: the peer's root cause becomes ours (unless we
  * already have one). */
-void kvr_on_room_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
+static void kvr_on_room_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
 {
     kvr_room_t *r = kvr_table_get(&e->rooms, m->room);
     uint64_t mytag = r == NULL ? 0 : e->mode == KVR_MODE_DECODE ? r->tag : r->dst_tag;
@@ -429,6 +429,20 @@ void kvr_on_room_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
         return;
     }
     kvr_room_fail_locked(e, r, &f, 0);
+}
+
+void kvr_on_peer_msg_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
+{
+    switch (m->type) {
+    case KVR_MSG_ROOM_FAIL:
+        kvr_on_room_fail_locked(e, p, m);
+        break;
+    case KVR_MSG_BYE:
+        kvr_peer_fail_locked(e, p, KVR_PEER_LOST, "closed its manager");
+        break;
+    default:
+        e->stats.ctrl_dropped++;
+    }
 }
 
 /* Counts a malformed control message; logs at most one line a second. */
@@ -572,14 +586,8 @@ void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, const voi
         }
         break;
     }
-    case KVR_MSG_ROOM_FAIL:
-        kvr_on_room_fail_locked(e, p, &m);
-        break;
-    case KVR_MSG_BYE:
-        kvr_peer_fail_locked(e, p, KVR_PEER_LOST, "closed its manager");
-        break;
     default:
-        e->stats.ctrl_dropped++;
+        kvr_on_peer_msg_locked(e, p, &m);
     }
 }
 

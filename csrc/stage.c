@@ -65,13 +65,7 @@ void kvr_slot_put(kvr_engine_t *e, kvr_slot_t *s)
 void kvr_slot_wait(kvr_engine_t *e, kvr_room_t *r)
 {
     e->stats.staging_waits++;
-    if (r->slot_waiting) {
-        return;
-    }
-    r->slot_waiting = 1;
-    kvr_room_ref(r);
-    r->slot_next = e->slot_waiters;
-    e->slot_waiters = r;
+    kvr_room_list_push(&e->slot_waiters, r, &r->slot_waiting, &r->slot_next);
 }
 
 static void *kvr_event_get(kvr_engine_t *e, char *err, size_t errlen)

@@ -29,15 +29,20 @@ void kvr_room_unref_locked(kvr_engine_t *e, kvr_room_t *r)
     kvr_room_free(r);
 }
 
-void kvr_work_push_locked(kvr_engine_t *e, kvr_room_t *r)
+void kvr_room_list_push(kvr_room_t **head, kvr_room_t *r, int *on, kvr_room_t **next)
 {
-    if (r->on_work) {
+    if (*on) {
         return;
     }
-    r->on_work = 1;
+    *on = 1;
     kvr_room_ref(r);
-    r->work_next = e->work_head;
-    e->work_head = r;
+    *next = *head;
+    *head = r;
+}
+
+void kvr_work_push_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    kvr_room_list_push(&e->work_head, r, &r->on_work, &r->work_next);
 }
 
 /*
