@@ -71,8 +71,9 @@ void kvr_auth_destroy(kvr_auth_t *a)
     if (a == NULL) {
         return;
     }
-    for (size_t i = 0; i < a->senders.capacity; i++) {
-        free(a->senders.slots[i].value);
+    void *s;
+    for (kvr_table_iter_t it = {0}; (s = kvr_table_next(&a->senders, &it, NULL)) != NULL;) {
+        free(s);
     }
     kvr_table_destroy(&a->senders);
     EVP_MAC_CTX_free(a->ctx);
@@ -127,17 +128,18 @@ int kvr_auth_peek_type(const void *buf, size_t len)
 /* Forgets the sender heard least recently (the table is full). */
 static void kvr_auth_evict(kvr_auth_t *a)
 {
-    size_t victim = a->senders.capacity;
-    uint64_t oldest = UINT64_MAX;
-    for (size_t i = 0; i < a->senders.capacity; i++) {
-        kvr_auth_sender_t *s = a->senders.slots[i].value;
-        if (s != NULL && s->used < oldest) {
+    uint64_t oldest = UINT64_MAX, key, victim = 0;
+    int found = 0;
+    kvr_auth_sender_t *s;
+    for (kvr_table_iter_t it = {0}; (s = kvr_table_next(&a->senders, &it, &key)) != NULL;) {
+        if (s->used < oldest) {
             oldest = s->used;
-            victim = i;
+            victim = key;
+            found = 1;
         }
     }
-    if (victim < a->senders.capacity) {
-        free(kvr_table_remove(&a->senders, a->senders.slots[victim].key));
+    if (found) {
+        free(kvr_table_remove(&a->senders, victim));
     }
 }
 

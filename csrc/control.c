@@ -178,12 +178,8 @@ static void kvr_reject_reply(kvr_sealer_t *s, void *router, const void *ident, s
              "BootstrapServer(secret=)) must be the same on every decode, prefill and bootstrap "
              "server",
              s->who, why);
-    kvr_msg_t m;
-    memset(&m, 0, sizeof(m));
-    m.type = KVR_MSG_AUTH_REJECT;
+    kvr_msg_t m = kvr_msg_text(KVR_MSG_AUTH_REJECT, 0, 0, reason);
     m.epoch = s->epoch;
-    m.str = reason;
-    m.str_len = (uint16_t)strlen(reason);
     kvr_wbuf_t b;
     kvr_wbuf_init(&b);
     if (kvr_wire_encode(&b, &m) == 0 &&
@@ -556,22 +552,21 @@ static void kvr_bs_handle(kvr_bootstrap_t *bs, zmq_msg_t frames[2], int nf)
     if (!kvr_admit(&bs->sealer, 0, 1, zmq_msg_data(&frames[1]), &len, &kind, &why, &answer)) {
         bs->dropped++;
         bs->auth_rejected++;
-        if (answer) {
-            kvr_reject_reply(&bs->sealer, bs->router, zmq_msg_data(&frames[0]),
-                             zmq_msg_size(&frames[0]), why);
-        }
+        /* Recorded before the answer, so whoever reads the answer finds it. */
         pthread_mutex_lock(&bs->last_lock);
         snprintf(bs->last_rejected, sizeof(bs->last_rejected), "%s (%s)",
                  kvr_peer_address(&frames[1]), why);
         pthread_mutex_unlock(&bs->last_lock);
+        if (answer) {
+            kvr_reject_reply(&bs->sealer, bs->router, zmq_msg_data(&frames[0]),
+                             zmq_msg_size(&frames[0]), why);
+        }
         return;
     }
     if (kvr_wire_decode(zmq_msg_data(&frames[1]), len, &m, &why) != 0) {
         bs->dropped++;
         return;
     }
-    memset(&reply, 0, sizeof(reply));
-    reply.rank = m.rank;
     if (m.type == KVR_MSG_BS_REGISTER) {
         kvr_bs_entry_t *e = kvr_table_get(&bs->ranks, m.rank);
         if (e == NULL) {
@@ -587,17 +582,12 @@ static void kvr_bs_handle(kvr_bootstrap_t *bs, zmq_msg_t frames[2], int nf)
         e->epoch = m.epoch;
         memcpy(e->endpoint, m.str, m.str_len);
         e->endpoint[m.str_len] = '\0';
-        reply.type = KVR_MSG_BS_REGISTER_OK;
+        reply = kvr_msg_rank(KVR_MSG_BS_REGISTER_OK, m.rank);
         kvr_bs_reply(bs, &frames[0], &reply);
     } else if (m.type == KVR_MSG_BS_QUERY) {
         kvr_bs_entry_t *e = kvr_table_get(&bs->ranks, m.rank);
-        reply.type = KVR_MSG_BS_QUERY_REPLY;
-        if (e != NULL) {
-            reply.found = 1;
-            reply.peer_epoch = e->epoch;
-            reply.str = e->endpoint;
-            reply.str_len = (uint16_t)strlen(e->endpoint);
-        }
+        reply = e != NULL ? kvr_msg_bs_reply(m.rank, 1, e->epoch, e->endpoint)
+                          : kvr_msg_bs_reply(m.rank, 0, 0, NULL);
         kvr_bs_reply(bs, &frames[0], &reply);
     } else {
         bs->dropped++;
@@ -724,8 +714,9 @@ void kvr_bootstrap_stop(kvr_bootstrap_t *bs)
     zmq_close(bs->router);
     zmq_ctx_term(bs->zctx);
     close(bs->stop_fd);
-    for (size_t i = 0; i < bs->ranks.capacity; i++) {
-        free(bs->ranks.slots[i].value);
+    void *v;
+    for (kvr_table_iter_t it = {0}; (v = kvr_table_next(&bs->ranks, &it, NULL)) != NULL;) {
+        free(v);
     }
     kvr_table_destroy(&bs->ranks);
     kvr_sealer_destroy(&bs->sealer);

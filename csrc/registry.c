@@ -26,12 +26,13 @@ void kvr_registry_init(kvr_registry_t *reg)
 
 void kvr_registry_destroy(kvr_registry_t *reg)
 {
-    for (size_t i = 0; i < reg->records.capacity; i++) {
-        free(reg->records.slots[i].value);
+    void *v;
+    for (kvr_table_iter_t it = {0}; (v = kvr_table_next(&reg->records, &it, NULL)) != NULL;) {
+        free(v);
     }
     kvr_table_destroy(&reg->records);
-    for (size_t i = 0; i < reg->early.capacity; i++) {
-        free(reg->early.slots[i].value);
+    for (kvr_table_iter_t it = {0}; (v = kvr_table_next(&reg->early, &it, NULL)) != NULL;) {
+        free(v);
     }
     kvr_table_destroy(&reg->early);
     pthread_mutex_destroy(&reg->lock);

@@ -43,6 +43,8 @@
 #include <stddef.h>
 #include <stdint.h>
 
+#include "plan.h"
+
 enum {
     KVR_POLL_FAILED = 0,
     KVR_POLL_BOOTSTRAPPING = 1,
@@ -94,8 +96,7 @@ typedef struct kvr_room {
     uint32_t total_pages;   /* announced by init() */
     int32_t *src_pages;     /* source pages given so far */
     uint32_t given;         /* pages handed over by send() */
-    uint32_t posted;        /* pages whose operations were posted */
-    int aux_posted;
+    kvr_plan_cursor_t post; /* how far posting got (plan.h) */
     int64_t src_aux;
     int bound;              /* decode's request arrived */
     int32_t *dst_pages;
@@ -114,9 +115,6 @@ typedef struct kvr_room {
      * request.  Only carried: the pages exchanged cover the rest. */
     uint32_t prefix_len;
     int peer_counted;       /* counted in its decode peer's rooms (max_rooms_per_peer) */
-    uint32_t post_end;      /* end of the position range being posted (0: none) */
-    uint32_t post_buf;      /* next KV buffer to post for it */
-    uint32_t aux_post_buf;  /* next aux buffer to post */
 
     /* staging of device memory (both sides) */
     int stage_copies;       /* operations in a CUDA copy (never force-drained) */

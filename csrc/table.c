@@ -110,3 +110,39 @@ void *kvr_table_remove(kvr_table_t *t, uint64_t key)
     t->count--;
     return old;
 }
+
+void *kvr_table_next(const kvr_table_t *t, kvr_table_iter_t *it, uint64_t *key_p)
+{
+    size_t mask = t->capacity - 1;
+    if (!it->begun) {
+        /* Start after an empty slot (there always is one): removals then
+         * shift entries only from slots not visited yet into the current
+         * one, never into a visited slot. */
+        it->begun = 1;
+        it->start = 0;
+        for (size_t i = 0; i < t->capacity; i++) {
+            if (t->slots[i].value == NULL) {
+                it->start = (i + 1) & mask;
+                break;
+            }
+        }
+    }
+    while (it->step < t->capacity) {
+        const kvr_table_slot_t *s = &t->slots[(it->start + it->step++) & mask];
+        if (s->value != NULL) {
+            if (key_p != NULL) {
+                *key_p = s->key;
+            }
+            return s->value;
+        }
+    }
+    return NULL;
+}
+
+void kvr_table_remove_current(kvr_table_t *t, kvr_table_iter_t *it)
+{
+    /* Backward-shift deletion may move a later entry into this slot: the
+     * next call looks at it again. */
+    it->step--;
+    kvr_table_remove(t, t->slots[(it->start + it->step) & (t->capacity - 1)].key);
+}

@@ -29,6 +29,21 @@ int kvr_table_put(kvr_table_t *t, uint64_t key, void *value);
 /* Removes key; returns the old value or NULL. */
 void *kvr_table_remove(kvr_table_t *t, uint64_t key);
 
-/* Iteration: for (i = 0; i < t->capacity; i++) if (t->slots[i].value) ... */
+/*
+ * Iteration:
+ *     for (kvr_table_iter_t it = {0}; (v = kvr_table_next(t, &it, &key)) != NULL;) ...
+ * returns every entry once.  key_p may be NULL.  The loop may remove the
+ * entry it was given with kvr_table_remove_current.  Other removals during
+ * the loop may make it miss an entry that moved (never repeat one); it must
+ * not insert.
+ */
+typedef struct {
+    size_t start; /* a slot right after an empty one: no cluster spans it */
+    size_t step;  /* slots looked at */
+    int begun;
+} kvr_table_iter_t;
+
+void *kvr_table_next(const kvr_table_t *t, kvr_table_iter_t *it, uint64_t *key_p);
+void kvr_table_remove_current(kvr_table_t *t, kvr_table_iter_t *it);
 
 #endif

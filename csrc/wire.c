@@ -441,3 +441,77 @@ const char *kvr_msg_type_name(int type)
     }
     return names[type];
 }
+
+static uint16_t kvr_msg_strlen(const char *s)
+{
+    return s == NULL ? 0 : (uint16_t)strnlen(s, KVR_WIRE_MAX_STR);
+}
+
+kvr_msg_t kvr_msg_rank(int type, uint32_t rank)
+{
+    kvr_msg_t m;
+    memset(&m, 0, sizeof(m));
+    m.type = (uint16_t)type;
+    m.rank = rank;
+    return m;
+}
+
+kvr_msg_t kvr_msg_text(int type, uint32_t rank, int code, const char *str)
+{
+    kvr_msg_t m = kvr_msg_rank(type, rank);
+    m.code = (uint16_t)code;
+    m.str = str;
+    m.str_len = kvr_msg_strlen(str);
+    return m;
+}
+
+kvr_msg_t kvr_msg_bs_reply(uint32_t rank, int found, uint64_t peer_epoch, const char *endpoint)
+{
+    kvr_msg_t m = kvr_msg_text(KVR_MSG_BS_QUERY_REPLY, rank, 0, endpoint);
+    m.found = (uint8_t)(found != 0);
+    m.peer_epoch = peer_epoch;
+    return m;
+}
+
+kvr_msg_t kvr_msg_hello(int type, uint32_t rank, const kvr_wire_layout_t *layout, const void *addr,
+                        uint32_t addr_len)
+{
+    kvr_msg_t m = kvr_msg_rank(type, rank);
+    m.layout = *layout;
+    m.addr = addr;
+    m.addr_len = addr_len;
+    return m;
+}
+
+kvr_msg_t kvr_msg_room_req(uint64_t room, uint64_t tag, int64_t aux_index, uint32_t npages,
+                           const unsigned char *pages, uint32_t prefix_len)
+{
+    kvr_msg_t m = kvr_msg_room_done(room, tag);
+    m.type = KVR_MSG_ROOM_REQ;
+    m.aux_index = aux_index;
+    m.npages = npages;
+    m.pages = pages;
+    m.prefix_len = prefix_len;
+    return m;
+}
+
+kvr_msg_t kvr_msg_room_done(uint64_t room, uint64_t tag)
+{
+    kvr_msg_t m = kvr_msg_rank(KVR_MSG_ROOM_DONE, 0);
+    m.room = room;
+    m.tag = tag;
+    return m;
+}
+
+kvr_msg_t kvr_msg_fail(int type, uint64_t room, uint64_t tag, int code, int32_t origin_rank,
+                       const char *reason, const char *peer)
+{
+    kvr_msg_t m = kvr_msg_text(type, 0, code, reason);
+    m.room = room;
+    m.tag = tag;
+    m.origin_rank = origin_rank;
+    m.peer = peer;
+    m.peer_len = kvr_msg_strlen(peer);
+    return m;
+}
+

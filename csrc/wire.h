@@ -88,6 +88,32 @@ typedef struct {
     kvr_wire_layout_t layout;
 } kvr_msg_t;
 
+/*
+ * Constructors: each returns a message of its type with the fields that
+ * type carries set and every other field zero (epoch included: the sender
+ * sets it).  Strings and arrays are not copied; they must outlive the
+ * encoding.  A string counts up to KVR_WIRE_MAX_STR bytes (the encoder's
+ * limit).  Pure; any thread.
+ */
+/* PING, PONG, BYE, BS_QUERY, BS_REGISTER_OK: the sender's rank only. */
+kvr_msg_t kvr_msg_rank(int type, uint32_t rank);
+/* BS_REGISTER (str: our endpoint), HELLO_REJECT (code, str: the reason),
+ * AUTH_REJECT (str: the reason). */
+kvr_msg_t kvr_msg_text(int type, uint32_t rank, int code, const char *str);
+/* BS_QUERY_REPLY. */
+kvr_msg_t kvr_msg_bs_reply(uint32_t rank, int found, uint64_t peer_epoch, const char *endpoint);
+/* HELLO and HELLO_OK (a HELLO's tcp_rx_seg is set by the caller). */
+kvr_msg_t kvr_msg_hello(int type, uint32_t rank, const kvr_wire_layout_t *layout, const void *addr,
+                        uint32_t addr_len);
+/* ROOM_REQ: pages is npages little-endian int32. */
+kvr_msg_t kvr_msg_room_req(uint64_t room, uint64_t tag, int64_t aux_index, uint32_t npages,
+                           const unsigned char *pages, uint32_t prefix_len);
+/* ROOM_DONE. */
+kvr_msg_t kvr_msg_room_done(uint64_t room, uint64_t tag);
+/* ROOM_FAIL and SIB_FAIL: a room's root cause; peer may be NULL (""). */
+kvr_msg_t kvr_msg_fail(int type, uint64_t room, uint64_t tag, int code, int32_t origin_rank,
+                       const char *reason, const char *peer);
+
 /* A growable output buffer for the encoders. */
 typedef struct {
     unsigned char *data;

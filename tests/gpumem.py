@@ -20,7 +20,11 @@ def build_fake(out_dir: str) -> str:
     """Compiles the fake runtime into out_dir; returns the .so path."""
     out = os.path.join(out_dir, "libfakecudart.so")
     cc = os.environ.get("CC", "gcc")
-    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-pthread", "-o", out, FAKE_SRC],
+    # -Bsymbolic: the fake's calls to its own functions (cudaSetDevice asks
+    # cudaGetDeviceCount) stay inside it even when a real libcudart was
+    # loaded globally before (torch, imported by the sglang tests).
+    subprocess.run([cc, "-shared", "-fPIC", "-O1", "-pthread", "-Wl,-Bsymbolic", "-o", out,
+                    FAKE_SRC],
                    check=True, capture_output=True, text=True)
     return out
 

@@ -188,7 +188,7 @@ def auto_run_bytes(transport: str) -> int:
 def shm_eager_room(kv_items, aux_items, npages: int) -> bool:
     """Over shared memory, a room of host buffers this small (items of at
     most SHM_EAGER_BYTES, at most SHM_EAGER_ROOM_BYTES in all) goes as eager
-    messages of at most SHM_EAGER_BYTES (engine.c, kvr_post_locked)."""
+    messages of at most SHM_EAGER_BYTES (post.c, kvr_post_limits)."""
     return (max(kv_items) <= SHM_EAGER_BYTES and max(aux_items, default=0) <= SHM_EAGER_BYTES
             and npages * sum(kv_items) + sum(aux_items) <= SHM_EAGER_ROOM_BYTES)
 
@@ -196,7 +196,7 @@ def shm_eager_room(kv_items, aux_items, npages: int) -> bool:
 def position_groups(src, dst, item_max: int, run_bytes: int, cap: int = COALESCE_BYTES,
                     max_pages: int = 1 << 62):
     """The position ranges of a room's data messages, for pages handed over
-    at once: the engine's rule (engine.c, kvr_post_locked).  A run
+    at once: the engine's rule (plan.c, kvr_post_plan).  A run
     (consecutive on both sides) of at least run_bytes or max_pages pages
     goes alone, cut at max_pages; shorter runs in a row share a range of at
     most cap bytes, max_pages pages and MAX_IOV runs (the first run of a
@@ -234,8 +234,8 @@ def count_messages(src, dst, item_max: int, run_bytes: int, cap: int = COALESCE_
 
 
 def buffer_groups(items, npages: int, pieces: int, merge: int) -> int:
-    """Messages for the buffers of one position range (engine.c,
-    kvr_buf_group): consecutive buffers share one while it stays within
+    """Messages for the buffers of one position range (plan.c,
+    kvr_plan_buf_group): consecutive buffers share one while it stays within
     merge bytes and MAX_IOV pieces."""
     msgs, b = 0, 0
     while b < len(items):

@@ -13,6 +13,7 @@
     X(table_extreme_keys, 10, 0)                                              \
     X(table_wraparound_cluster, 10, 0)                                        \
     X(table_random_vs_reference, 60, 0)                                       \
+    X(table_iterate_and_remove, 30, 0)                                        \
     X(registry_first_cause_wins, 10, 0)                                       \
     X(registry_peek_pop_drop, 10, 0)                                          \
     X(registry_many_rooms, 20, 0)                                             \
@@ -29,6 +30,7 @@
     X(wire_failure_code_zero, 10, 0)                                          \
     X(wire_limits, 30, 0)                                                     \
     X(wire_encoder_edges, 10, 0)                                              \
+    X(wire_constructors, 10, 0)                                               \
     X(wire_array_readers, 10, 0)                                              \
     X(wire_type_names, 10, 0)                                                 \
     X(am_header_round_trip, 10, 0)                                            \
@@ -47,6 +49,12 @@
     X(room_random_walk, 30, 0)                                                \
     X(room_run_length, 10, 0)                                                 \
     X(room_pages_check, 10, 0)                                                \
+    X(plan_long_run_alone, 10, 0)                                             \
+    X(plan_coalesce_and_cut, 10, 0)                                           \
+    X(plan_merge_buffers, 10, 0)                                              \
+    X(plan_resume_and_aux, 10, 0)                                             \
+    X(plan_hold_retries_same, 10, 0)                                          \
+    X(plan_random_cover, 60, 0)                                               \
     X(room_claim_once, 10, 0)                                                 \
     X(log_utf8_trim, 10, 0)                                                   \
     X(registry_early_bounded, 10, 0)                                          \

@@ -240,3 +240,41 @@ TEST_IMPL(table_random_vs_reference)
     }
     kvr_table_destroy(&t);
 }
+
+/* The iterator returns every entry once; removing the current entry as it
+ * goes (backward shifts included) neither skips nor repeats one. */
+TEST_IMPL(table_iterate_and_remove)
+{
+    uint64_t seed = 12345;
+    for (int round = 0; round < 50; round++) {
+        kvr_table_t t;
+        kvr_table_init(&t);
+        static uint64_t keys[2000];
+        static uint8_t seen[2000];
+        int n = 1 + (int)(test_rand(&seed) % 2000);
+        for (int i = 0; i < n; i++) {
+            keys[i] = test_rand(&seed) | 1;
+            seen[i] = 0;
+            ASSERT_EQ(kvr_table_put(&t, keys[i], &keys[i]), 0);
+        }
+        kvr_table_iter_t it = {0};
+        uint64_t key;
+        uint64_t *v;
+        int visits = 0;
+        while ((v = kvr_table_next(&t, &it, &key)) != NULL) {
+            int i = (int)(v - keys);
+            ASSERT_U64_EQ(key, keys[i]);
+            ASSERT_EQ(seen[i], 0);
+            seen[i] = 1;
+            visits++;
+            if (key % 4 == 1) {
+                kvr_table_remove_current(&t, &it);
+            }
+        }
+        ASSERT_EQ(visits, n);
+        for (int i = 0; i < n; i++) {
+            ASSERT_EQ(kvr_table_get(&t, keys[i]) != NULL, keys[i] % 4 != 1);
+        }
+        kvr_table_destroy(&t);
+    }
+}

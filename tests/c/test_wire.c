@@ -2,6 +2,7 @@
 
 #include <string.h>
 
+#include "../../csrc/status.h"
 #include "../../csrc/wire.h"
 
 static const unsigned char kv_lens[3 * 8] = {
@@ -734,4 +735,46 @@ TEST_IMPL(wire_hello_tcp_rx_seg)
     ok.tcp_rx_seg = 9;
     check_no_u32_tail(&ok, &d);
     ASSERT_EQ(d.tcp_rx_seg, 0);
+}
+
+/* The constructors set what their type carries; it survives the wire. */
+TEST_IMPL(wire_constructors)
+{
+    kvr_wbuf_t b;
+    kvr_wbuf_init(&b);
+    unsigned char lens[8] = {0, 16, 0, 0, 0, 0, 0, 0}, pages[8] = {5, 0, 0, 0, 9, 0, 0, 0};
+    kvr_wire_layout_t layout = {16, 1, lens, 0, NULL};
+    char addr[3] = {1, 2, 3};
+    kvr_msg_t ms[] = {
+        kvr_msg_rank(KVR_MSG_PING, 3),
+        kvr_msg_text(KVR_MSG_HELLO_REJECT, 3, KVR_LAYOUT_MISMATCH, "no"),
+        kvr_msg_bs_reply(3, 1, 0xfeed, "tcp://h:1"),
+        kvr_msg_hello(KVR_MSG_HELLO_OK, 3, &layout, addr, 3),
+        kvr_msg_room_req(42, 7, -1, 2, pages, 11),
+        kvr_msg_room_done(42, 7),
+        kvr_msg_fail(KVR_MSG_SIB_FAIL, 42, 0, KVR_PEER_LOST, 2, "lost", "10.0.0.1:5"),
+        kvr_msg_fail(KVR_MSG_ROOM_FAIL, 42, 7, KVR_TIMEOUT, 1, "late", NULL),
+    };
+    for (size_t i = 0; i < sizeof(ms) / sizeof(ms[0]); i++) {
+        kvr_msg_t d;
+        const char *why = NULL;
+        ASSERT_EQ(ms[i].epoch, 0);
+        ms[i].epoch = 99;
+        ASSERT_EQ(kvr_wire_encode(&b, &ms[i]), 0);
+        ASSERT_EQ(kvr_wire_decode(b.data, b.len, &d, &why), 0);
+        assert_same(&ms[i], &d);
+    }
+    ASSERT_EQ(ms[1].code, KVR_LAYOUT_MISMATCH);
+    ASSERT_EQ(ms[1].str_len, 2);
+    ASSERT_EQ(ms[2].found, 1);
+    ASSERT_U64_EQ(ms[2].peer_epoch, 0xfeed);
+    ASSERT_EQ(ms[4].prefix_len, 11);
+    ASSERT_EQ(ms[4].aux_index, -1);
+    ASSERT_EQ(ms[6].peer_len, 10);
+    ASSERT_EQ(ms[7].peer_len, 0);
+    /* A reason longer than the wire takes counts as the longest it takes. */
+    static char big[KVR_WIRE_MAX_STR + 100];
+    memset(big, 'x', sizeof(big) - 1);
+    ASSERT_EQ(kvr_msg_text(KVR_MSG_AUTH_REJECT, 0, 0, big).str_len, KVR_WIRE_MAX_STR);
+    kvr_wbuf_free(&b);
 }

@@ -1,0 +1,409 @@
+/*
+ * engine internals: the types and functions the files of the engine share
+ * (never the binding, which sees engine.h only).
+ *
+ * The map, following a prefill send() down to the wire:
+ *   handle.c        kvr_handle_send: pages into the room, then
+ *   post.c          kvr_post_locked: may the room post, with which limits;
+ *   plan.c          kvr_post_plan: which message next;
+ *   post.c          kvr_post_one_locked: one message, staged or not;
+ *   op.c            kvr_op_new, kvr_op_send_locked -> transport.c;
+ *   stage.c         (device memory) the copy into a slot first;
+ *   op.c            kvr_op_end_locked on completion;
+ *   proto_prefill.c the decode's ROOM_DONE: kvr_check_prefill_done_locked;
+ *   work.c          kvr_room_succeeded_locked, or kvr_room_fail_locked.
+ * engine.c runs the loop that drives all of it; peer.c, sibling.c and
+ * timer.c keep the connections, the siblings and the deadlines.
+ *
+ * Threads and locks: every function here expects the engine lock held
+ * (struct kvr_engine.lock), whether or not its name ends in _locked, except
+ * the transport and control callbacks (which the transport calls from the
+ * progress it was given, under the lock, and which the *_entry wrappers of
+ * engine.c lock for) and the few that say otherwise.  Functions that touch
+ * sockets run on the engine thread only; the API calls of handle.c that run
+ * under the lock on the caller's thread leave socket work on the work list.
+ * None of them blocks.
+ *
+ * Errors: functions returning int return 0, or a KVR_E* code with a message
+ * in err (kvr_err), unless their comment says otherwise.  Failures of a room
+ * or a peer are not returned: they are recorded (kvr_room_fail_locked,
+ * kvr_peer_fail_locked) and reported by poll().
+ */
+#ifndef KVR_ENGINE_INT_H
+#define KVR_ENGINE_INT_H
+
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "control.h"
+#include "cuda.h"
+#include "engine.h"
+#include "log.h"
+#include "room.h"
+#include "table.h"
+#include "transport.h"
+#include "wire.h"
+
+/* ------------------------------------------------------------------ */
+/* Types                                                               */
+/* ------------------------------------------------------------------ */
+
+/* Peer states: see the diagram in peer.c. */
+
+enum { KVR_PEER_RESOLVING, KVR_PEER_CONNECTING, KVR_PEER_READY, KVR_PEER_FAILED };
+enum { KVR_PEER_IS_PREFILL, KVR_PEER_IS_DECODE };
+
+#define KVR_MS ((uint64_t)1000000)
+#define KVR_MAX_DEAD 1024
+#define KVR_MAX_PENDING_PAGES (16u << 20) /* held by pending requests: 64 MiB */
+#define KVR_SCAN_NS (5 * KVR_MS) /* period of the timer scans over all rooms */
+#define KVR_BUSY_POLL_NS (100 * 1000) /* socket polls of a busy engine loop */
+#define KVR_TCP_RUN_BYTES (64u << 10)  /* auto coalesce_run_bytes over tcp */
+#define KVR_SHM_EAGER_ROOM_BYTES (512u << 10) /* rooms sent as eager messages over shm */
+#define KVR_POLL_PROGRESS_NS (10 * 1000) /* poll(): at most one UCX progress per */
+#define KVR_STAGE_NAP_NS (10 * 1000)  /* between polls of staging copies */
+
+typedef struct kvr_peer {
+    int kind;
+    int state;
+    uint64_t epoch;             /* remote instance epoch; 0 before known */
+    int remote_rank;
+    char key[160];              /* decode: bootstrap addr; prefill: routing id */
+    char name[160];             /* "host:port" for reasons and logs */
+    kvr_ctl_conn_t *bs_conn;    /* decode: to the bootstrap server */
+    kvr_ctl_conn_t *conn;       /* decode: to the prefill's ROUTER */
+    unsigned char ident[KVR_IDENT_MAX];
+    size_t ident_len;           /* prefill: the decode's routing id */
+    kvr_tp_worker_t *worker;    /* our UCX worker for this peer (see transport.h) */
+    kvr_tp_ep_t *ep;            /* endpoint from it to the peer's worker */
+    kvr_ctl_conn_t *vconn;      /* decode: re-checking the bootstrap registration */
+    int verifying;
+    uint64_t verified_ns;
+    uint64_t verify_deadline_ns;
+    void *worker_addr;          /* prefill: the decode's worker address */
+    size_t worker_addr_len;
+    uint64_t last_heard_ns;
+    uint64_t last_data_ns;      /* a data operation with this peer completed */
+    uint64_t next_ping_ns;
+    uint64_t next_try_ns;
+    uint64_t resolve_deadline_ns;
+    uint32_t nrooms;            /* prefill: requests of this decode pending or bound */
+    int ep_err;                 /* an endpoint error seen off the engine thread */
+    kvr_tp_ep_t *ep_err_ep;     /* on this endpoint */
+    char ep_err_text[128];
+    struct kvr_peer *next;
+} kvr_peer_t;
+
+/* A pinned host buffer that device memory is staged through. */
+typedef struct kvr_slot {
+    char *buf;
+    struct kvr_slot *next;
+} kvr_slot_t;
+
+/* Where a staged operation is (kvr_op_t.stage). */
+enum {
+    KVR_STAGE_NONE = 0, /* not staged: UCX reads/writes the pieces themselves */
+    KVR_STAGE_D2H = 1,  /* prefill: device pieces -> slot copy in flight */
+    KVR_STAGE_XFER = 2, /* the slot is with UCX (send or receive) */
+    KVR_STAGE_H2D = 3,  /* decode: slot -> device pieces copy in flight */
+};
+
+typedef struct kvr_op {
+    kvr_tp_op_t base; /* first: the transport hands this pointer back */
+    kvr_room_t *room;
+    uint64_t len;
+    struct kvr_op *prev, *next; /* the room's operations in flight */
+    /* staging (device memory without UCX support for it) */
+    int stage;                  /* KVR_STAGE_* */
+    int mixed;                  /* decode: pieces of several buffers, host or device */
+    kvr_slot_t *slot;           /* the pinned slot, or */
+    void *bounce;               /* a heap buffer (decode, no slot fit) */
+    void *event;                /* recorded after the copy */
+    struct kvr_op *stage_next;  /* the engine's FIFO of copies in flight */
+    kvr_tp_iov_t siov;          /* the contiguous staging piece UCX sees */
+    /* UCX 1.13 reads an AM header until the send completes: it lives here. */
+    unsigned char hdr[KVR_AM_HEADER_LEN];
+    uint32_t niov;
+    /* The pieces of the message: the sender's source runs, or the
+     * receiver's destination runs (UCX reads them until completion). */
+    kvr_tp_iov_t iov[];
+} kvr_op_t;
+
+/* A decode request that reached the prefill before its KVSender. */
+typedef struct {
+    kvr_peer_t *peer;
+    uint64_t tag;
+    int64_t aux_index;
+    uint32_t npages;
+    int32_t *pages;
+    uint32_t prefix_len;
+    uint64_t arrived_ns;
+} kvr_pending_t;
+
+/* Rate limit of one kind of WARNING. */
+typedef struct {
+    uint64_t last_ns;
+    uint64_t held;
+} kvr_ratelog_t;
+
+/* A root cause waiting to be published to the siblings. */
+typedef struct kvr_sib_out {
+    uint64_t room;
+    kvr_failure_t f;
+    struct kvr_sib_out *next;
+} kvr_sib_out_t;
+
+struct kvr_engine {
+    int mode;
+    int rank;
+    uint64_t epoch;
+    kvr_config_t cfg;
+    char host[128];
+    char bootstrap_addr[128];
+    uint32_t page_size;
+    uint32_t nkv, naux;
+    uint64_t *kv_ptrs, *kv_lens, *kv_item;
+    uint64_t kv_item_max; /* the widest KV item */
+    uint64_t *aux_ptrs, *aux_lens, *aux_item;
+    uint64_t aux_item_max; /* the widest aux item */
+    int64_t min_pages;   /* pages every KV buffer has */
+    int64_t aux_rows;    /* rows every aux buffer has */
+    uint64_t page_bytes; /* sum of kv item lengths */
+    uint64_t aux_bytes;  /* sum of aux item lengths */
+    unsigned char *layout_kv; /* little-endian copies for the wire */
+    unsigned char *layout_aux;
+
+    pthread_mutex_t lock;
+    pthread_t thread;
+    int thread_started;
+    int wake_fd;
+    int stopping;
+    int closed;
+
+    kvr_registry_t registry;
+    kvr_transport_t *tp;
+    kvr_ctl_t *ctl;
+    kvr_table_t rooms;   /* id -> room (open rooms) */
+    kvr_table_t tags;    /* tag -> room (rooms alive, for data lookup) */
+    kvr_table_t pending; /* room id -> kvr_pending_t* (prefill) */
+    uint64_t pending_pages; /* pages the pending requests hold */
+    kvr_room_t *work_head;
+    kvr_peer_t *peers;
+    /* decode: poll() progressing UCX from the caller's thread */
+    int off_thread;               /* set while it does (under the lock) */
+    int ep_err_pending;           /* a peer has ep_err set */
+    _Atomic uint64_t poll_progress_ns; /* when it last did */
+
+    /* prefill registration with the bootstrap server */
+    kvr_ctl_conn_t *bs_conn;
+    int registered;
+    uint64_t next_register_ns;
+
+    /* sibling ranks of this instance */
+    char **sib_eps;
+    int nsib;
+    int sib_dirty;
+    kvr_ctl_conn_t **sib_conns;
+    int nsib_conns;
+    kvr_sib_out_t *sib_out; /* failures to publish */
+    int sib_pending;
+
+    /* closed outside callbacks by kvr_reap_locked */
+    kvr_ctl_conn_t *dead_conns[KVR_MAX_DEAD];
+    int ndead_conns;
+    kvr_tp_ep_t *dead_eps[KVR_MAX_DEAD];
+    int ndead_eps;
+    kvr_tp_worker_t *dead_workers[KVR_MAX_DEAD]; /* destroyed after dead_eps are closed */
+    int ndead_workers;
+
+    kvr_log_t log;
+    uint64_t next_scan_ns; /* next timer scan over the rooms */
+    uint64_t drop_log_ns;  /* last time dropped messages were logged */
+    uint64_t drop_log_n;   /* dropped since then */
+    kvr_ratelog_t auth_log;    /* refused by authentication */
+    kvr_ratelog_t size_log;    /* oversized */
+    kvr_ratelog_t data_log;    /* foreign data messages */
+    kvr_ratelog_t refuse_log;  /* refused requests */
+    char reg_auth_error[KVR_WIRE_MAX_STR + 1]; /* prefill: why the bootstrap server refused us */
+
+    uint64_t tag_pool[64]; /* random room tags, drawn in batches */
+    int tag_pool_n;
+
+    kvr_wbuf_t wbuf;
+    kvr_stats_t stats; /* counters (room gauges are computed on demand) */
+
+    /* device memory */
+    uint8_t *kv_dev, *aux_dev; /* 1: the buffer is device memory */
+    uint32_t ndev;             /* how many are */
+    int cuda_device;           /* the device they live on */
+    int gpu_path;              /* KVR_GPU_* */
+    char gpu_why[320];
+    void *stream;              /* staging copies, in order */
+    char *pool;                /* pinned slots, staging_slot_bytes each */
+    uint32_t nslots;
+    kvr_slot_t *slots, *slot_free;
+    void **events;             /* free events */
+    uint32_t nevents, events_cap;
+    kvr_op_t *stage_head, *stage_tail; /* copies in flight, in stream order */
+    kvr_room_t *slot_waiters;  /* prefill rooms waiting for a free slot */
+
+    int test_corrupt;          /* KVR_TEST_CORRUPT_*: tests only (testhook.h) */
+
+    /* Copied at creation: readable without the lock while close() frees
+     * the transport and the control layer. */
+    char endpoint[128];
+    char transport[256];
+};
+
+/* ------------------------------------------------------------------ */
+/* engine.c: helpers                                                   */
+/* ------------------------------------------------------------------ */
+/*
+ * Logs a WARNING at most once a second per kind; the lines held back in
+ * between are counted and reported with the next one.
+ */
+void kvr_warn_limited(kvr_engine_t *e, kvr_ratelog_t *rl, const char *fmt, ...)
+    __attribute__((format(printf, 3, 4)));
+uint64_t kvr_new_tag_locked(kvr_engine_t *e);
+int kvr_err(char *err, size_t errlen, int code, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+void kvr_wake(kvr_engine_t *e);
+/* Our routing id on the peers' and siblings' ROUTERs: epoch, then rank. */
+#define KVR_ENGINE_IDENT_LEN 12
+void kvr_engine_ident(const kvr_engine_t *e, unsigned char ident[KVR_ENGINE_IDENT_LEN]);
+/* Room deadlines (the one formula): start + deadline_base_ms + the time
+ * bytes take at deadline_floor_bps; kvr_floor_ns is that last term. */
+uint64_t kvr_deadline_ns(const kvr_engine_t *e, uint64_t start_ns, uint64_t bytes);
+uint64_t kvr_floor_ns(const kvr_engine_t *e, uint64_t bytes);
+const char *kvr_side(const kvr_engine_t *e);
+
+/* ------------------------------------------------------------------ */
+/* work.c: references, the work list, failing and succeeding           */
+/* ------------------------------------------------------------------ */
+/* Rooms are freed when the last reference goes (table, handle, operations,
+ * the work list, the slot-wait list).  Any thread, lock held. */
+void kvr_room_ref(kvr_room_t *r);
+void kvr_room_unref_locked(kvr_engine_t *e, kvr_room_t *r);
+void kvr_work_push_locked(kvr_engine_t *e, kvr_room_t *r);
+/* Puts r at the head of the list *head, linked through *next, unless *on
+ * says it is there already; the list holds a reference to each room. */
+void kvr_room_list_push(kvr_room_t **head, kvr_room_t *r, int *on, kvr_room_t **next);
+int kvr_room_fail_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_failure_t *f,
+                         int notify);
+int kvr_room_failf_locked(kvr_engine_t *e, kvr_room_t *r, int code, int notify,
+                                 const char *fmt, ...) __attribute__((format(printf, 5, 6)));
+void kvr_room_succeeded_locked(kvr_engine_t *e, kvr_room_t *r);
+void kvr_failure_from_msg(kvr_failure_t *f, const kvr_msg_t *m, const char *peer);
+void kvr_service_peer_rooms_locked(kvr_engine_t *e, kvr_peer_t *p);
+void kvr_drain_work_locked(kvr_engine_t *e);
+
+/* ------------------------------------------------------------------ */
+/* peer.c                                                              */
+/* ------------------------------------------------------------------ */
+/* Encode m with our epoch and send it to peer p (its connection, or our
+ * ROUTER for a decode peer); a lost message is covered by heartbeats and
+ * deadlines.  Engine thread. */
+void kvr_send_ctrl_to_peer(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m);
+void kvr_send_conn_locked(kvr_engine_t *e, kvr_ctl_conn_t *conn, const kvr_msg_t *m);
+void kvr_fill_layout(kvr_engine_t *e, kvr_wire_layout_t *l);
+int kvr_layout_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *why, size_t n);
+kvr_peer_t *kvr_peer_find(kvr_engine_t *e, int kind, const char *key);
+kvr_peer_t *kvr_peer_new(kvr_engine_t *e, int kind, const char *key);
+void kvr_peer_disconnect(kvr_engine_t *e, kvr_peer_t *p);
+int kvr_peer_worker(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen);
+void kvr_reap_locked(kvr_engine_t *e);
+void kvr_tell_room_failed(kvr_engine_t *e, kvr_peer_t *p, kvr_room_t *r, int code);
+void kvr_peer_fail_locked(kvr_engine_t *e, kvr_peer_t *p, int code, const char *what);
+int kvr_peer_resolve(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen);
+void kvr_bs_query(kvr_engine_t *e, kvr_ctl_conn_t *conn);
+void kvr_peer_hello(kvr_engine_t *e, kvr_peer_t *p);
+void kvr_peer_verify_locked(kvr_engine_t *e, kvr_peer_t *p);
+void kvr_peer_verified_locked(kvr_engine_t *e, kvr_peer_t *p, int found, uint64_t epoch);
+void kvr_on_ep_error(void *arg, void *ep_ctx, const char *status_text);
+void kvr_ep_errors_locked(kvr_engine_t *e);
+
+/* ------------------------------------------------------------------ */
+/* sibling.c: engine thread                                            */
+/* ------------------------------------------------------------------ */
+void kvr_siblings_locked(kvr_engine_t *e);
+void kvr_on_sib_fail_locked(kvr_engine_t *e, const kvr_msg_t *m);
+
+/* ------------------------------------------------------------------ */
+/* op.c: operations in flight                                          */
+/* ------------------------------------------------------------------ */
+/* kvr_on_recv_done / kvr_on_send_done are the transport's completion
+ * callbacks: they run inside kvr_tp_progress, under the lock, on the
+ * engine thread or (decode) poll()'s caller. */
+kvr_op_t *kvr_op_new(kvr_room_t *r, uint64_t len, uint32_t niov);
+void kvr_op_end_locked(kvr_engine_t *e, kvr_op_t *op, int failed, const char *status_text);
+void kvr_on_recv_done(void *arg, kvr_tp_op_t *tp_op, size_t len, int failed,
+                      const char *status_text);
+void kvr_on_send_done(void *arg, kvr_tp_op_t *op, int failed, const char *status_text);
+uint32_t kvr_msg_pieces(const kvr_engine_t *e, const kvr_am_header_t *h,
+                        const int32_t *pages, int64_t row, kvr_tp_iov_t *out,
+                        uint64_t *bytes);
+void kvr_op_send_locked(kvr_engine_t *e, kvr_room_t *r, kvr_op_t *op,
+                        const kvr_tp_iov_t *iov, uint32_t niov, int host);
+
+/* ------------------------------------------------------------------ */
+/* stage.c: device memory                                              */
+/* ------------------------------------------------------------------ */
+/* kvr_gpu_setup runs in kvr_engine_create before the thread starts (no
+ * lock needed), kvr_gpu_free in kvr_engine_free after it stopped. */
+kvr_slot_t *kvr_slot_get(kvr_engine_t *e);
+void kvr_slot_put(kvr_engine_t *e, kvr_slot_t *s);
+void kvr_slot_wait(kvr_engine_t *e, kvr_room_t *r);
+void kvr_op_unstage(kvr_engine_t *e, kvr_op_t *op);
+int kvr_stage_copy_locked(kvr_engine_t *e, kvr_op_t *op, int d2h, char *err,
+                          size_t errlen);
+unsigned kvr_stage_poll_locked(kvr_engine_t *e);
+void kvr_stage_finish_locked(kvr_engine_t *e);
+int kvr_gpu_setup(kvr_engine_t *e, const kvr_engine_params_t *p, char *err, size_t errlen);
+void kvr_gpu_free(kvr_engine_t *e);
+
+/* ------------------------------------------------------------------ */
+/* proto_prefill.c: messages on our ROUTER; engine thread              */
+/* ------------------------------------------------------------------ */
+void kvr_rejected_fail_locked(kvr_engine_t *e, kvr_room_t *r);
+void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r);
+void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint64_t tag,
+                             int64_t aux_index, uint32_t npages, int32_t *pages);
+void kvr_pending_free(kvr_engine_t *e, kvr_pending_t *pd);
+/* A message from peer p (a decode on our ROUTER, or the prefill on our
+ * connection) that either side may get: ROOM_FAIL, BYE; anything else is
+ * counted as dropped.  The dispatchers of both sides end here. */
+void kvr_on_peer_msg_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m);
+void kvr_drop_locked(kvr_engine_t *e, size_t len, const char *why);
+void kvr_on_refused(kvr_engine_t *e, int kind, kvr_ctl_conn_t *conn, void *conn_ctx,
+                    const void *ident, size_t ident_len, const char *from, size_t len,
+                    const char *why);
+void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, const void *data,
+                       size_t len);
+void kvr_register_tick_locked(kvr_engine_t *e, uint64_t now);
+
+/* ------------------------------------------------------------------ */
+/* proto_decode.c: messages on our connections, data arriving          */
+/* ------------------------------------------------------------------ */
+/* kvr_on_data is the transport's data callback (under the lock, inside
+ * kvr_tp_progress): it accepts a message into the room's pages, or rejects
+ * it. */
+void kvr_send_done_locked(kvr_engine_t *e, kvr_room_t *r);
+void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, int rndv,
+                 kvr_tp_accept_t *acc);
+void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r);
+void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void *data,
+                     size_t len);
+
+/* ------------------------------------------------------------------ */
+/* post.c: engine thread, or send()'s caller holding the lock          */
+/* ------------------------------------------------------------------ */
+void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r);
+
+/* ------------------------------------------------------------------ */
+/* timer.c: engine thread, once per loop pass                          */
+/* ------------------------------------------------------------------ */
+void kvr_timers_locked(kvr_engine_t *e);
+
+#endif

@@ -1,0 +1,478 @@
+/*
+ * handle: the calls the binding makes on a room (engine.h): open, init,
+ * send_metadata, send, poll, failure, abort, clear, release.  Any thread;
+ * each takes the engine lock briefly (poll only tries it) and wakes the
+ * engine thread when it left work for it.
+ */
+#include "engine_int.h"
+
+#include <inttypes.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <time.h>
+
+static kvr_engine_t *kvr_handle_engine(kvr_handle_t *h)
+{
+    return h->owner;
+}
+
+/* Takes the lock and checks that the handle is usable. */
+static int kvr_handle_enter(kvr_handle_t *h, char *err, size_t errlen)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    pthread_mutex_lock(&e->lock);
+    if (e->closed) {
+        pthread_mutex_unlock(&e->lock);
+        return kvr_err(err, errlen, KVR_ERUNTIME, "the manager is closed");
+    }
+    if (!h->in_table) {
+        pthread_mutex_unlock(&e->lock);
+        return kvr_err(err, errlen, KVR_ERUNTIME, "room %" PRIu64 " was cleared", h->id);
+    }
+    return 0;
+}
+
+/* Checks page indices against the registered pages. */
+static int kvr_handle_pages_check(const kvr_engine_t *e, const int32_t *pages, size_t n, char *err,
+                                  size_t errlen)
+{
+    long bad = kvr_pages_check(pages, n, e->min_pages);
+    if (bad >= 0) {
+        return kvr_err(err, errlen, KVR_EVALUE,
+                       "kv_indices[%ld]=%d is outside the registered pages [0, %" PRId64 ")", bad,
+                       pages[bad], e->min_pages);
+    }
+    return 0;
+}
+
+int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
+                    kvr_handle_t **h_p, char *err, size_t errlen)
+{
+    pthread_mutex_lock(&e->lock);
+    int rc = 0;
+    if (e->closed) {
+        rc = kvr_err(err, errlen, KVR_ERUNTIME, "the manager is closed");
+        goto out;
+    }
+    if (kvr_table_get(&e->rooms, room) != NULL) {
+        rc = kvr_err(err, errlen, KVR_EVALUE,
+                     "bootstrap_room %" PRIu64 " is already in use on this manager", room);
+        goto out;
+    }
+    if (e->rooms.count >= e->cfg.max_rooms) {
+        rc = kvr_err(err, errlen, KVR_ERUNTIME, "too many open rooms (max_rooms=%u)",
+                     e->cfg.max_rooms);
+        goto out;
+    }
+    kvr_room_t *r = kvr_room_new(room, kvr_new_tag_locked(e),
+                                 e->mode == KVR_MODE_PREFILL ? KVR_ROLE_PREFILL : KVR_ROLE_DECODE);
+    if (r == NULL) {
+        rc = kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+        goto out;
+    }
+    r->owner = e;
+    snprintf(r->bootstrap_addr, sizeof(r->bootstrap_addr), "%s",
+             bootstrap_addr ? bootstrap_addr : "");
+    if (kvr_table_put(&e->rooms, room, r) != 0 || kvr_table_put(&e->tags, r->tag, r) != 0) {
+        kvr_table_remove(&e->rooms, room);
+        kvr_room_free(r);
+        rc = kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+        goto out;
+    }
+    r->in_table = 1;
+    r->refs = 2; /* table + handle */
+    kvr_failure_t prior;
+    if (kvr_registry_pop_early(&e->registry, room, &prior) &&
+        (prior.from_sibling || prior.from_remote) &&
+        kvr_now_ns() - prior.time_ns < e->cfg.bootstrap_timeout_ms * KVR_MS) {
+        /* A sibling or the peer failed this room before this rank opened it. */
+        kvr_room_fail_locked(e, r, &prior, 0);
+    }
+    if (e->mode == KVR_MODE_PREFILL) {
+        /* Wait for the decode's request, within the bootstrap timeout. */
+        r->started_ns = kvr_now_ns();
+        r->deadline_ns = r->started_ns + e->cfg.bootstrap_timeout_ms * KVR_MS;
+        kvr_pending_t *pd = kvr_table_remove(&e->pending, room);
+        if (pd != NULL) {
+            if (pd->peer != NULL && pd->peer->state == KVR_PEER_READY) {
+                r->prefix_len = pd->prefix_len;
+                kvr_bind_request_locked(e, r, pd->peer, pd->tag, pd->aux_index, pd->npages,
+                                        pd->pages);
+                pd->pages = NULL;
+            }
+            kvr_pending_free(e, pd);
+        }
+    }
+    *h_p = r;
+out:
+    pthread_mutex_unlock(&e->lock);
+    return rc;
+}
+
+static void kvr_handle_drop_locked(kvr_engine_t *e, kvr_room_t *r, const char *why)
+{
+    if (!r->in_table) {
+        return;
+    }
+    if (!kvr_room_terminal(r) && !r->failing) {
+        kvr_room_failf_locked(e, r, KVR_ABORTED, 1, "%s", why);
+    }
+    kvr_table_remove(&e->rooms, r->id);
+    r->in_table = 0;
+    if (r->peer_counted && r->peer != NULL && r->peer->nrooms > 0) {
+        r->peer->nrooms--;
+    }
+    r->peer_counted = 0;
+    kvr_registry_drop(&e->registry, r->id);
+    kvr_work_push_locked(e, r);
+    kvr_room_unref_locked(e, r);
+}
+
+void kvr_handle_release(kvr_handle_t *h)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    pthread_mutex_lock(&e->lock);
+    if (!e->closed) {
+        kvr_handle_drop_locked(e, h, "the room's handle was released while in flight");
+    }
+    h->released = 1;
+    kvr_room_unref_locked(e, h);
+    int wake = !e->closed;
+    pthread_mutex_unlock(&e->lock);
+    if (wake) {
+        kvr_wake(e);
+    }
+}
+
+int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *bootstrap_addr,
+                         char *err, size_t errlen)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    int rc = kvr_handle_enter(h, err, errlen);
+    if (rc) {
+        return rc;
+    }
+    /* The caller names the rendezvous of the prefill DP group the decode
+     * asked for (bootstrap_addr); one rendezvous serves one DP group. */
+    (void)prefill_dp_rank;
+    if (h->init_called) {
+        rc = kvr_err(err, errlen, KVR_ERUNTIME, "init() was already called for room %" PRIu64,
+                     h->id);
+        goto out;
+    }
+    if (bootstrap_addr != NULL && bootstrap_addr[0] != '\0') {
+        if (strlen(bootstrap_addr) >= sizeof(h->bootstrap_addr)) {
+            rc = kvr_err(err, errlen, KVR_EVALUE, "bootstrap_addr '%.64s...' is too long",
+                         bootstrap_addr);
+            goto out;
+        }
+        snprintf(h->bootstrap_addr, sizeof(h->bootstrap_addr), "%s", bootstrap_addr);
+    }
+    if (h->bootstrap_addr[0] == '\0' || strchr(h->bootstrap_addr, ':') == NULL) {
+        rc = kvr_err(err, errlen, KVR_EVALUE, "bootstrap_addr '%s' is not host:port",
+                     h->bootstrap_addr);
+        goto out;
+    }
+    h->init_called = 1;
+    if (h->failing) {
+        goto out;
+    }
+    kvr_peer_t *p = kvr_peer_find(e, KVR_PEER_IS_PREFILL, h->bootstrap_addr);
+    if (p == NULL) {
+        p = kvr_peer_new(e, KVR_PEER_IS_PREFILL, h->bootstrap_addr);
+        if (p == NULL) {
+            rc = kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+            goto out;
+        }
+        p->state = KVR_PEER_FAILED; /* the engine thread resolves it */
+    }
+    h->peer = p;
+    kvr_work_push_locked(e, h);
+out:
+    pthread_mutex_unlock(&e->lock);
+    if (rc == 0) {
+        kvr_wake(e);
+    }
+    return rc;
+}
+
+int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, int64_t aux_index,
+                             uint32_t prefix_len, char *err, size_t errlen)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    int rc = kvr_handle_enter(h, err, errlen);
+    if (rc) {
+        return rc;
+    }
+    if (!h->init_called) {
+        rc = kvr_err(err, errlen, KVR_ERUNTIME, "call init() before send_metadata()");
+        goto out;
+    }
+    if (h->meta_set) {
+        rc = kvr_err(err, errlen, KVR_ERUNTIME,
+                     "send_metadata() was already called for room %" PRIu64, h->id);
+        goto out;
+    }
+    rc = kvr_handle_pages_check(e, pages, n, err, errlen);
+    if (rc != 0) {
+        goto out;
+    }
+    if (n > KVR_WIRE_MAX_PAGES) {
+        rc = kvr_err(err, errlen, KVR_EVALUE, "kv_indices has %zu pages, more than %u", n,
+                     KVR_WIRE_MAX_PAGES);
+        goto out;
+    }
+    if (aux_index >= 0 && e->naux == 0) {
+        rc = kvr_err(err, errlen, KVR_EVALUE, "aux_index=%" PRId64 " but no aux buffers are registered",
+                     aux_index);
+        goto out;
+    }
+    if (aux_index >= 0 && aux_index >= e->aux_rows) {
+        rc = kvr_err(err, errlen, KVR_EVALUE,
+                     "aux_index=%" PRId64 " is outside the registered aux rows [0, %" PRId64 ")",
+                     aux_index, e->aux_rows);
+        goto out;
+    }
+    if (n == 0 && (aux_index < 0 || e->naux == 0)) {
+        rc = kvr_err(err, errlen, KVR_EVALUE, "kv_indices is empty and there is no aux row: nothing to transfer");
+        goto out;
+    }
+    if (h->failing || kvr_room_terminal(h)) {
+        goto out; /* the failure is reported by poll() */
+    }
+    if (n) {
+        h->pages = malloc(n * sizeof(int32_t));
+        if (h->pages == NULL) {
+            rc = kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+            goto out;
+        }
+        memcpy(h->pages, pages, n * sizeof(int32_t));
+    }
+    h->npages = (uint32_t)n;
+    h->aux_index = aux_index;
+    h->prefix_len = prefix_len;
+    h->expected = (uint64_t)n * e->page_bytes + (aux_index >= 0 ? e->aux_bytes : 0);
+    h->meta_set = 1;
+    kvr_work_push_locked(e, h);
+out:
+    pthread_mutex_unlock(&e->lock);
+    if (rc == 0) {
+        kvr_wake(e);
+    }
+    return rc;
+}
+
+int kvr_handle_send_init(kvr_handle_t *h, int64_t num_pages, int64_t aux_index, char *err,
+                         size_t errlen)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    int rc = kvr_handle_enter(h, err, errlen);
+    if (rc) {
+        return rc;
+    }
+    if (h->inited) {
+        rc = kvr_err(err, errlen, KVR_ERUNTIME, "init() was already called for room %" PRIu64,
+                     h->id);
+        goto out;
+    }
+    if (num_pages < 0 || num_pages > (int64_t)KVR_WIRE_MAX_PAGES) {
+        rc = kvr_err(err, errlen, KVR_EVALUE, "num_kv_indices=%" PRId64 " must be in [0, %u]",
+                     num_pages, KVR_WIRE_MAX_PAGES);
+        goto out;
+    }
+    if (aux_index >= 0 && (e->naux == 0 || aux_index >= e->aux_rows)) {
+        rc = kvr_err(err, errlen, KVR_EVALUE,
+                     "aux_index=%" PRId64 " is outside the registered aux rows [0, %" PRId64 ")",
+                     aux_index, e->aux_rows);
+        goto out;
+    }
+    h->src_pages = malloc((size_t)(num_pages ? num_pages : 1) * sizeof(int32_t));
+    if (h->src_pages == NULL) {
+        rc = kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+        goto out;
+    }
+    h->inited = 1;
+    h->total_pages = (uint32_t)num_pages;
+    h->src_aux = aux_index;
+    if (num_pages == 0) {
+        h->ready_ns = kvr_now_ns();
+    }
+    if (h->bound && h->ndst != h->total_pages && !h->failing) {
+        kvr_room_failf_locked(e, h, KVR_LAYOUT_MISMATCH, 1,
+                              "decode asked for %u pages, prefill announced %u", h->ndst,
+                              h->total_pages);
+    }
+    /* A room of no pages is complete at init: its aux row may go now. */
+    kvr_work_push_locked(e, h);
+out:
+    pthread_mutex_unlock(&e->lock);
+    if (rc == 0) {
+        kvr_wake(e);
+    }
+    return rc;
+}
+
+int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, size_t errlen)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    int wake = 0;
+    int rc = kvr_handle_enter(h, err, errlen);
+    if (rc) {
+        return rc;
+    }
+    if (!h->inited) {
+        rc = kvr_err(err, errlen, KVR_ERUNTIME, "call init() before send()");
+        goto out;
+    }
+    if (n > (size_t)(h->total_pages - h->given)) {
+        rc = kvr_err(err, errlen, KVR_EVALUE,
+                     "send() of %zu kv_indices overruns num_kv_indices=%u (%u already sent)", n,
+                     h->total_pages, h->given);
+        goto out;
+    }
+    rc = kvr_handle_pages_check(e, pages, n, err, errlen);
+    if (rc != 0) {
+        goto out;
+    }
+    if (h->failing || kvr_room_terminal(h)) {
+        goto out; /* poll() reports the failure */
+    }
+    if (n) {
+        memcpy(h->src_pages + h->given, pages, n * sizeof(int32_t));
+    }
+    h->given += (uint32_t)n;
+    if (h->given == h->total_pages && n) {
+        h->ready_ns = kvr_now_ns();
+    }
+    wake = 1;
+    if (h->bound && !h->on_work && h->peer != NULL && h->peer->state == KVR_PEER_READY) {
+        /* Post from the caller's thread: the worker is serialized by the
+         * engine lock, and a message that leaves at once (eager) then needs
+         * no hand-off to the engine thread.  Only what needs progress or a
+         * socket (rendezvous in flight, a notice, a sibling message) wakes
+         * it. */
+        kvr_post_locked(e, h);
+        kvr_check_prefill_done_locked(e, h);
+        wake = h->inflight > 0 || e->work_head != NULL || e->sib_pending;
+    } else {
+        kvr_work_push_locked(e, h);
+    }
+out:
+    pthread_mutex_unlock(&e->lock);
+    if (rc == 0 && wake) {
+        kvr_wake(e);
+    }
+    return rc;
+}
+
+uint32_t kvr_handle_prefix_len(kvr_handle_t *h)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    pthread_mutex_lock(&e->lock);
+    uint32_t n = h->prefix_len; /* prefill: set when the request is bound */
+    pthread_mutex_unlock(&e->lock);
+    return n;
+}
+
+int kvr_handle_poll(kvr_handle_t *h)
+{
+    int v = atomic_load_explicit(&h->visible, memory_order_acquire);
+    if (v != KVR_POLL_WAITING && v != KVR_POLL_TRANSFERRING) {
+        return v;
+    }
+    kvr_engine_t *e = kvr_handle_engine(h);
+    if (e->mode != KVR_MODE_DECODE || !e->cfg.poll_progress) {
+        return v;
+    }
+    /*
+     * A decode room waiting for data: progress UCX here, at most every
+     * KVR_POLL_PROGRESS_NS and only if the engine lock is free, so a
+     * scheduler polling its rooms takes their last bytes itself instead of
+     * waiting for the engine thread to be woken and scheduled (most of a
+     * one-page room's latency on a busy host).  What needs a socket is left
+     * to the engine thread (off_thread), which is woken if anything
+     * happened.
+     */
+    uint64_t now = kvr_now_ns();
+    uint64_t last = atomic_load_explicit(&e->poll_progress_ns, memory_order_relaxed);
+    if (now - last < KVR_POLL_PROGRESS_NS || pthread_mutex_trylock(&e->lock) != 0) {
+        return v;
+    }
+    atomic_store_explicit(&e->poll_progress_ns, now, memory_order_relaxed);
+    int wake = 0;
+    if (!e->stopping && e->tp != NULL && e->ndev == 0) {
+        e->off_thread = 1;
+        unsigned n = kvr_tp_progress(e->tp);
+        e->off_thread = 0;
+        e->stats.poll_progressed += n;
+        wake = n > 0;
+        wake |= e->work_head != NULL || e->ep_err_pending;
+    }
+    pthread_mutex_unlock(&e->lock);
+    if (wake) {
+        kvr_wake(e);
+    }
+    return atomic_load_explicit(&h->visible, memory_order_acquire);
+}
+
+int kvr_handle_failure(kvr_handle_t *h, kvr_failure_t *out, int pop, uint32_t wait_ms)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    uint64_t deadline = kvr_now_ns() + wait_ms * KVR_MS;
+    for (;;) {
+        int found = pop ? kvr_registry_pop(&e->registry, h->id, out)
+                        : kvr_registry_peek(&e->registry, h->id, out);
+        if (found || kvr_now_ns() >= deadline) {
+            return found;
+        }
+        struct timespec ts = {0, 500000};
+        nanosleep(&ts, NULL);
+    }
+}
+
+uint32_t kvr_handle_sibling_wait_ms(kvr_handle_t *h)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    pthread_mutex_lock(&e->lock);
+    uint32_t w = e->nsib > 0 ? e->cfg.sibling_wait_ms : 0;
+    pthread_mutex_unlock(&e->lock);
+    return w;
+}
+
+int kvr_handle_abort(kvr_handle_t *h, char *err, size_t errlen)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    pthread_mutex_lock(&e->lock);
+    if (!e->closed && h->in_table && !kvr_room_terminal(h) && !h->failing) {
+        kvr_room_failf_locked(e, h, KVR_ABORTED, 1, "aborted by %s rank %d", kvr_side(e),
+                              e->rank);
+        kvr_work_push_locked(e, h);
+    }
+    pthread_mutex_unlock(&e->lock);
+    (void)err;
+    (void)errlen;
+    kvr_wake(e);
+    return 0;
+}
+
+int kvr_handle_clear(kvr_handle_t *h, char *err, size_t errlen)
+{
+    kvr_engine_t *e = kvr_handle_engine(h);
+    (void)err;
+    (void)errlen;
+    pthread_mutex_lock(&e->lock);
+    if (!e->closed) {
+        kvr_handle_drop_locked(e, h, "cleared while in flight");
+    }
+    pthread_mutex_unlock(&e->lock);
+    kvr_wake(e);
+    return 0;
+}
+
+int kvr_handle_role(kvr_handle_t *h)
+{
+    return h->role == KVR_ROLE_DECODE ? KVR_MODE_DECODE : KVR_MODE_PREFILL;
+}

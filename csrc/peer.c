@@ -1,0 +1,382 @@
+/*
+ * peer: one remote rank we exchange rooms with, and its connections.
+ *
+ *   decode's view of a prefill (KVR_PEER_IS_PREFILL):
+ *
+ *     FAILED --kvr_peer_resolve--> RESOLVING --bootstrap names it--> CONNECTING
+ *       ^                              |                                 |
+ *       |                   bootstrap timeout             HELLO_OK: endpoint made
+ *       |                              v                                 v
+ *       +------------------------- FAILED <--- heartbeat, BYE, error --- READY
+ *
+ *   prefill's view of a decode (KVR_PEER_IS_DECODE): READY on its HELLO,
+ *   FAILED when the HELLO is refused, on BYE, silence or an endpoint error.
+ *
+ * A failed peer's sockets, endpoint and worker are retired to the engine's
+ * dead lists and closed by kvr_reap_locked outside any callback.  Engine
+ * thread, lock held, unless a prototype says otherwise.
+ */
+#include "engine_int.h"
+
+#include <inttypes.h>
+#include <stdatomic.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Fails every open room bound to peer p. */
+static void kvr_peer_fail_rooms_locked(kvr_engine_t *e, kvr_peer_t *p, int code, int notify,
+                                       const char *what)
+{
+    kvr_room_t *r;
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
+        if (r == NULL || r->peer != p || kvr_room_terminal(r)) {
+            continue;
+        }
+        kvr_room_failf_locked(e, r, code, notify, "%s %s", p->name, what);
+    }
+}
+
+void kvr_send_ctrl_to_peer(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m_in)
+{
+    kvr_msg_t m = *m_in;
+    m.epoch = e->epoch;
+    if (kvr_wire_encode(&e->wbuf, &m) != 0) {
+        return;
+    }
+    int rc = -1;
+    if (p->kind == KVR_PEER_IS_PREFILL && p->conn != NULL) {
+        rc = kvr_ctl_send_conn(p->conn, e->wbuf.data, e->wbuf.len);
+    } else if (p->kind == KVR_PEER_IS_DECODE) {
+        rc = kvr_ctl_send_router(e->ctl, p->ident, p->ident_len, e->wbuf.data, e->wbuf.len);
+    }
+    (void)rc; /* a lost notice is covered by heartbeats and deadlines */
+}
+
+/* Encodes m with our epoch and sends it on a connection we opened (the
+ * bootstrap server's; a lost message is asked again by the timers). */
+void kvr_send_conn_locked(kvr_engine_t *e, kvr_ctl_conn_t *conn, const kvr_msg_t *m_in)
+{
+    kvr_msg_t m = *m_in;
+    m.epoch = e->epoch;
+    if (kvr_wire_encode(&e->wbuf, &m) == 0) {
+        kvr_ctl_send_conn(conn, e->wbuf.data, e->wbuf.len);
+    }
+}
+
+void kvr_fill_layout(kvr_engine_t *e, kvr_wire_layout_t *l)
+{
+    l->page_size = e->page_size;
+    l->nkv = e->nkv;
+    l->kv_item_lens = e->layout_kv;
+    l->naux = e->naux;
+    l->aux_item_lens = e->layout_aux;
+}
+
+/* Compares one kind of buffers' item lengths (ours against the wire's). */
+static int kvr_items_diff(const char *what, uint32_t n, const uint64_t *ours,
+                          const unsigned char *theirs, char *why, size_t len)
+{
+    for (uint32_t i = 0; i < n; i++) {
+        uint64_t v = kvr_wire_u64_at(theirs, i);
+        if (v != ours[i]) {
+            snprintf(why, len, "%s buffer %u item_len %" PRIu64 " here, %" PRIu64 " there", what,
+                     i, ours[i], v);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* Compares a peer's layout with ours; returns 0 or writes the first
+ * difference into why. */
+int kvr_layout_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *why, size_t n)
+{
+    if (l->page_size != e->page_size) {
+        snprintf(why, n, "page_size %u here, %u there", e->page_size, l->page_size);
+        return -1;
+    }
+    if (l->nkv != e->nkv) {
+        snprintf(why, n, "%u KV buffers here, %u there", e->nkv, l->nkv);
+        return -1;
+    }
+    if (kvr_items_diff("KV", e->nkv, e->kv_item, l->kv_item_lens, why, n) != 0) {
+        return -1;
+    }
+    if (l->naux != e->naux) {
+        snprintf(why, n, "%u aux buffers here, %u there", e->naux, l->naux);
+        return -1;
+    }
+    return kvr_items_diff("aux", e->naux, e->aux_item, l->aux_item_lens, why, n);
+}
+
+kvr_peer_t *kvr_peer_find(kvr_engine_t *e, int kind, const char *key)
+{
+    for (kvr_peer_t *p = e->peers; p; p = p->next) {
+        if (p->kind == kind && strcmp(p->key, key) == 0) {
+            return p;
+        }
+    }
+    return NULL;
+}
+
+kvr_peer_t *kvr_peer_new(kvr_engine_t *e, int kind, const char *key)
+{
+    kvr_peer_t *p = calloc(1, sizeof(*p));
+    if (p == NULL) {
+        return NULL;
+    }
+    p->kind = kind;
+    p->remote_rank = -1;
+    snprintf(p->key, sizeof(p->key), "%s", key);
+    snprintf(p->name, sizeof(p->name), "%s", key);
+    p->next = e->peers;
+    e->peers = p;
+    e->stats.peers++;
+    return p;
+}
+
+/* Queues the peer's sockets and endpoint for closing.  They are closed by
+ * kvr_reap_locked, outside UCX progress and outside the socket poll, since
+ * this may run inside a callback of either. */
+void kvr_peer_disconnect(kvr_engine_t *e, kvr_peer_t *p)
+{
+    kvr_ctl_conn_t *conns[3] = {p->bs_conn, p->conn, p->vconn};
+    p->vconn = NULL;
+    p->verifying = 0;
+    for (int i = 0; i < 3; i++) {
+        if (conns[i] && e->ndead_conns < KVR_MAX_DEAD) {
+            e->dead_conns[e->ndead_conns++] = conns[i];
+        } else if (conns[i]) {
+            kvr_ctl_conn_close(e->ctl, conns[i]); /* never in practice */
+        }
+    }
+    p->bs_conn = NULL;
+    p->conn = NULL;
+    if (p->ep) {
+        if (e->ndead_eps < KVR_MAX_DEAD) {
+            e->dead_eps[e->ndead_eps++] = p->ep;
+        }
+        p->ep = NULL;
+    }
+    if (p->worker) {
+        /* A connection to a peer never reuses a worker (a dead peer may
+         * have left its shared-memory FIFO stopped).  Past the list's end
+         * it stays until the manager closes. */
+        if (e->ndead_workers < KVR_MAX_DEAD) {
+            e->dead_workers[e->ndead_workers++] = p->worker;
+        }
+        p->worker = NULL;
+    }
+}
+
+/* The peer's UCX worker, created for a new connection.  0, or -1 with err. */
+int kvr_peer_worker(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen)
+{
+    if (p->worker != NULL) {
+        return 0;
+    }
+    return kvr_tp_worker_create(e->tp, &p->worker, err, errlen);
+}
+
+void kvr_reap_locked(kvr_engine_t *e)
+{
+    while (e->ndead_conns > 0) {
+        kvr_ctl_conn_close(e->ctl, e->dead_conns[--e->ndead_conns]);
+    }
+    while (e->ndead_eps > 0) {
+        kvr_tp_ep_close(e->dead_eps[--e->ndead_eps], 1);
+    }
+    while (e->ndead_workers > 0) {
+        kvr_tp_worker_destroy(e->dead_workers[--e->ndead_workers]);
+    }
+}
+
+/* Decode: tells the prefill, over the control channel that still works,
+ * that a room failed before it could ask for anything (the prefill's
+ * sender would otherwise wait for its bootstrap timeout). */
+void kvr_tell_room_failed(kvr_engine_t *e, kvr_peer_t *p, kvr_room_t *r, int code)
+{
+    kvr_failure_t f;
+    if (p->conn == NULL || !kvr_registry_peek(&e->registry, r->id, &f)) {
+        return;
+    }
+    kvr_msg_t n = kvr_msg_fail(KVR_MSG_ROOM_FAIL, r->id, r->tag, code, e->rank, f.reason, NULL);
+    kvr_send_ctrl_to_peer(e, p, &n);
+}
+
+/*
+ * Declares the peer failed: every room bound to it fails with code.  On the
+ * decode side, rooms still bootstrapping have sent nothing to that instance:
+ * when the instance is lost or replaced they wait for the next one (within
+ * the bootstrap timeout) instead of failing.
+ */
+void kvr_peer_fail_locked(kvr_engine_t *e, kvr_peer_t *p, int code, const char *what)
+{
+    if (p->state == KVR_PEER_FAILED) {
+        return;
+    }
+    int spare = p->kind == KVR_PEER_IS_PREFILL && (code == KVR_PEER_LOST || code == KVR_PEER_RESTARTED);
+    int waiting = 0, failed = 0;
+    kvr_room_t *r;
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
+        if (r == NULL || r->peer != p || kvr_room_terminal(r)) {
+            continue;
+        }
+        if (spare && atomic_load(&r->visible) == KVR_POLL_BOOTSTRAPPING && !r->failing) {
+            waiting = 1;
+            continue;
+        }
+        kvr_room_failf_locked(e, r, code, 0, "%s %s", p->name, what);
+        failed++;
+        if (p->kind == KVR_PEER_IS_PREFILL && (code == KVR_TRANSPORT || code == KVR_LAYOUT_MISMATCH)) {
+            kvr_tell_room_failed(e, p, r, code);
+        }
+    }
+    /* A peer that goes away with no room of ours in flight is news, not a
+     * failure (a graceful shutdown of the other side). */
+    kvr_log_write(&e->log, failed ? KVR_LOG_WARNING : KVR_LOG_INFO,
+                  "%s rank %d: %s: %s %s (%d room(s) failed)", kvr_side(e), e->rank,
+                  kvr_status_name(code), p->name, what, failed);
+    p->state = KVR_PEER_FAILED;
+    kvr_peer_disconnect(e, p);
+    if (waiting) {
+        char err[256];
+        if (kvr_peer_resolve(e, p, err, sizeof(err)) != 0) {
+            kvr_peer_fail_rooms_locked(e, p, KVR_BOOTSTRAP, 0, err);
+        }
+    }
+}
+
+/* Decode: start (or restart) resolving a prefill peer through bootstrap. */
+int kvr_peer_resolve(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen)
+{
+    char ep[192];
+    kvr_peer_disconnect(e, p);
+    p->state = KVR_PEER_RESOLVING;
+    p->epoch = 0;
+    snprintf(p->name, sizeof(p->name), "%s", p->key);
+    snprintf(ep, sizeof(ep), "tcp://%s", p->key);
+    if (kvr_ctl_connect(e->ctl, ep, NULL, 0, p, &p->bs_conn, err, errlen) != 0) {
+        p->state = KVR_PEER_FAILED;
+        return -1;
+    }
+    p->resolve_deadline_ns = kvr_now_ns() + e->cfg.bootstrap_timeout_ms * KVR_MS;
+    p->next_try_ns = 0; /* query at once */
+    return 0;
+}
+
+/* Asks the bootstrap server (on conn) which prefill instance serves our rank. */
+void kvr_bs_query(kvr_engine_t *e, kvr_ctl_conn_t *conn)
+{
+    kvr_msg_t m = kvr_msg_rank(KVR_MSG_BS_QUERY, (uint32_t)e->rank);
+    kvr_send_conn_locked(e, conn, &m);
+}
+
+void kvr_peer_hello(kvr_engine_t *e, kvr_peer_t *p)
+{
+    const void *addr;
+    size_t alen;
+    kvr_wire_layout_t layout;
+    kvr_fill_layout(e, &layout);
+    kvr_tp_address(p->worker, &addr, &alen);
+    kvr_msg_t m = kvr_msg_hello(KVR_MSG_HELLO, (uint32_t)e->rank, &layout, addr, (uint32_t)alen);
+    size_t rx = kvr_tp_tcp_rx_seg(e->tp);
+    m.tcp_rx_seg = rx > UINT32_MAX ? UINT32_MAX : (uint32_t)rx;
+    kvr_send_ctrl_to_peer(e, p, &m);
+}
+
+/*
+ * Decode: before a new room binds to a ready prefill peer, ask the bootstrap
+ * server (at most every 100 ms) whether the same instance is still the one
+ * registered for our rank.  A prefill that restarted is then noticed by the
+ * first new room after it registered, not by the heartbeat of the dead one.
+ */
+#define KVR_VERIFY_EVERY_MS 100
+#define KVR_VERIFY_TIMEOUT_MS 500
+
+void kvr_peer_verify_locked(kvr_engine_t *e, kvr_peer_t *p)
+{
+    uint64_t now = kvr_now_ns();
+    if (p->verifying || now - p->verified_ns < KVR_VERIFY_EVERY_MS * KVR_MS) {
+        return;
+    }
+    char ep[192], err[256];
+    snprintf(ep, sizeof(ep), "tcp://%s", p->key);
+    if (kvr_ctl_connect(e->ctl, ep, NULL, 0, p, &p->vconn, err, sizeof(err)) != 0) {
+        p->verified_ns = now; /* keep the peer we have */
+        return;
+    }
+    p->verifying = 1;
+    p->verify_deadline_ns = now + KVR_VERIFY_TIMEOUT_MS * KVR_MS;
+    kvr_bs_query(e, p->vconn);
+}
+
+/* Ends a verification: the registration is the same (or unknown), or a new
+ * instance replaced the one our rooms are bound to. */
+void kvr_peer_verified_locked(kvr_engine_t *e, kvr_peer_t *p, int found, uint64_t epoch)
+{
+    if (p->vconn && e->ndead_conns < KVR_MAX_DEAD) {
+        e->dead_conns[e->ndead_conns++] = p->vconn;
+        p->vconn = NULL;
+    }
+    p->verifying = 0;
+    p->verified_ns = kvr_now_ns();
+    if (found && epoch != p->epoch) {
+        char what[200];
+        snprintf(what, sizeof(what),
+                 "restarted: the bootstrap server lists a new instance (epoch %016" PRIx64
+                 ", was %016" PRIx64 ")",
+                 epoch, p->epoch);
+        kvr_log_write(&e->log, KVR_LOG_WARNING, "decode rank %d: PEER_RESTARTED: %s %s", e->rank,
+                      p->name, what);
+        /* Rooms bound to the old instance fail; rooms still bootstrapping
+         * go to the new one. */
+        kvr_room_t *r;
+        for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
+            if (r && r->peer == p && !kvr_room_terminal(r) &&
+                atomic_load(&r->visible) > KVR_POLL_BOOTSTRAPPING) {
+                kvr_room_failf_locked(e, r, KVR_PEER_RESTARTED, 0, "%s %s", p->name, what);
+            }
+        }
+        char err[256];
+        if (kvr_peer_resolve(e, p, err, sizeof(err)) != 0) {
+            kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, err);
+        }
+        return;
+    }
+    kvr_service_peer_rooms_locked(e, p);
+}
+
+void kvr_on_ep_error(void *arg, void *ep_ctx, const char *status_text)
+{
+    kvr_engine_t *e = arg;
+    kvr_peer_t *p = ep_ctx;
+    if (e->off_thread) {
+        /* Failing a peer may touch its sockets: the engine thread does it
+         * (kvr_ep_errors_locked). */
+        p->ep_err = 1;
+        p->ep_err_ep = p->ep;
+        snprintf(p->ep_err_text, sizeof(p->ep_err_text), "%s", status_text);
+        e->ep_err_pending = 1;
+        return;
+    }
+    char what[256];
+    snprintf(what, sizeof(what), "lost: %s", status_text);
+    kvr_peer_fail_locked(e, p, KVR_PEER_LOST, what);
+}
+
+/* Engine thread: the endpoint errors poll()'s progress left for it (only
+ * those of endpoints the peers still use). */
+void kvr_ep_errors_locked(kvr_engine_t *e)
+{
+    e->ep_err_pending = 0;
+    for (kvr_peer_t *p = e->peers; p; p = p->next) {
+        if (p->ep_err) {
+            p->ep_err = 0;
+            if (p->ep != NULL && p->ep == p->ep_err_ep) {
+                kvr_on_ep_error(e, p, p->ep_err_text);
+            }
+        }
+    }
+}

@@ -1,0 +1,378 @@
+/*
+ * proto_decode: the decode's side of the protocol -- messages on the
+ * connections we opened (the bootstrap server's replies, the prefill's
+ * HELLO_OK / HELLO_REJECT / ROOM_FAIL / BYE; on a prefill, the bootstrap
+ * server's answer to our registration), the room request, the completion
+ * notice, and where an arriving data message lands.
+ */
+#include "engine_int.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+/* Decode: tells the room's prefill that every byte landed. */
+void kvr_send_done_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    r->done_pending = 0;
+    if (r->peer != NULL) {
+        kvr_msg_t m = kvr_msg_room_done(r->id, r->tag);
+        kvr_send_ctrl_to_peer(e, r->peer, &m);
+    }
+}
+
+/* Decode: a data message arrived; decide where (if anywhere) it lands. */
+void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, int rndv,
+                 kvr_tp_accept_t *acc)
+{
+    kvr_engine_t *e = arg;
+    kvr_am_header_t h;
+    const char *why = NULL;
+    if (kvr_am_header_decode(hdr, hdr_len, &h, &why) != 0) {
+        goto reject;
+    }
+    kvr_room_t *r = kvr_table_get(&e->tags, h.tag);
+    if (r == NULL || r->role != KVR_ROLE_DECODE) {
+        why = "no such room";
+        goto foreign;
+    }
+    if (r->peer == NULL) {
+        why = "sender is not the room's prefill";
+        goto foreign;
+    }
+    if (r->failing || kvr_room_terminal(r) || !r->meta_set) {
+        why = "room is not receiving";
+        goto reject;
+    }
+    if (r->peer->epoch != h.epoch) {
+        /* Only the instance the request went to knows the room's tag. */
+        why = "sender epoch is not the room's prefill's";
+        goto protocol;
+    }
+    /* The message covers positions [pos, pos + npages) of buffers
+     * [buf, buf + nbuf); the destination is what this room asked for there,
+     * never an address the sender names: one piece per buffer and run of
+     * consecutive destination pages. */
+    if (h.kind == KVR_AM_KIND_KV) {
+        if ((uint32_t)h.buf + h.nbuf > e->nkv || h.npages == 0 || h.pos >= r->npages ||
+            h.npages > r->npages - h.pos) {
+            why = "run outside the room";
+            goto protocol;
+        }
+    } else if ((uint32_t)h.buf + h.nbuf > e->naux || r->aux_index < 0 || h.npages != 1) {
+        why = "aux row does not match the room";
+        goto protocol;
+    }
+    uint64_t want = 0;
+    uint32_t niov = kvr_msg_pieces(e, &h, r->pages, r->aux_index, NULL, &want);
+    if ((uint64_t)len != want) {
+        why = h.kind == KVR_AM_KIND_KV ? "run length does not match item_len"
+                                       : "aux row does not match the room";
+        goto protocol;
+    }
+    /* Counted when accepted, not when landed: a repeated rendezvous would
+     * otherwise be accepted again while the first copy is in flight. */
+    int claim = kvr_room_claim(r, h.kind == KVR_AM_KIND_AUX, e->nkv, e->naux, h.buf, h.nbuf, h.pos,
+                               h.npages);
+    if (claim == -1) {
+        why = "data for positions already received";
+        goto protocol;
+    }
+    kvr_op_t *op = claim == 0 ? kvr_op_new(r, len, niov) : NULL;
+    if (op == NULL) {
+        why = "out of memory";
+        kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory receiving data");
+        goto reject;
+    }
+    kvr_msg_pieces(e, &h, r->pages, r->aux_index, op->iov, &want);
+    kvr_room_advance(r, KVR_POLL_TRANSFERRING); /* first byte */
+    r->peer->last_data_ns = kvr_now_ns();
+    e->stats.data_rendezvous += rndv != 0;
+    int dev = 0;
+    for (uint32_t b = h.buf; b < (uint32_t)h.buf + h.nbuf; b++) {
+        dev |= h.kind == KVR_AM_KIND_KV ? e->kv_dev[b] : e->aux_dev[b];
+    }
+    op->mixed = h.nbuf > 1;
+    /* Device pages are staged unless UCX moves device memory itself; even
+     * then eager data (copied here with memcpy) and scattered pieces (UCX's
+     * iov datatype is for host memory) go through a staging buffer. */
+    if (dev && (e->gpu_path == KVR_GPU_STAGED || !rndv || niov > 1)) {
+        if (len <= e->cfg.staging_slot_bytes && (op->slot = kvr_slot_get(e)) != NULL) {
+            op->siov.buf = op->slot->buf;
+        } else if ((op->bounce = malloc(len ? len : 1)) != NULL) {
+            op->siov.buf = op->bounce;
+            e->stats.staging_overflow++;
+        } else {
+            why = "out of memory";
+            kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory staging data");
+            kvr_op_end_locked(e, op, KVR_TP_ERROR, why);
+            goto reject;
+        }
+        op->siov.len = len;
+        op->stage = KVR_STAGE_XFER;
+        acc->iov = &op->siov;
+        acc->iovcnt = 1;
+    } else {
+        acc->iov = op->iov;
+        acc->iovcnt = niov;
+    }
+    acc->op = &op->base;
+    return;
+
+protocol:
+    kvr_room_failf_locked(e, r, KVR_PROTOCOL, 1, "%s sent a bad data message: %s",
+                          r->peer ? r->peer->name : "?", why);
+    goto reject;
+foreign:
+    e->stats.data_foreign++;
+    kvr_warn_limited(e, &e->data_log,
+                     "decode rank %d: refused a data message (%zu bytes, room tag %016" PRIx64
+                     ", sender epoch %016" PRIx64 "): %s",
+                     e->rank, len, h.tag, h.epoch, why);
+reject:
+    e->stats.data_rejected++;
+    kvr_log_write(&e->log, KVR_LOG_DEBUG, "decode rank %d: rejected a data message: %s", e->rank,
+                  why);
+    acc->iovcnt = 0;
+    acc->reject_why = why;
+}
+
+void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    kvr_msg_t m = kvr_msg_room_req(r->id, r->tag, r->aux_index, r->npages,
+                                   (const unsigned char *)r->pages, /* little-endian host */
+                                   r->prefix_len);
+    kvr_send_ctrl_to_peer(e, r->peer, &m);
+    r->req_sent = 1;
+    r->started_ns = kvr_now_ns();
+    r->deadline_ns = kvr_deadline_ns(e, r->started_ns, r->expected);
+    kvr_room_advance(r, KVR_POLL_TRANSFERRING);
+}
+
+/*
+ * A server we connected to could not authenticate our messages (its secret
+ * differs from ours, or one side has none).  Rooms that depend on it fail
+ * now with BOOTSTRAP and the server's reason, rather than at the bootstrap
+ * timeout.
+ */
+static void kvr_on_auth_reject_locked(kvr_engine_t *e, kvr_ctl_conn_t *conn, kvr_peer_t *p,
+                                      const kvr_msg_t *m)
+{
+    char reason[KVR_WIRE_MAX_STR + 1];
+    snprintf(reason, sizeof(reason), "%.*s", (int)m->str_len, m->str);
+    e->stats.auth_refused_by_peer++;
+    if (e->mode == KVR_MODE_PREFILL) {
+        if (conn != e->bs_conn) {
+            kvr_warn_limited(e, &e->auth_log, "prefill rank %d: a sibling rank refused our "
+                             "messages: %s", e->rank, reason);
+            return;
+        }
+        snprintf(e->reg_auth_error, sizeof(e->reg_auth_error), "%s", reason);
+        kvr_warn_limited(e, &e->auth_log,
+                         "prefill rank %d cannot register with the bootstrap server %s: %s",
+                         e->rank, e->bootstrap_addr, reason);
+        kvr_room_t *r;
+        for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
+            if (r != NULL && !r->bound && !r->failing && !kvr_room_terminal(r)) {
+                kvr_room_failf_locked(e, r, KVR_BOOTSTRAP, 0,
+                                      "this rank cannot register with the bootstrap server %s: %s",
+                                      e->bootstrap_addr, reason);
+            }
+        }
+        return;
+    }
+    if (p == NULL) {
+        kvr_warn_limited(e, &e->auth_log, "decode rank %d: a sibling rank refused our messages: %s",
+                         e->rank, reason);
+        return;
+    }
+    if (conn == p->vconn) {
+        kvr_warn_limited(e, &e->auth_log, "decode rank %d: the bootstrap server %s refused our "
+                         "check of %s: %s", e->rank, p->key, p->name, reason);
+        if (p->verifying) {
+            kvr_peer_verified_locked(e, p, 0, 0);
+        }
+        return;
+    }
+    if (conn != p->bs_conn && conn != p->conn) {
+        return;
+    }
+    char what[KVR_WIRE_MAX_STR + 64];
+    snprintf(what, sizeof(what), "refused our control messages: %s", reason);
+    kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, what);
+}
+
+/* Prefill: the bootstrap server's answer to our registration. */
+static void kvr_on_registered_locked(kvr_engine_t *e, const kvr_msg_t *m)
+{
+    if (m->type != KVR_MSG_BS_REGISTER_OK) {
+        e->stats.ctrl_dropped++;
+        return;
+    }
+    e->reg_auth_error[0] = '\0';
+    if (!e->registered) {
+        kvr_log_write(&e->log, KVR_LOG_INFO,
+                      "prefill rank %d registered with the bootstrap server %s as %s",
+                      e->rank, e->bootstrap_addr, kvr_ctl_endpoint(e->ctl));
+    }
+    e->registered = 1;
+}
+
+/* Decode: the bootstrap server named the prefill instance serving our rank
+ * (or none yet): connect to it and say HELLO. */
+static void kvr_on_bs_reply_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
+{
+    char err[256];
+    if (m->type != KVR_MSG_BS_QUERY_REPLY || p->state != KVR_PEER_RESOLVING) {
+        e->stats.ctrl_dropped++;
+        return;
+    }
+    if (!m->found) {
+        return; /* not registered yet: the timer asks again */
+    }
+    char endpoint[KVR_WIRE_MAX_STR + 1];
+    memcpy(endpoint, m->str, m->str_len);
+    endpoint[m->str_len] = '\0';
+    unsigned char ident[KVR_ENGINE_IDENT_LEN];
+    kvr_engine_ident(e, ident);
+    kvr_peer_disconnect(e, p); /* retires the bootstrap connection */
+    p->epoch = m->peer_epoch;
+    snprintf(p->name, sizeof(p->name), "prefill rank %d at %.120s", e->rank,
+             strncmp(endpoint, "tcp://", 6) == 0 ? endpoint + 6 : endpoint);
+    if (kvr_ctl_connect(e->ctl, endpoint, ident, sizeof(ident), p, &p->conn, err,
+                        sizeof(err)) != 0) {
+        kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, err);
+        return;
+    }
+    if (kvr_peer_worker(e, p, err, sizeof(err)) != 0) {
+        char what[400];
+        snprintf(what, sizeof(what), "cannot be reached: %s", err);
+        kvr_peer_fail_locked(e, p, KVR_TRANSPORT, what);
+        return;
+    }
+    p->state = KVR_PEER_CONNECTING;
+    kvr_peer_hello(e, p);
+}
+
+/* Decode: the prefill accepted our HELLO: check its layout, connect our
+ * endpoint to its worker, and the peer is ready. */
+static void kvr_on_hello_ok_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
+{
+    if (p->state != KVR_PEER_CONNECTING) {
+        return;
+    }
+    char diff[256];
+    if (kvr_layout_diff(e, &m->layout, diff, sizeof(diff)) != 0) {
+        char what[400];
+        snprintf(what, sizeof(what), "has a different layout: %s", diff);
+        kvr_peer_fail_locked(e, p, KVR_LAYOUT_MISMATCH, what);
+        return;
+    }
+    /*
+     * The decode holds an endpoint to the prefill's worker too.  UCX
+     * pairs it with the prefill's own endpoint to us, so the prefill's
+     * data arrives on it: closing it when the prefill is lost cancels
+     * the receives the dead peer left hanging, and on transports with
+     * peer-failure support its error reports a dead prefill at once.
+     */
+    char eperr[256];
+    if (kvr_tp_ep_create(p->worker, m->addr, m->addr_len, p, &p->ep, eperr, sizeof(eperr)) != 0) {
+        char what[400];
+        snprintf(what, sizeof(what), "cannot be reached: %s", eperr);
+        kvr_peer_fail_locked(e, p, KVR_TRANSPORT, what);
+        return;
+    }
+    p->state = KVR_PEER_READY;
+    p->verified_ns = kvr_now_ns();
+    kvr_log_write(&e->log, KVR_LOG_INFO, "decode rank %d connected to %s", e->rank, p->name);
+    p->next_ping_ns = kvr_now_ns() + e->cfg.heartbeat_interval_ms * KVR_MS;
+    kvr_service_peer_rooms_locked(e, p);
+}
+
+/* Decode: the prefill refused our HELLO: every room bound to it fails with
+ * its reason. */
+static void kvr_on_hello_reject_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
+{
+    kvr_failure_t f;
+    kvr_failure_fill(&f, m->code < KVR_STATUS_LAST ? m->code : KVR_REMOTE, (int)m->rank,
+                     p->name, "%.*s", (int)m->str_len, m->str);
+    f.from_remote = 1;
+    kvr_room_t *r;
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
+        if (r && r->peer == p && !kvr_room_terminal(r)) {
+            kvr_failure_t fr = f;
+            snprintf(fr.reason, sizeof(fr.reason), "room %" PRIu64 ": %.*s", r->id,
+                     (int)m->str_len, m->str);
+            kvr_room_fail_locked(e, r, &fr, 0);
+            /* The prefill rejected us before any request: tell it which
+             * rooms this was about, so its senders fail now too. */
+            kvr_tell_room_failed(e, p, r, fr.code);
+        }
+    }
+    p->state = KVR_PEER_FAILED;
+    kvr_peer_disconnect(e, p);
+}
+
+/* Decode: a message from the bootstrap server or a prefill. */
+void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void *data,
+                     size_t len)
+{
+    kvr_engine_t *e = arg;
+    kvr_peer_t *p = conn_ctx;
+    kvr_msg_t m;
+    const char *why;
+    if (kvr_wire_decode(data, len, &m, &why) != 0) {
+        kvr_drop_locked(e, len, why);
+        return;
+    }
+    if (m.type == KVR_MSG_AUTH_REJECT) {
+        kvr_on_auth_reject_locked(e, conn, p, &m);
+        return;
+    }
+    if (e->mode == KVR_MODE_PREFILL) {
+        kvr_on_registered_locked(e, &m); /* our registration with the bootstrap server */
+        return;
+    }
+    if (p == NULL) {
+        e->stats.ctrl_dropped++;
+        return;
+    }
+    if (conn == p->vconn) {
+        if (m.type != KVR_MSG_BS_QUERY_REPLY || !p->verifying) {
+            e->stats.ctrl_dropped++;
+            return;
+        }
+        kvr_peer_verified_locked(e, p, m.found, m.peer_epoch);
+        return;
+    }
+    if (conn == p->bs_conn) {
+        kvr_on_bs_reply_locked(e, p, &m);
+        return;
+    }
+    if (conn != p->conn) {
+        e->stats.ctrl_dropped++;
+        return;
+    }
+    if (m.epoch != p->epoch) {
+        /* A different instance answers at the address we bound rooms to. */
+        char what[200];
+        snprintf(what, sizeof(what), "restarted (epoch %016" PRIx64 " replaced by %016" PRIx64 ")",
+                 p->epoch, m.epoch);
+        kvr_peer_fail_locked(e, p, KVR_PEER_RESTARTED, what);
+        return;
+    }
+    p->last_heard_ns = kvr_now_ns();
+    switch (m.type) {
+    case KVR_MSG_HELLO_OK:
+        kvr_on_hello_ok_locked(e, p, &m);
+        break;
+    case KVR_MSG_HELLO_REJECT:
+        kvr_on_hello_reject_locked(e, p, &m);
+        break;
+    case KVR_MSG_PONG:
+        break;
+    default:
+        kvr_on_peer_msg_locked(e, p, &m);
+    }
+}

@@ -1,0 +1,225 @@
+/*
+ * timer: what the engine thread does because time passed -- registration
+ * retries, peer timeouts and heartbeats, the force-drain of rooms whose
+ * operations a dead peer left hanging, expired pending requests, and room
+ * deadlines.  Every function here runs on the engine thread with the engine
+ * lock held.
+ */
+#include "engine_int.h"
+
+#include <inttypes.h>
+#include <stdio.h>
+#include <string.h>
+
+/* A ready peer silent for longer than the heartbeat timeout is lost.
+ * Returns 1 if it was declared lost. */
+static int kvr_timer_silence_locked(kvr_engine_t *e, kvr_peer_t *p, uint64_t now)
+{
+    if (now - p->last_heard_ns <= e->cfg.heartbeat_timeout_ms * KVR_MS) {
+        return 0;
+    }
+    char what[200];
+    snprintf(what, sizeof(what), "lost: no heartbeat for %" PRIu64 " ms",
+             (now - p->last_heard_ns) / KVR_MS);
+    e->stats.heartbeats_missed++;
+    kvr_peer_fail_locked(e, p, KVR_PEER_LOST, what);
+    return 1;
+}
+
+/* Decode: a prefill peer's bootstrap timeout, query retries, verification
+ * timeout, heartbeat silence and pings. */
+static void kvr_timer_prefill_peer_locked(kvr_engine_t *e, kvr_peer_t *p, uint64_t now)
+{
+    if (p->state == KVR_PEER_RESOLVING || p->state == KVR_PEER_CONNECTING) {
+        if (now >= p->resolve_deadline_ns) {
+            char what[200];
+            snprintf(what, sizeof(what), "%s within the bootstrap timeout (%u ms)",
+                     p->state == KVR_PEER_RESOLVING
+                         ? "was not found at the bootstrap server (unreachable, or the "
+                           "prefill rank is not registered)"
+                         : "did not answer the handshake",
+                     e->cfg.bootstrap_timeout_ms);
+            kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, what);
+        } else if (p->state == KVR_PEER_RESOLVING && now >= p->next_try_ns) {
+            kvr_bs_query(e, p->bs_conn);
+            p->next_try_ns = now + 200 * KVR_MS;
+        }
+        return;
+    }
+    if (p->state != KVR_PEER_READY) {
+        return;
+    }
+    if (p->verifying && now > p->verify_deadline_ns) {
+        /* The bootstrap server did not answer: keep the peer. */
+        kvr_peer_verified_locked(e, p, 0, 0);
+    }
+    if (p->state != KVR_PEER_READY || kvr_timer_silence_locked(e, p, now)) {
+        return;
+    }
+    if (now >= p->next_ping_ns) {
+        kvr_msg_t m = kvr_msg_rank(KVR_MSG_PING, (uint32_t)e->rank);
+        kvr_send_ctrl_to_peer(e, p, &m);
+        p->next_ping_ns = now + e->cfg.heartbeat_interval_ms * KVR_MS;
+    }
+}
+
+static void kvr_timer_peers_locked(kvr_engine_t *e, uint64_t now)
+{
+    for (kvr_peer_t *p = e->peers; p; p = p->next) {
+        if (p->kind == KVR_PEER_IS_PREFILL) {
+            kvr_timer_prefill_peer_locked(e, p, now);
+        } else if (p->state == KVR_PEER_READY) {
+            kvr_timer_silence_locked(e, p, now);
+        }
+    }
+}
+
+/*
+ * Failing rooms whose peer was declared dead (heartbeat silence, endpoint
+ * error) but whose operations never completed: UCX endpoints without
+ * peer-failure support (shared memory in UCX 1.13) do not fail them.
+ * Ask UCX to cancel them at once, and after two heartbeat intervals
+ * declare the room drained.  A dead peer sends nothing more; a live one
+ * (an abort) is always waited for.
+ */
+static void kvr_timer_drains_locked(kvr_engine_t *e, uint64_t now)
+{
+    kvr_peer_t *stalled = NULL;
+    uint64_t stalled_ms = 0;
+    kvr_room_t *r;
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->tags, &it, NULL)) != NULL;) {
+        if (r == NULL || !r->failing || r->inflight == 0 || r->stage_copies > 0) {
+            /* (A CUDA copy always finishes: a room with one in flight waits
+             * for it, so nothing lands after Failed.) */
+            continue;
+        }
+        if (r->peer != NULL && r->peer->state == KVR_PEER_READY) {
+            /*
+             * A live peer completes or fails the operations of a room that
+             * failed (an abort, a deadline) -- unless the data path itself
+             * stalled while the control path still answers (a blackholed
+             * data port: tcp then retries for many minutes).  After the
+             * heartbeat timeout plus the time the room's operations take
+             * at the floor bandwidth, with no operation of that peer
+             * completing meanwhile, the peer is lost: its endpoint is
+             * closed, which cancels the operations, and the room drains.
+             */
+            uint64_t bytes = 0;
+            for (kvr_op_t *op = r->ops; op != NULL; op = op->next) {
+                bytes += op->len;
+            }
+            uint64_t grace = e->cfg.heartbeat_timeout_ms * KVR_MS + kvr_floor_ns(e, bytes);
+            if (stalled == NULL && now - r->failing_since_ns > grace &&
+                now - r->peer->last_data_ns > grace) {
+                stalled = r->peer;
+                stalled_ms = (now - (r->peer->last_data_ns > r->started_ns ? r->peer->last_data_ns
+                                                                            : r->started_ns)) /
+                             KVR_MS;
+            }
+            continue;
+        }
+        if (!r->cancel_sent) {
+            r->cancel_sent = 1;
+            r->failing_since_ns = now;
+            kvr_room_ref(r);
+            for (kvr_op_t *op = r->ops; op != NULL;) {
+                kvr_op_t *next = op->next; /* cancelling may complete and free op */
+                kvr_tp_op_cancel(&op->base);
+                op = next;
+            }
+            kvr_room_unref_locked(e, r);
+        } else if (now - r->failing_since_ns > 2 * e->cfg.heartbeat_interval_ms * KVR_MS) {
+            e->stats.rooms_force_drained++;
+            kvr_room_force_drain(r);
+        }
+    }
+    if (stalled != NULL) {
+        char what[200];
+        snprintf(what, sizeof(what),
+                 "lost: its data path stalled (no data operation completed for %" PRIu64
+                 " ms) while its control channel still answered",
+                 stalled_ms);
+        kvr_peer_fail_locked(e, stalled, KVR_PEER_LOST, what);
+    }
+}
+
+/* Prefill: requests whose sender never came, or whose decode is gone. */
+static void kvr_timer_pending_locked(kvr_engine_t *e, uint64_t now)
+{
+    kvr_pending_t *pd;
+    for (kvr_table_iter_t it = {0}; (pd = kvr_table_next(&e->pending, &it, NULL)) != NULL;) {
+        if (pd->peer == NULL || pd->peer->state != KVR_PEER_READY ||
+            now - pd->arrived_ns > e->cfg.bootstrap_timeout_ms * KVR_MS) {
+            kvr_table_remove_current(&e->pending, &it);
+            kvr_pending_free(e, pd);
+        }
+    }
+}
+
+/* Room r passed its deadline: it fails, saying how far it got. */
+static void kvr_timer_deadline_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    uint64_t expected = e->mode == KVR_MODE_DECODE
+                            ? r->expected
+                            : (uint64_t)r->ndst * e->page_bytes +
+                                  (r->dst_aux >= 0 ? e->aux_bytes : 0);
+    uint64_t got = e->mode == KVR_MODE_DECODE ? r->received : 0;
+    if (e->mode == KVR_MODE_DECODE) {
+        kvr_room_failf_locked(e, r, KVR_TIMEOUT, 1,
+                              "no completion within its deadline of %" PRIu64
+                              " ms: %" PRIu64 " of %" PRIu64 " bytes received",
+                              (r->deadline_ns - r->started_ns) / KVR_MS, got, expected);
+    } else if (!r->bound) {
+        kvr_room_failf_locked(e, r, KVR_BOOTSTRAP, 0,
+                              "no decode asked for the room within the bootstrap "
+                              "timeout (%u ms); this rank is %sregistered with the "
+                              "bootstrap server %s%s%.600s",
+                              e->cfg.bootstrap_timeout_ms, e->registered ? "" : "NOT ",
+                              e->bootstrap_addr,
+                              e->reg_auth_error[0] ? ": " : "", e->reg_auth_error);
+    } else {
+        kvr_room_failf_locked(e, r, KVR_TIMEOUT, 1,
+                              "no completion within its deadline of %" PRIu64
+                              " ms: %u of %u pages handed to send(), %" PRIu64
+                              " bytes expected",
+                              (r->deadline_ns - r->started_ns) / KVR_MS, r->given,
+                              r->total_pages, expected);
+    }
+}
+
+/* Rooms refused by their decode without a reason, and rooms past their
+ * deadline. */
+static void kvr_timer_rooms_locked(kvr_engine_t *e, uint64_t now)
+{
+    kvr_room_t *r;
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
+        if (r == NULL || r->failing || kvr_room_terminal(r)) {
+            continue;
+        }
+        if (r->rejected_ns && now - r->rejected_ns > 2 * e->cfg.heartbeat_interval_ms * KVR_MS) {
+            kvr_rejected_fail_locked(e, r);
+            continue;
+        }
+        if (r->deadline_ns && now > r->deadline_ns) {
+            kvr_timer_deadline_locked(e, r);
+        }
+    }
+}
+
+void kvr_timers_locked(kvr_engine_t *e)
+{
+    uint64_t now = kvr_now_ns();
+    kvr_register_tick_locked(e, now);
+    kvr_tp_pack_trim(e->tp, now);
+    kvr_timer_peers_locked(e, now);
+    /* The scans over every room run at most every KVR_SCAN_NS: with
+     * thousands of rooms in flight they would otherwise dominate a busy
+     * loop.  Deadlines and force-drains are coarse by nature. */
+    if (now < e->next_scan_ns) {
+        return;
+    }
+    e->next_scan_ns = now + KVR_SCAN_NS;
+    kvr_timer_drains_locked(e, now);
+    kvr_timer_pending_locked(e, now);
+    kvr_timer_rooms_locked(e, now);
+}
