@@ -84,8 +84,9 @@ class ReqSpec:
     input_len: int
     chunk: int = 0            # prefill chunk size in tokens, 0: one chunk
     output_id: int = 7
-    prefill_abort: bool = False   # the prefill aborts it after its first chunk
-    prefill_die_rank: int = -1    # this prefill rank is SIGKILLed after its first chunk
+    prefill_abort: bool = False   # every prefill rank aborts it after its first chunk
+    prefill_abort_rank: int = -1  # only this prefill rank aborts it there
+    prefill_die: bool = False     # every prefill rank is SIGKILLed after its first chunk
     prefill_hold_s: float = 0.0   # the prefill waits this long before the last chunk
     decode_only: bool = False     # no prefill takes it (an unreachable bootstrap)
     bootstrap_host: str = ""      # default: the cluster's bootstrap server
@@ -499,14 +500,14 @@ class PrefillRank:
                         timer.call("send_kv_chunk", self.sched.send_kv_chunk, req, last_chunk=True)
                     else:
                         timer.call("send_kv_chunk", self.sched.send_kv_chunk, req)
-                        if spec.prefill_die_rank == self.rank:
+                        if spec.prefill_die:
                             time.sleep(0.2)  # the first chunk is on the wire
                             os.kill(os.getpid(), signal.SIGKILL)
-                        if spec.prefill_abort:
-                            # the scheduler's abort_request for an in-flight request
-                            self.sched.disagg_prefill_inflight_queue.append(req)
+                        if spec.prefill_abort or spec.prefill_abort_rank == self.rank:
+                            # the scheduler's abort_request reaching this rank; the
+                            # schedule goes on the same on every rank (the gloo
+                            # all-reduces need equal queues)
                             req.disagg_kv_sender.abort()
-                            del ends[rid]
                 for req in timer.call("process_inflight",
                                       self.sched.process_disagg_prefill_inflight_queue):
                     concluded.add(req.rid)
@@ -656,3 +657,116 @@ class Cluster:
     def close(self) -> None:
         for p in self.decode + self.prefill + [self.bootstrap]:
             p.close()
+
+
+# --- the driver's command loop (tests/test_sglang_real.py, benchmarks) -----
+
+
+def entry_point_dir(parent: str) -> str:
+    """A dist-info holding kvrecv's entry point under `parent`, as
+    `pip install kvrecv` leaves it (pyproject.toml's [project.entry-points]),
+    so that sglang's own load_plugins() finds it."""
+    d = os.path.join(parent, "kvrecv-0.0.dist-info")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: kvrecv\nVersion: 0.0\n")
+    with open(os.path.join(d, "entry_points.txt"), "w") as f:
+        f.write("[sglang.srt.plugins]\nkvrecv = kvrecv.sglang_plugin:register\n")
+    return parent
+
+
+class Driver:
+    """This file run as a process (main() below), spoken to line by line."""
+
+    def __init__(self, workdir: str, tp: int = 2, start_timeout: float = 120):
+        import subprocess
+
+        self.log_path = os.path.join(workdir, "sglang_sched.log")
+        self._log = open(self.log_path, "wb")
+        path = os.pathsep.join([ROOT, entry_point_dir(workdir)])
+        env = dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(tp)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, env=env)
+        self.bootstrap = self._read(start_timeout)["bootstrap"]
+
+    def log_tail(self, n: int = 6000) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read()[-n:].decode(errors="replace")
+
+    def _read(self, timeout: float) -> dict:
+        import json
+        import select
+
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else b""
+        if not line:
+            raise RuntimeError(f"the sglang driver gave no answer within {timeout:.0f} s "
+                               f"(exit {self.proc.poll()}); its log ends:\n{self.log_tail()}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(f"the sglang driver failed: {answer['error']}")
+        return answer
+
+    def call(self, cmd: str, timeout: float = SIDE_TIMEOUT_S + 30, **kw) -> dict:
+        import json
+
+        self.proc.stdin.write((json.dumps(dict(kw, cmd=cmd)) + "\n").encode())
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def run(self, specs: List[ReqSpec], **kw) -> dict:
+        return self.call("run", specs=[dataclasses.asdict(s) for s in specs], **kw)
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write(b'{"cmd": "close"}\n')
+            self.proc.stdin.close()
+            self.proc.wait(20)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait(5)
+        self._log.close()
+
+
+def main() -> None:
+    """One JSON command per line on stdin, one JSON answer per line on the
+    original stdout (fd 1 is pointed at stderr, where the ranks' logs go):
+    {"cmd": "start_prefill"|"start_decode", "env": {...}} -> {"ok": true};
+    {"cmd": "run", "specs": [ReqSpec fields...]} -> Cluster.run()'s report;
+    {"cmd": "close"}.  Argument: the TP size (default 2)."""
+    import json
+
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    tp = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    cluster = Cluster(tp=tp)
+    try:
+        out.write(json.dumps({"ok": True, "bootstrap": cluster.address}) + "\n")
+        out.flush()
+        for line in sys.stdin:
+            msg = json.loads(line)
+            cmd = msg["cmd"]
+            if cmd == "close":
+                break
+            try:
+                if cmd == "start_prefill":
+                    cluster.start_prefill(msg.get("env"))
+                    answer = {"ok": True}
+                elif cmd == "start_decode":
+                    cluster.start_decode(msg.get("env"))
+                    answer = {"ok": True}
+                elif cmd == "run":
+                    answer = cluster.run([ReqSpec(**s) for s in msg["specs"]])
+                else:
+                    answer = {"error": f"unknown command {cmd!r}"}
+            except Exception:
+                answer = {"error": traceback.format_exc()}
+            out.write(json.dumps(answer) + "\n")
+            out.flush()
+    finally:
+        cluster.close()
+
+
+if __name__ == "__main__":
+    main()
