@@ -45,7 +45,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 LAYERS = 2
 HEADS = 2
 HEAD_DIM = 16
-POOL_TOKENS = 1024
+POOL_TOKENS = 4096
 RESERVED_DECODE_TOKENS = 16  # sglang's default (512) would not fit the small pool
 MAX_CONTEXT = 256
 SIDE_TIMEOUT_S = 20  # one scenario on one side; the gloo timeout is the same
@@ -217,12 +217,12 @@ def _pools(sa, decode: bool, page_size: int):
         alloc = PagedTokenToKVPoolAllocator(POOL_TOKENS, page_size, torch.float16, "cpu", kv,
                                             need_sort=False)
     if decode:
-        r2t = DecodeReqToTokenPool(16, MAX_CONTEXT, "cpu", False, pre_alloc_size=16)
+        r2t = DecodeReqToTokenPool(64, MAX_CONTEXT, "cpu", False, pre_alloc_size=64)
     else:
-        r2t = ReqToTokenPool(16, MAX_CONTEXT, "cpu", False)
+        r2t = ReqToTokenPool(64, MAX_CONTEXT, "cpu", False)
     tree = RadixCache(CacheInitParams(disable=True, req_to_token_pool=r2t,
                                       token_to_kv_pool_allocator=alloc, page_size=page_size))
-    n_meta = 32
+    n_meta = 128
     meta_alloc = ReqToMetadataIdxAllocator(n_meta)
     meta = MetadataBuffers(n_meta, hidden_size=16, hidden_states_dtype=torch.float32,
                            max_sampling_mask_tokens=sa.sampling_mask_max_tokens)
@@ -239,7 +239,7 @@ def make_req(spec: ReqSpec, bootstrap_port: int):
     host = FAKE_BOOTSTRAP_HOST if spec.fake else (spec.bootstrap_host or "127.0.0.1")
     req = Req(spec.rid, "", array.array("q", input_ids(spec)), SamplingParams(max_new_tokens=8),
               bootstrap_host=host, bootstrap_port=spec.bootstrap_port or bootstrap_port,
-              bootstrap_room=spec.room)
+              bootstrap_room=spec.room, vocab_size=32000)
     return req
 
 
