@@ -240,16 +240,6 @@ def check_bytes(c: Cluster, reqs):
         want.check(c.dst[r])
 
 
-def test_scheduler_loop_moves_every_byte(cluster):
-    done, failures, reqs = run_scheduler(cluster, 10)
-    assert failures == []
-    assert sorted(done) == list(range(10))
-    check_bytes(cluster, reqs)
-    st = cluster.decode[0].stats()
-    assert st["bytes_moved"] >= 10 * STD.transfer_bytes(PAGES, True)
-    assert sum(st["failures_by_code"].values()) == 0
-
-
 def test_abort_requeue_under_new_room_then_success(cluster):
     victim = 3
     done, failures, reqs = run_scheduler(cluster, 8, abort_rid=victim)

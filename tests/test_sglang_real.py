@@ -37,23 +37,13 @@ if _MISSING and os.environ.get("KVRECV_REQUIRE_SGLANG") == "1":
 pytestmark = [pytest.mark.sglang, pytest.mark.skipif(bool(_MISSING), reason=_MISSING)]
 
 from test_sglang import DisaggregationMode, cluster, sglang_kv_args  # noqa: E402,F401
+from sglang_sched import Driver, ReqSpec, entry_point_dir  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def _entry_point_dir(tmp_path) -> str:
-    """A dist-info holding kvrecv's entry point, as `pip install kvrecv`
-    leaves it (pyproject.toml's [project.entry-points])."""
-    d = tmp_path / "kvrecv-0.0.dist-info"
-    d.mkdir()
-    (d / "METADATA").write_text("Metadata-Version: 2.1\nName: kvrecv\nVersion: 0.0\n")
-    (d / "entry_points.txt").write_text(
-        "[sglang.srt.plugins]\nkvrecv = kvrecv.sglang_plugin:register\n")
-    return str(tmp_path)
-
-
 def _run_py(code: str, tmp_path, env=None) -> subprocess.CompletedProcess:
-    path = os.pathsep.join([ROOT, _entry_point_dir(tmp_path)])
+    path = os.pathsep.join([ROOT, entry_point_dir(str(tmp_path))])
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                           text=True, timeout=300, env=dict(os.environ, PYTHONPATH=path, **(env or {})))
 
@@ -362,3 +352,211 @@ def test_manager_keeps_sglangs_kv_args(cluster):
         assert mgr.supports_host_destination is False
     finally:
         mgr.close()
+
+
+# --- sglang's own scheduler queues, ranks in separate processes ------------
+#
+# tests/sglang_sched.py runs sglang's DecodePreallocQueue, DecodeTransferQueue,
+# PrefillBootstrapQueue and the prefill mixin's send_kv_chunk /
+# process_disagg_prefill_inflight_queue, unpatched, with sglang's KV pools and
+# MetadataBuffers, 2 decode ranks and 2 prefill ranks over gloo groups.
+
+@pytest.fixture(scope="module")
+def sched(tmp_path_factory):
+    d = Driver(str(tmp_path_factory.mktemp("sglang_sched")))
+    try:
+        d.call("start_prefill")
+        d.call("start_decode")
+        yield d
+    finally:
+        d.close()
+
+
+def _check_clean(d, out) -> None:
+    """No scheduler method raised, no side timed out, no page or metadata
+    slot left allocated on any rank."""
+    for side in ("decode", "prefill"):
+        for rank, r in enumerate(out[side]):
+            where = f"{side} rank {rank}"
+            assert "raised" not in r, f"{where}: {r['raised']}\n{d.log_tail()}"
+            assert "timeout" not in r, f"{where}: {r['timeout']}\n{d.log_tail()}"
+            assert r["leaked_tokens"] == 0, where
+    for r in out["decode"]:
+        assert r["leaked_meta"] == 0
+
+
+def _ok(out, rid) -> None:
+    for rank, r in enumerate(out["decode"]):
+        got = r["reqs"][rid]
+        assert got == {"status": "ok", "output_ids": [7], "bytes_ok": True}, (rank, got)
+    for r in out["prefill"]:
+        assert r["reqs"][rid]["status"] == "ok"
+
+
+@pytest.mark.timeout(120)
+def test_sglang_queues_move_requests_byte_exact(sched):
+    """Requests through sglang's decode and prefill queues: each decode rank's
+    KV pool holds, byte for byte, what its prefill rank wrote; the first
+    output token arrives through sglang's MetadataBuffers."""
+    specs = [ReqSpec("n1", 1101, 20), ReqSpec("n2", 1102, 1), ReqSpec("n3", 1103, 200)]
+    out = sched.run(specs)
+    _check_clean(sched, out)
+    for s in specs:
+        _ok(out, s.rid)
+    for r in out["decode"] + out["prefill"]:
+        assert r["failures"] == {}
+
+
+@pytest.mark.timeout(120)
+def test_sglang_chunked_prefill_byte_exact(sched):
+    """sglang's send_kv_chunk called once per prefill chunk (8 and 13 tokens a
+    chunk, so the last chunk is short), then with last_chunk=True."""
+    specs = [ReqSpec("c1", 1201, 37, chunk=8), ReqSpec("c2", 1202, 130, chunk=13)]
+    out = sched.run(specs)
+    _check_clean(sched, out)
+    for s in specs:
+        _ok(out, s.rid)
+    assert out["prefill"][0]["calls"]["send_kv_chunk"] == 5 + 10
+
+
+def _own_cause(out, side, rank, room, want) -> bool:
+    """True if this rank's except-clause got `want` (class, reason, False);
+    else it must have got the generic cause a rank raises when sglang's MIN
+    all-reduce failed the room before its own part failed (the sibling gap,
+    see test_sglang_one_prefill_rank_aborts_every_rank_gets_the_cause)."""
+    got = out[side][rank]["failures"][str(room)]
+    if got == [list(want) + [False]]:
+        return True
+    generic = "KVReceiver Exception" if side == "decode" else "KVSender Exception"
+    assert got == [["KVTransferError", generic, True]], (side, rank, got)
+    return False
+
+
+def _aborted(out, side, rid, rank) -> str:
+    got = out[side][rank]["reqs"][rid]
+    assert got["status"] == "aborted", got
+    return got["message"]
+
+
+@pytest.mark.timeout(120)
+def test_sglang_prefill_abort_reaches_both_sides(sched):
+    """The prefill scheduler's abort_request for an in-flight request (the
+    sender's abort() after the first chunk): every rank's except-clause gets
+    KVAbortedError with the rank that aborted; the other request of the
+    batch is unaffected; with deferred release (sglang's default) the decode
+    held the pages until the room drained, then released them."""
+    specs = [ReqSpec("a1", 1301, 40, chunk=8, prefill_abort=True), ReqSpec("a2", 1302, 10)]
+    out = sched.run(specs)
+    _check_clean(sched, out)
+    _ok(out, "a2")
+    for side in ("decode", "prefill"):
+        own = 0
+        for rank in range(2):
+            reason = f"room 1301: aborted by prefill rank {rank}"
+            msg = _aborted(out, side, "a1", rank)
+            assert msg.startswith(f"{side.capitalize()} transfer failed for request rank={rank} ")
+            if _own_cause(out, side, rank, 1301, ("KVAbortedError", reason)):
+                own += 1
+                assert msg.endswith(f"with exception KVTransferError(bootstrap_room=1301): {reason}")
+        assert own >= 1, side
+    for rank in range(2):
+        assert out["decode"][rank]["held_max"] == 1  # deferred release held a1's pages
+        assert out["decode"][rank]["streamed"] == ["a1"]
+
+
+@pytest.mark.timeout(120)
+def test_sglang_unreachable_bootstrap_aborts_the_request(sched):
+    """A request naming a bootstrap server nobody listens on: sglang's
+    DecodePreallocQueue retries try_ensure_parallel_info, gives up, aborts
+    the receiver, and its handshake except-clause reports the abort."""
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    out = sched.run([ReqSpec("u1", 1401, 10, decode_only=True, bootstrap_port=port)])
+    _check_clean(sched, out)
+    head = "Decode handshake failed for request rank={} decode_req.req.rid='u1' " \
+           "decode_req.req.bootstrap_room=1401 with exception KVTransferError(bootstrap_room=1401): "
+    gave_up = 0
+    for rank in range(2):
+        # sglang's retries are timed per rank: a rank whose retries ran out
+        # aborted its receiver; a rank that learnt Failed first from the MIN
+        # all-reduce holds no cause of its own (see the xfail test below)
+        reason = f"room 1401: aborted by decode rank {rank}"
+        failures = out["decode"][rank]["failures"]["1401"]
+        if failures == [["KVAbortedError", reason, False]]:
+            gave_up += 1
+            assert _aborted(out, "decode", "u1", rank) == head.format(rank) + reason
+        else:
+            assert failures == [["KVTransferError", "KVReceiver Exception", True]], failures
+    assert gave_up >= 1
+    assert f"Could not fetch prefill parallel info from 127.0.0.1:{port} after 15 attempts" \
+        in sched.log_tail(200000)
+
+
+@pytest.mark.timeout(180)
+def test_sglang_killed_prefill_fails_the_transfer_then_recovers(sched):
+    """Both prefill ranks SIGKILLed mid-transfer (after their first chunk):
+    each decode rank's except-clause gets KVPeerLostError naming its prefill
+    rank, the pages are held until the room drained and then released.  A
+    restarted prefill re-registers and serves the next request."""
+    out = sched.run([ReqSpec("k1", 1501, 64, chunk=8, prefill_die=True)])
+    assert out["prefill"] == [{"died": -9}, {"died": -9}]
+    out["prefill"] = []
+    _check_clean(sched, out)
+    own = 0
+    for rank in range(2):
+        msg = _aborted(out, "decode", "k1", rank)
+        [(cls, reason, other)] = out["decode"][rank]["failures"]["1501"]
+        assert out["decode"][rank]["held_max"] == 1
+        if (cls, other) == ("KVTransferError", True):
+            # this rank's room was not failed yet when sglang's MIN all-reduce
+            # said Failed: no cause of its own (see the xfail test below)
+            assert reason == "KVReceiver Exception"
+            continue
+        own += 1
+        assert (cls, other) == ("KVPeerLostError", False)
+        assert reason.startswith(f"room 1501: prefill rank {rank} at 127.0.0.1:") and " lost: " in reason
+        assert msg.endswith(f"with exception KVTransferError(bootstrap_room=1501): {reason}")
+    assert own >= 1
+    sched.call("start_prefill")
+    out = sched.run([ReqSpec("k2", 1502, 30, chunk=8)])
+    _check_clean(sched, out)
+    _ok(out, "k2")
+
+
+@pytest.mark.timeout(180)
+def test_sglang_deferred_release_off_frees_pages_at_once(sched):
+    """SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=0: sglang frees a
+    failed request's pages in the same pop_transferred, holding nothing."""
+    sched.call("start_decode", env={"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "0"})
+    try:
+        out = sched.run([ReqSpec("d1", 1601, 40, chunk=8, prefill_abort=True),
+                         ReqSpec("d2", 1602, 12)])
+        _check_clean(sched, out)
+        _ok(out, "d2")
+        own = 0
+        for rank in range(2):
+            reason = f"room 1601: aborted by prefill rank {rank}"
+            own += _own_cause(out, "decode", rank, 1601, ("KVAbortedError", reason))
+            assert out["decode"][rank]["held_max"] == 0
+        assert own >= 1
+    finally:
+        sched.call("start_decode")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.xfail(strict=True, reason=(
+    "kvrecv.sglang.KVRecvManager never calls set_siblings(): the ranks of one sglang instance "
+    "do not share failure causes, so a rank whose own part succeeded raises the generic "
+    "'KVReceiver Exception' / 'KVSender Exception' after sglang's MIN all-reduce says Failed"))
+def test_sglang_one_prefill_rank_aborts_every_rank_gets_the_cause(sched):
+    """Only prefill rank 1 aborts: decode rank 0 and prefill rank 0, whose own
+    parts succeeded, should raise the origin's cause with
+    is_from_another_rank=True (docs/design.md, sibling ranks)."""
+    out = sched.run([ReqSpec("s1", 1701, 40, chunk=8, prefill_abort_rank=1)])
+    _check_clean(sched, out)
+    reason = "room 1701: aborted by prefill rank 1"
+    assert out["decode"][1]["failures"] == {"1701": [["KVAbortedError", reason, False]]}
+    for side in ("decode", "prefill"):
+        assert out[side][0]["failures"] == {"1701": [["KVAbortedError", reason, True]]}, side

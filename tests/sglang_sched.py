@@ -1,0 +1,772 @@
+"""sglang's own disaggregation scheduler code over kvrecv, in separate
+processes: the driver behind tests/test_sglang_real.py's scheduler tests and
+benchmarks/sglang_overhead.py.
+
+What runs is sglang's code, as installed and unpatched:
+decode ranks build sglang's DecodeTransferQueue and DecodePreallocQueue
+(add, pop_preallocated, pop_transferred, resolve_deferred_releases) with
+sglang's MHATokenToKVPool, DecodeReqToTokenPool, TokenToKVPoolAllocator,
+radix cache and MetadataBuffers on the CPU; prefill ranks build sglang's
+PrefillBootstrapQueue (add, pop_bootstrapped) and call the scheduler mixin's
+own send_kv_chunk and process_disagg_prefill_inflight_queue.  The ranks of a
+side form a real gloo group (torch.distributed on 127.0.0.1), which sglang's
+MIN all-reduce of the polls runs over.  Requests are sglang's Req objects.
+
+Stand-ins, named as such, replace only what sglang would take from a full
+Scheduler process (a model runner, the output streamer, metrics): the
+objects below whose names end in ``StandIn``.  The forward pass is a stand-in
+too: it allocates the request's KV slots with sglang's allocator and writes
+a known pattern into them, which the decode compares byte for byte.
+
+Processes: the driver (``Cluster``) imports sglang once, then forks the
+bootstrap server and every rank, so that a restart (a killed prefill, a
+decode with other settings) costs no second import.
+"""
+
+from __future__ import annotations
+
+import array
+import dataclasses
+import faulthandler
+import datetime
+import hashlib
+import multiprocessing as mp
+import os
+import signal
+import socket
+import sys
+import time
+import traceback
+import types
+from typing import Dict, List, Optional
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+LAYERS = 2
+HEADS = 2
+HEAD_DIM = 16
+POOL_TOKENS = 4096
+RESERVED_DECODE_TOKENS = 16  # sglang's default (512) would not fit the small pool
+MAX_CONTEXT = 256
+SIDE_TIMEOUT_S = 20  # one scenario on one side; the gloo timeout is the same
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def import_sglang() -> None:
+    """sglang's plugin loader (which finds kvrecv's entry point) and the
+    modules the ranks use, imported once in the driver before it forks."""
+    from sglang.srt.plugins import load_plugins
+
+    load_plugins()
+    import sglang.srt.disaggregation.decode  # noqa: F401
+    import sglang.srt.disaggregation.prefill  # noqa: F401
+    import sglang.srt.mem_cache.radix_cache  # noqa: F401
+    from sglang.srt.disaggregation.utils import TransferBackend
+
+    if not hasattr(TransferBackend, "KVRECV"):
+        raise RuntimeError("sglang's load_plugins() did not register the kvrecv backend")
+
+
+# --- request specs and the KV pattern --------------------------------------
+
+
+@dataclasses.dataclass
+class ReqSpec:
+    """One request of a scenario, as both sides see it."""
+
+    rid: str
+    room: int
+    input_len: int
+    chunk: int = 0            # prefill chunk size in tokens, 0: one chunk
+    output_id: int = 7
+    prefill_abort: bool = False   # every prefill rank aborts it after its first chunk
+    prefill_abort_rank: int = -1  # only this prefill rank aborts it there
+    prefill_die: bool = False     # every prefill rank is SIGKILLed after its first chunk
+    prefill_hold_s: float = 0.0   # the prefill waits this long before the last chunk
+    decode_only: bool = False     # no prefill takes it (an unreachable bootstrap)
+    bootstrap_host: str = ""      # default: the cluster's bootstrap server
+    bootstrap_port: int = 0
+    fake: bool = False            # sglang's fake backend (benchmarks)
+
+
+def input_ids(spec: ReqSpec) -> List[int]:
+    return [(spec.room * 31 + i) % 30000 + 1 for i in range(spec.input_len)]
+
+
+def kv_pattern(room: int, tp_rank: int, n_tokens: int):
+    """The bytes the prefill's forward stand-in writes for this request and
+    rank: (LAYERS, 2, n_tokens, HEADS, HEAD_DIM) of int16, from a seed."""
+    import torch
+
+    seed = int.from_bytes(hashlib.blake2b(f"{room}:{tp_rank}".encode(), digest_size=6).digest(), "big")
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(-32768, 32767, (LAYERS, 2, n_tokens, HEADS, HEAD_DIM), generator=g,
+                         dtype=torch.int16)
+
+
+# --- stand-ins for what sglang reads from a full Scheduler -----------------
+
+
+class OutputStreamerStandIn:
+    """sglang's output streamer: records what would go to the client."""
+
+    def __init__(self):
+        self.streamed: List[str] = []
+
+    def stream_output(self, reqs, return_logprob, *args, **kwargs):
+        self.streamed.extend(r.rid for r in reqs)
+
+
+def _model_config_stand_in():
+    return types.SimpleNamespace(
+        num_hidden_layers=LAYERS,
+        hf_text_config=types.SimpleNamespace(),
+        hf_config=types.SimpleNamespace(),
+        get_total_num_kv_heads=lambda: HEADS * 2,
+    )
+
+
+def _spy_failures(log: Dict[str, list], cls) -> None:
+    """Records what sglang's `except Exception as e:` receives from
+    failure_exception(), and re-raises it unchanged."""
+    original = cls.failure_exception
+
+    def failure_exception(self):
+        try:
+            original(self)
+        except Exception as e:
+            log.setdefault(str(self.bootstrap_room), []).append(
+                [type(e).__name__, getattr(e, "failure_reason", None),
+                 getattr(e, "is_from_another_rank", None)])
+            raise
+
+    cls.failure_exception = failure_exception
+
+
+# --- rank set-up ----------------------------------------------------------
+
+
+def model_dir() -> str:
+    """A model directory holding only a tiny Llama config.json, so that
+    sglang's argument resolution reads it locally (nothing is downloaded)."""
+    import json
+    import tempfile
+
+    d = os.path.join(tempfile.gettempdir(), f"kvrecv-sglang-model-{os.getuid()}")
+    os.makedirs(d, exist_ok=True)
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+           "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": HEADS * 2,
+           "num_hidden_layers": LAYERS, "vocab_size": 32000, "max_position_embeddings": 1024,
+           "rms_norm_eps": 1e-5, "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2}
+    path = os.path.join(d, "config.json")
+    tmp = f"{path}.{os.getpid()}"
+    with open(tmp, "w") as f:
+        json.dump(cfg, f)
+    os.replace(tmp, path)
+    return d
+
+
+def _server_args(mode: str, tp: int, bootstrap_port: int, page_size: int):
+    from sglang.srt.server_args import ServerArgs
+
+    return ServerArgs(model_path=model_dir(), tp_size=tp, device="cpu",
+                      disaggregation_mode=mode, disaggregation_transfer_backend="kvrecv",
+                      disaggregation_bootstrap_port=bootstrap_port, host="127.0.0.1",
+                      page_size=page_size, skip_server_warmup=True,
+                      num_reserved_decode_tokens=RESERVED_DECODE_TOKENS)
+
+
+def _init_rank(mode: str, rank: int, tp: int, store_port: int, bootstrap_port: int,
+               page_size: int):
+    """sglang's global parallel state for this rank, the way its own tests
+    publish it, plus the gloo groups its queues all-reduce over."""
+    import torch.distributed as dist
+    from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
+
+    sa = _server_args(mode, tp, bootstrap_port, page_size)
+    publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=0))
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=rank,
+                            world_size=tp, timeout=datetime.timedelta(seconds=SIDE_TIMEOUT_S))
+    tp_group = dist.new_group(list(range(tp)), backend="gloo")
+    singles = [dist.new_group([r], backend="gloo") for r in range(tp)]
+    group = types.SimpleNamespace(cpu_group=tp_group, world_size=tp, rank_in_group=rank)
+    get_parallel().override_permanently(attn_tp_group=group, tp_group=group)
+    return sa, tp_group, singles[rank]
+
+
+def _pools(sa, decode: bool, page_size: int):
+    import torch
+    from sglang.srt.disaggregation.decode import DecodeReqToTokenPool
+    from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator
+    from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
+    from sglang.srt.mem_cache.cache_init_params import CacheInitParams
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.radix_cache import RadixCache
+
+    kv = MHATokenToKVPool(POOL_TOKENS, page_size, torch.float16, HEADS, HEAD_DIM, LAYERS,
+                          "cpu", False, enable_alt_stream=False)
+    if page_size == 1:
+        alloc = TokenToKVPoolAllocator(POOL_TOKENS, torch.float16, "cpu", kv, need_sort=False)
+    else:
+        alloc = PagedTokenToKVPoolAllocator(POOL_TOKENS, page_size, torch.float16, "cpu", kv,
+                                            need_sort=False)
+    if decode:
+        r2t = DecodeReqToTokenPool(64, MAX_CONTEXT, "cpu", False, pre_alloc_size=64)
+    else:
+        r2t = ReqToTokenPool(64, MAX_CONTEXT, "cpu", False)
+    tree = RadixCache(CacheInitParams(disable=True, req_to_token_pool=r2t,
+                                      token_to_kv_pool_allocator=alloc, page_size=page_size))
+    n_meta = 128
+    meta_alloc = ReqToMetadataIdxAllocator(n_meta)
+    meta = MetadataBuffers(n_meta, hidden_size=16, hidden_states_dtype=torch.float32,
+                           max_sampling_mask_tokens=sa.sampling_mask_max_tokens)
+    return types.SimpleNamespace(kv=kv, alloc=alloc, r2t=r2t, tree=tree, meta=meta,
+                                 meta_alloc=meta_alloc)
+
+
+def make_req(spec: ReqSpec, bootstrap_port: int):
+    """sglang's own Req, as its tokenizer manager hands it to a scheduler."""
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    host = FAKE_BOOTSTRAP_HOST if spec.fake else (spec.bootstrap_host or "127.0.0.1")
+    req = Req(spec.rid, "", array.array("q", input_ids(spec)), SamplingParams(max_new_tokens=8),
+              bootstrap_host=host, bootstrap_port=spec.bootstrap_port or bootstrap_port,
+              bootstrap_room=spec.room, vocab_size=32000)
+    return req
+
+
+class _SchedulerStandIn:
+    """What sglang's queue code reads from a Scheduler, and nothing else."""
+
+    def __init__(self, server_args, pools):
+        from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
+
+        self.server_args = server_args
+        self.model_config = _model_config_stand_in()
+        self.tp_worker = types.SimpleNamespace(
+            is_hybrid_swa=False,
+            model_runner=types.SimpleNamespace(effective_logical_max_total_num_tokens=POOL_TOKENS,
+                                               kv_cache_dtype_str="float16"))
+        self.random_seed = 0
+        self.req_to_token_pool = pools.r2t
+        self.token_to_kv_pool_allocator = pools.alloc
+        self.tree_cache = pools.tree
+        self.req_to_metadata_buffer_idx_allocator = pools.meta_alloc
+        self.disagg_metadata_buffers = pools.meta
+        self.running_batch = types.SimpleNamespace(reqs=[])
+        self.waiting_queue: list = []
+        self.last_batch = None
+        self.enable_priority_scheduling = False
+        self.enable_hisparse = False
+        self.enable_lora = False
+        self.enable_decode_hicache = False
+        self.enable_staging = False
+        self.sliding_window_size = None
+        self.spec_algorithm = SpeculativeAlgorithm.NONE
+        self.kv_shard_widening = 1
+        self.rust_server = None
+        self.processed_tokens_counter = 0
+        self.metrics_reporter = types.SimpleNamespace(enable_metrics=False)
+        self.output_streamer = OutputStreamerStandIn()
+        self.batch_result_processor = types.SimpleNamespace(
+            _maybe_update_reasoning_tokens=lambda req, token: None)
+        self.kv_checksum_computer = None
+        self.scheduler_stage_metrics = None
+        self.retired: List[str] = []
+
+    def retire_unadmitted_request(self, req) -> None:
+        self.retired.append(req.rid)
+
+    def _release_aborted_request(self, req) -> None:
+        """The scheduler's own release of an aborted request's metadata slot."""
+        from sglang.srt.disaggregation.prefill import maybe_release_metadata_buffer
+
+        maybe_release_metadata_buffer(req, self.req_to_metadata_buffer_idx_allocator)
+
+
+def _prefill_scheduler_class():
+    from sglang.srt.disaggregation.prefill import SchedulerDisaggregationPrefillMixin
+
+    class PrefillSchedulerStandIn(SchedulerDisaggregationPrefillMixin, _SchedulerStandIn):
+        """sglang's prefill mixin (send_kv_chunk,
+        process_disagg_prefill_inflight_queue, handle_bootstrap_failure, ...)
+        on the stand-in's attributes."""
+
+    return PrefillSchedulerStandIn
+
+
+class _Timer:
+    """Wall time spent in each sglang method the loop calls, per call."""
+
+    def __init__(self):
+        self.s: Dict[str, float] = {}
+        self.n: Dict[str, int] = {}
+
+    def call(self, name, fn, *args, **kwargs):
+        t = time.perf_counter()
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            self.s[name] = self.s.get(name, 0.0) + time.perf_counter() - t
+            self.n[name] = self.n.get(name, 0) + 1
+
+
+def _raised(result: dict, where: str) -> None:
+    result.setdefault("raised", []).append(f"{where}: {traceback.format_exc()}")
+
+
+# --- decode rank ----------------------------------------------------------
+
+
+class DecodeRank:
+    def __init__(self, rank, tp, store_port, bootstrap_port, page_size):
+        from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeTransferQueue
+        from sglang.srt.disaggregation.utils import TransferBackend
+        from sglang.srt.runtime_context import get_disagg
+
+        from kvrecv.sglang import KVRecvReceiver
+
+        self.rank, self.bootstrap_port, self.page_size = rank, bootstrap_port, page_size
+        sa, self.group, _ = _init_rank("decode", rank, tp, store_port, bootstrap_port, page_size)
+        self.failures: Dict[str, list] = {}
+        _spy_failures(self.failures, KVRecvReceiver)
+        self.p = _pools(sa, True, page_size)
+        self.sched = _SchedulerStandIn(sa, self.p)
+        self.tq = DecodeTransferQueue(self.p.meta_alloc, self.p.meta, self.sched, self.p.tree)
+        self.pq = DecodePreallocQueue(
+            self.p.r2t, self.p.alloc, None, self.p.meta_alloc, self.p.meta, self.sched, self.tq,
+            self.p.tree, 0, bootstrap_port, POOL_TOKENS, get_disagg().num_reserved_decode_tokens,
+            TransferBackend.KVRECV)
+        self.sched.disagg_decode_prealloc_queue = self.pq
+        # sglang retries an unreachable bootstrap 15 times, once a second;
+        # the same loop, a tenth of a second apart, keeps the test short.
+        self.pq._ensure_retry_interval = 0.1
+        self.free_tokens = self.p.alloc.available_size()
+
+    def _check_bytes(self, req) -> bool:
+        import torch
+
+        n = len(req.origin_input_ids)
+        loc = self.p.r2t.req_to_token[req.kv.req_pool_idx, :n].to(torch.int64)
+        want = kv_pattern(req.bootstrap_room, self.rank, n)
+        for layer in range(LAYERS):
+            for j, buf in enumerate((self.p.kv.k_buffer, self.p.kv.v_buffer)):
+                if not torch.equal(buf[layer][loc].view(torch.int16), want[layer, j]):
+                    return False
+        return True
+
+    def run(self, specs: List[ReqSpec]) -> dict:
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+        from sglang.srt.mem_cache.common import release_kv_cache
+
+        timer, result, reqs = _Timer(), {"reqs": {}}, {}
+        held_max = 0
+        self.failures.clear()
+        deadline = time.monotonic() + SIDE_TIMEOUT_S
+        try:
+            for spec in specs:
+                req = make_req(spec, self.bootstrap_port)
+                reqs[spec.rid] = req
+                timer.call("add", self.pq.add, req)
+            while time.monotonic() < deadline:
+                timer.call("resolve_deferred_releases", self.tq.resolve_deferred_releases)
+                pre, _failed = timer.call("pop_preallocated", self.pq.pop_preallocated)
+                self.tq.extend(pre)
+                done = timer.call("pop_transferred", self.tq.pop_transferred)
+                held_max = max(held_max, self.tq.num_pending_deferred_releases())
+                for req in done:
+                    out = {"status": "ok", "output_ids": list(req.output_ids),
+                           "bytes_ok": self._check_bytes(req)}
+                    result["reqs"][req.rid] = out
+                    # the request finishes decoding: sglang's own release
+                    release_kv_cache(req, self.p.tree, checkpoint=False)
+                if not (self.pq.queue or self.pq.pending_reqs or self.tq.queue
+                        or self.tq.has_pending_deferred_releases()):
+                    break
+                time.sleep(0.001)
+            else:
+                result["timeout"] = {
+                    "pending": [d.req.rid for d in self.pq.pending_reqs],
+                    "prealloc": [(d.req.rid, d.waiting_for_input, int(d.kv_receiver.poll()))
+                                 for d in self.pq.queue if d.kv_receiver is not None],
+                    "transfer": [d.req.rid for d in self.tq.queue],
+                    "deferred": self.tq.num_pending_deferred_releases(),
+                    "prefill_info": list(self.pq.kv_manager.prefill_info_table)}
+        except Exception:
+            _raised(result, "decode loop")
+        for rid, req in reqs.items():
+            if isinstance(req.finished_reason, FINISH_ABORT):
+                result["reqs"][rid] = {"status": "aborted",
+                                       "message": req.finished_reason.message}
+        result["streamed"] = list(self.sched.output_streamer.streamed)
+        self.sched.output_streamer.streamed.clear()
+        result["failures"] = dict(self.failures)
+        result["held_max"] = held_max
+        result["leaked_tokens"] = self.free_tokens - self.p.alloc.available_size()
+        result["leaked_meta"] = self.p.meta.output_ids.shape[0] - self.p.meta_alloc.available_size()
+        result["time_s"], result["calls"] = timer.s, timer.n
+        return result
+
+
+# --- prefill rank ---------------------------------------------------------
+
+
+class PrefillRank:
+    def __init__(self, rank, tp, store_port, bootstrap_port, page_size):
+        from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
+        from sglang.srt.disaggregation.utils import TransferBackend
+
+        from kvrecv.sglang import KVRecvSender
+
+        self.rank, self.bootstrap_port, self.page_size = rank, bootstrap_port, page_size
+        sa, group, single = _init_rank("prefill", rank, tp, store_port, bootstrap_port, page_size)
+        self.failures: Dict[str, list] = {}
+        _spy_failures(self.failures, KVRecvSender)
+        self.p = _pools(sa, False, page_size)
+        self.sched = _prefill_scheduler_class()(sa, self.p)
+        self.sched.attn_tp_cpu_group = group
+        self.sched.attn_cp_cpu_group = single
+        self.sched.disagg_prefill_inflight_queue = []
+        self.sched.disagg_prefill_pending_chunk_rids = set()
+        self.bq = PrefillBootstrapQueue(self.p.kv, None, self.p.meta_alloc, self.p.meta, 0,
+                                        bootstrap_port, POOL_TOKENS, self.sched, None,
+                                        TransferBackend.KVRECV)
+        self.sched.disagg_prefill_bootstrap_queue = self.bq
+        self.free_tokens = self.p.alloc.available_size()
+
+    def _forward_stand_in(self, req, spec: ReqSpec) -> None:
+        """What the prefill forward leaves behind: the request's KV slots,
+        allocated by sglang's pools and filled with this rank's pattern, and
+        the first output token."""
+        import torch
+
+        n = len(req.origin_input_ids)
+        self.p.r2t.alloc([req])
+        if self.page_size == 1:
+            loc = self.p.alloc.alloc(n)
+        else:
+            loc = self.p.alloc.alloc_extend(
+                prefix_lens=torch.tensor([0]), prefix_lens_cpu=torch.tensor([0]),
+                seq_lens=torch.tensor([n]), seq_lens_cpu=torch.tensor([n]),
+                last_loc=torch.tensor([-1]), extend_num_tokens=n)
+        self.p.r2t.write((req.kv.req_pool_idx, slice(0, n)), loc.to(torch.int32))
+        req.kv.kv_allocated_len = req.kv.kv_committed_len = n
+        pattern = kv_pattern(req.bootstrap_room, self.rank, n)
+        loc = loc.to(torch.int64)
+        for layer in range(LAYERS):
+            self.p.kv.k_buffer[layer].view(torch.int16)[loc] = pattern[layer, 0]
+            self.p.kv.v_buffer[layer].view(torch.int16)[loc] = pattern[layer, 1]
+        req.output_ids.append(spec.output_id)
+
+    def run(self, specs: List[ReqSpec]) -> dict:
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        timer, result = _Timer(), {"reqs": {}}
+        self.failures.clear()
+        by_rid = {s.rid: s for s in specs if not s.decode_only}
+        reqs = {}
+        ends: Dict[str, List[int]] = {}
+        concluded = set()
+        deadline = time.monotonic() + SIDE_TIMEOUT_S
+        try:
+            for spec in by_rid.values():
+                req = make_req(spec, self.bootstrap_port)
+                reqs[spec.rid] = req
+                timer.call("bootstrap_add", self.bq.add, req, HEADS)
+            while time.monotonic() < deadline:
+                for req in timer.call("pop_bootstrapped", self.bq.pop_bootstrapped):
+                    spec = by_rid[req.rid]
+                    self._forward_stand_in(req, spec)
+                    n, c = spec.input_len, spec.chunk or spec.input_len
+                    ends[req.rid] = list(range(c, n, c)) + [n]
+                for rid in list(ends):
+                    req, spec = reqs[rid], by_rid[rid]
+                    end = ends[rid].pop(0)
+                    req.extend_end = end
+                    last = not ends[rid]
+                    if last:
+                        del ends[rid]
+                        if spec.prefill_hold_s:
+                            time.sleep(spec.prefill_hold_s)
+                        self.sched.disagg_prefill_inflight_queue.append(req)
+                        timer.call("send_kv_chunk", self.sched.send_kv_chunk, req, last_chunk=True)
+                    else:
+                        timer.call("send_kv_chunk", self.sched.send_kv_chunk, req)
+                        if spec.prefill_die:
+                            time.sleep(0.2)  # the first chunk is on the wire
+                            os.kill(os.getpid(), signal.SIGKILL)
+                        if spec.prefill_abort or spec.prefill_abort_rank == self.rank:
+                            # the scheduler's abort_request reaching this rank; the
+                            # schedule goes on the same on every rank (the gloo
+                            # all-reduces need equal queues)
+                            req.disagg_kv_sender.abort()
+                for req in timer.call("process_inflight",
+                                      self.sched.process_disagg_prefill_inflight_queue):
+                    concluded.add(req.rid)
+                for rid, req in reqs.items():
+                    if isinstance(req.finished_reason, FINISH_ABORT) and req not in self.bq.queue:
+                        concluded.add(rid)
+                if len(concluded) == len(reqs) and not self.sched.disagg_prefill_inflight_queue:
+                    break
+                time.sleep(0.001)
+            else:
+                result["timeout"] = True
+        except Exception:
+            _raised(result, "prefill loop")
+        for rid, req in reqs.items():
+            fr = req.finished_reason
+            result["reqs"][rid] = {"status": "aborted" if isinstance(fr, FINISH_ABORT) else "ok",
+                                   "message": getattr(fr, "message", None)}
+        result["failures"] = dict(self.failures)
+        result["leaked_tokens"] = self.free_tokens - self.p.alloc.available_size()
+        result["time_s"], result["calls"] = timer.s, timer.n
+        return result
+
+
+# --- processes ------------------------------------------------------------
+
+
+def _rank_main(conn, cls, env, *args) -> None:
+    os.environ.update(env, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+    faulthandler.register(signal.SIGUSR1)  # the driver asks for stacks on a timeout
+    try:
+        rank = cls(*args)
+    except Exception:
+        conn.send(("error", traceback.format_exc()))
+        return
+    conn.send(("ready", None))
+    while True:
+        cmd, arg = conn.recv()
+        if cmd == "close":
+            return
+        try:
+            conn.send(("result", rank.run(arg)))
+        except Exception:
+            conn.send(("error", traceback.format_exc()))
+
+
+def _bootstrap_main(conn, port) -> None:
+    from kvrecv.sglang import KVRecvBootstrapServer
+
+    server = KVRecvBootstrapServer(host="127.0.0.1", port=port)
+    conn.send(("ready", server.address))
+    conn.recv()
+    server.close()
+
+
+class _Proc:
+    def __init__(self, target, *args, name=""):
+        ctx = mp.get_context("fork")
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=target, args=(child,) + args, daemon=True, name=name)
+        self.proc.start()
+        child.close()
+        self.name = name
+
+    def recv(self, timeout: float):
+        if not self.conn.poll(timeout):
+            if self.proc.is_alive():
+                os.kill(self.proc.pid, signal.SIGUSR1)  # its stacks, on stderr
+                time.sleep(0.5)
+            return ("timeout", f"{self.name}: no answer within {timeout:.0f} s")
+        try:
+            return self.conn.recv()
+        except EOFError:
+            self.proc.join(1)
+            return ("died", self.proc.exitcode)
+
+    def expect_ready(self, timeout: float = 60):
+        kind, info = self.recv(timeout)
+        if kind != "ready":
+            raise RuntimeError(f"{self.name} failed to start: {info}")
+        return info
+
+    def close(self) -> None:
+        if self.proc.is_alive():
+            try:
+                self.conn.send(("close", None))
+            except OSError:
+                pass
+            self.proc.join(5)
+        if self.proc.is_alive():
+            self.proc.kill()
+            self.proc.join(5)
+        self.conn.close()
+
+
+# Faster than kvrecv's defaults, so that a killed prefill is noticed within
+# the test's time: every rank (both sides) reads these KVRECV_* overrides.
+KVRECV_ENV = {"KVRECV_HEARTBEAT_INTERVAL_MS": "200", "KVRECV_HEARTBEAT_TIMEOUT_MS": "2000",
+              "KVRECV_BOOTSTRAP_TIMEOUT_MS": "20000"}
+
+
+class Cluster:
+    """A bootstrap server, `tp` prefill ranks and `tp` decode ranks, each in
+    its own process, forked from this one after sglang is imported."""
+
+    def __init__(self, tp: int = 2, page_size: int = 1):
+        import_sglang()
+        self.tp, self.page_size = tp, page_size
+        self.bootstrap_port = free_port()
+        self.bootstrap = _Proc(_bootstrap_main, self.bootstrap_port, name="bootstrap")
+        self.address = self.bootstrap.expect_ready()
+        self.prefill: List[_Proc] = []
+        self.decode: List[_Proc] = []
+
+    def _start(self, cls, env) -> List[_Proc]:
+        store = free_port()
+        procs = [_Proc(_rank_main, cls, dict(KVRECV_ENV, **(env or {})), r, self.tp, store,
+                       self.bootstrap_port, self.page_size, name=f"{cls.__name__}{r}")
+                 for r in range(self.tp)]
+        for p in procs:
+            p.expect_ready()
+        return procs
+
+    def start_prefill(self, env=None) -> None:
+        for p in self.prefill:
+            p.close()
+        self.prefill = self._start(PrefillRank, env)
+
+    def start_decode(self, env=None) -> None:
+        for p in self.decode:
+            p.close()
+        self.decode = self._start(DecodeRank, env)
+
+    def run(self, specs: List[ReqSpec], timeout: float = SIDE_TIMEOUT_S + 15) -> dict:
+        """Hands the requests to every rank; each runs sglang's queue loop
+        until its side has concluded them.  Returns each rank's report."""
+        procs = self.decode + self.prefill
+        for p in procs:
+            p.conn.send(("run", specs))
+        out = {"decode": [], "prefill": []}
+        deadline = time.monotonic() + timeout
+        for side, group in (("decode", self.decode), ("prefill", self.prefill)):
+            for p in group:
+                kind, info = p.recv(max(1.0, deadline - time.monotonic()))
+                out[side].append(info if kind == "result" else {kind: info})
+        return out
+
+    def close(self) -> None:
+        for p in self.decode + self.prefill + [self.bootstrap]:
+            p.close()
+
+
+# --- the driver's command loop (tests/test_sglang_real.py, benchmarks) -----
+
+
+def entry_point_dir(parent: str) -> str:
+    """A dist-info holding kvrecv's entry point under `parent`, as
+    `pip install kvrecv` leaves it (pyproject.toml's [project.entry-points]),
+    so that sglang's own load_plugins() finds it."""
+    d = os.path.join(parent, "kvrecv-0.0.dist-info")
+    os.makedirs(d, exist_ok=True)
+    with open(os.path.join(d, "METADATA"), "w") as f:
+        f.write("Metadata-Version: 2.1\nName: kvrecv\nVersion: 0.0\n")
+    with open(os.path.join(d, "entry_points.txt"), "w") as f:
+        f.write("[sglang.srt.plugins]\nkvrecv = kvrecv.sglang_plugin:register\n")
+    return parent
+
+
+class Driver:
+    """This file run as a process (main() below), spoken to line by line."""
+
+    def __init__(self, workdir: str, tp: int = 2, start_timeout: float = 120):
+        import subprocess
+
+        self.log_path = os.path.join(workdir, "sglang_sched.log")
+        self._log = open(self.log_path, "wb")
+        path = os.pathsep.join([ROOT, entry_point_dir(workdir)])
+        env = dict(os.environ, PYTHONPATH=path, HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(tp)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self._log, env=env)
+        self.bootstrap = self._read(start_timeout)["bootstrap"]
+
+    def log_tail(self, n: int = 6000) -> str:
+        with open(self.log_path, "rb") as f:
+            return f.read()[-n:].decode(errors="replace")
+
+    def _read(self, timeout: float) -> dict:
+        import json
+        import select
+
+        ready, _, _ = select.select([self.proc.stdout], [], [], timeout)
+        line = self.proc.stdout.readline() if ready else b""
+        if not line:
+            raise RuntimeError(f"the sglang driver gave no answer within {timeout:.0f} s "
+                               f"(exit {self.proc.poll()}); its log ends:\n{self.log_tail()}")
+        answer = json.loads(line)
+        if "error" in answer:
+            raise RuntimeError(f"the sglang driver failed: {answer['error']}")
+        return answer
+
+    def call(self, cmd: str, timeout: float = SIDE_TIMEOUT_S + 30, **kw) -> dict:
+        import json
+
+        self.proc.stdin.write((json.dumps(dict(kw, cmd=cmd)) + "\n").encode())
+        self.proc.stdin.flush()
+        return self._read(timeout)
+
+    def run(self, specs: List[ReqSpec], **kw) -> dict:
+        return self.call("run", specs=[dataclasses.asdict(s) for s in specs], **kw)
+
+    def close(self) -> None:
+        try:
+            self.proc.stdin.write(b'{"cmd": "close"}\n')
+            self.proc.stdin.close()
+            self.proc.wait(20)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait(5)
+        self._log.close()
+
+
+def main() -> None:
+    """One JSON command per line on stdin, one JSON answer per line on the
+    original stdout (fd 1 is pointed at stderr, where the ranks' logs go):
+    {"cmd": "start_prefill"|"start_decode", "env": {...}} -> {"ok": true};
+    {"cmd": "run", "specs": [ReqSpec fields...]} -> Cluster.run()'s report;
+    {"cmd": "close"}.  Argument: the TP size (default 2)."""
+    import json
+
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    tp = int(sys.argv[1]) if len(sys.argv) > 1 else 2
+    cluster = Cluster(tp=tp)
+    try:
+        out.write(json.dumps({"ok": True, "bootstrap": cluster.address}) + "\n")
+        out.flush()
+        for line in sys.stdin:
+            msg = json.loads(line)
+            cmd = msg["cmd"]
+            if cmd == "close":
+                break
+            try:
+                if cmd == "start_prefill":
+                    cluster.start_prefill(msg.get("env"))
+                    answer = {"ok": True}
+                elif cmd == "start_decode":
+                    cluster.start_decode(msg.get("env"))
+                    answer = {"ok": True}
+                elif cmd == "run":
+                    answer = cluster.run([ReqSpec(**s) for s in msg["specs"]])
+                else:
+                    answer = {"error": f"unknown command {cmd!r}"}
+            except Exception:
+                answer = {"error": traceback.format_exc()}
+            out.write(json.dumps(answer) + "\n")
+            out.flush()
+    finally:
+        cluster.close()
+
+
+if __name__ == "__main__":
+    main()
