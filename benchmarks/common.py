@@ -27,6 +27,10 @@ ROOT = os.path.dirname(HERE)
 
 # UCX_TLS of the two transports every section runs with.
 TRANSPORTS = {"tcp": "tcp", "shm": "posix,sysv,cma,self"}
+# NIXL's UCX backend asks for peer-failure handling, which UCX offers on no
+# shared-memory-only transport set; with tcp added, its puts still go over
+# cma (UCX_PROTO_INFO=y shows "remote memory write ... zero-copy cma/memory").
+NIXL_SHM_TLS = "posix,sysv,cma,tcp,self"
 
 # Timeouts that keep a loaded 2-core machine from turning a scheduling stall
 # into PEER_LOST (the library's default declares a peer lost after 600 ms
