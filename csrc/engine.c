@@ -181,6 +181,7 @@ static void *kvr_engine_main(void *arg)
             break;
         }
         kvr_drain_work_locked(e);
+        kvr_timer_silences_locked(e);
         kvr_tp_progress(e->tp);
         if (e->ep_err_pending) {
             kvr_ep_errors_locked(e);

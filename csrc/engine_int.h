@@ -316,6 +316,9 @@ int kvr_peer_worker(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen);
 void kvr_reap_locked(kvr_engine_t *e);
 void kvr_tell_room_failed(kvr_engine_t *e, kvr_peer_t *p, kvr_room_t *r, int code);
 void kvr_peer_fail_locked(kvr_engine_t *e, kvr_peer_t *p, int code, const char *what);
+uint64_t kvr_peer_silence_limit_ns(const kvr_engine_t *e, const kvr_peer_t *p);
+int kvr_peer_silent(const kvr_engine_t *e, const kvr_peer_t *p, uint64_t now);
+int kvr_peers_silent_locked(const kvr_engine_t *e, uint64_t now);
 int kvr_peer_resolve(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen);
 void kvr_bs_query(kvr_engine_t *e, kvr_ctl_conn_t *conn);
 void kvr_peer_hello(kvr_engine_t *e, kvr_peer_t *p);
@@ -405,5 +408,6 @@ void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r);
 /* timer.c: engine thread, once per loop pass                          */
 /* ------------------------------------------------------------------ */
 void kvr_timers_locked(kvr_engine_t *e);
+void kvr_timer_silences_locked(kvr_engine_t *e);
 
 #endif

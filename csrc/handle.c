@@ -403,7 +403,11 @@ int kvr_handle_poll(kvr_handle_t *h)
     }
     atomic_store_explicit(&e->poll_progress_ns, now, memory_order_relaxed);
     int wake = 0;
-    if (!e->stopping && e->tp != NULL && e->ndev == 0) {
+    if (kvr_peers_silent_locked(e, now)) {
+        /* This process may have been suspended: the engine thread declares
+         * the silent peer lost before anything queued meanwhile is taken. */
+        wake = 1;
+    } else if (!e->stopping && e->tp != NULL && e->ndev == 0) {
         e->off_thread = 1;
         unsigned n = kvr_tp_progress(e->tp);
         e->off_thread = 0;

@@ -249,6 +249,43 @@ void kvr_peer_fail_locked(kvr_engine_t *e, kvr_peer_t *p, int code, const char *
 }
 
 /* Decode: start (or restart) resolving a prefill peer through bootstrap. */
+/*
+ * The silence after which a ready peer is lost.  A prefill declares a
+ * decode lost when more than heartbeat_timeout_ms passed since the decode's
+ * last PING reached it; the decode last heard the prefill at the PONG to
+ * that PING, up to a round trip (and a loaded scheduler) later.  So the
+ * decode gives up on a prefill a margin earlier than the prefill gives up
+ * on it: it never takes data from a prefill that may already have failed
+ * the room (a decode frozen, then resumed with data still queued).
+ */
+uint64_t kvr_peer_silence_limit_ns(const kvr_engine_t *e, const kvr_peer_t *p)
+{
+    uint64_t t = e->cfg.heartbeat_timeout_ms;
+    if (p->kind == KVR_PEER_IS_PREFILL) {
+        uint64_t margin = e->cfg.heartbeat_interval_ms < t / 4 ? e->cfg.heartbeat_interval_ms
+                                                               : t / 4;
+        t -= margin;
+    }
+    return t * KVR_MS;
+}
+
+int kvr_peer_silent(const kvr_engine_t *e, const kvr_peer_t *p, uint64_t now)
+{
+    return p->state == KVR_PEER_READY && now > p->last_heard_ns &&
+           now - p->last_heard_ns > kvr_peer_silence_limit_ns(e, p);
+}
+
+/* Whether a ready peer is silent past its limit (not yet declared lost). */
+int kvr_peers_silent_locked(const kvr_engine_t *e, uint64_t now)
+{
+    for (const kvr_peer_t *p = e->peers; p; p = p->next) {
+        if (kvr_peer_silent(e, p, now)) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
 int kvr_peer_resolve(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen)
 {
     char ep[192];

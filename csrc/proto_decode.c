@@ -45,6 +45,12 @@ void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, int rnd
         why = "room is not receiving";
         goto reject;
     }
+    if (kvr_peer_silent(e, r->peer, kvr_now_ns())) {
+        /* Declared lost by the engine thread's next pass; the prefill may
+         * already have failed the room. */
+        why = "prefill silent past the heartbeat timeout";
+        goto reject;
+    }
     if (r->peer->epoch != h.epoch) {
         /* Only the instance the request went to knows the room's tag. */
         why = "sender epoch is not the room's prefill's";

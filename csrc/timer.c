@@ -15,7 +15,7 @@
  * Returns 1 if it was declared lost. */
 static int kvr_timer_silence_locked(kvr_engine_t *e, kvr_peer_t *p, uint64_t now)
 {
-    if (now - p->last_heard_ns <= e->cfg.heartbeat_timeout_ms * KVR_MS) {
+    if (!kvr_peer_silent(e, p, now)) {
         return 0;
     }
     char what[200];
@@ -69,6 +69,18 @@ static void kvr_timer_peers_locked(kvr_engine_t *e, uint64_t now)
         if (p->kind == KVR_PEER_IS_PREFILL) {
             kvr_timer_prefill_peer_locked(e, p, now);
         } else if (p->state == KVR_PEER_READY) {
+            kvr_timer_silence_locked(e, p, now);
+        }
+    }
+}
+
+/* Declares silent peers lost; run before UCX is progressed, so that after
+ * this process was suspended nothing queued meanwhile is taken first. */
+void kvr_timer_silences_locked(kvr_engine_t *e)
+{
+    uint64_t now = kvr_now_ns();
+    for (kvr_peer_t *p = e->peers; p; p = p->next) {
+        if (p->state == KVR_PEER_READY) {
             kvr_timer_silence_locked(e, p, now);
         }
     }

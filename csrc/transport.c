@@ -11,6 +11,7 @@
 #include <ucp/api/ucp.h>
 #include <ucs/sys/string.h>
 
+#include "ucxaddr.h"
 #include "ucxlog.h"
 
 #if defined(__x86_64__) && defined(__SSE2__)
@@ -368,6 +369,7 @@ static void kvr_tp_tune(kvr_transport_t *tp, ucp_config_t *config, const char *t
 
 static int kvr_tp_worker_new(kvr_transport_t *tp, kvr_tp_worker_t **w_p, char *err,
                              size_t errlen);
+static void kvr_tp_worker_free(kvr_tp_worker_t *w);
 
 /* UCX 1.13's shared-memory transports break on segments of 64 KiB or more
  * (the fragment length no longer fits their queue elements, it seems):
@@ -449,12 +451,23 @@ int kvr_tp_create(const kvr_tp_callbacks_t *cb, size_t pack_max, kvr_transport_t
         goto err_cleanup_context;
     }
     tp->addr_version = ((const unsigned char *)tp->spare->address)[0] & 0x0f;
+    /* Peers' addresses are checked in the format this UCX packs ours in
+     * (not its unified mode, whose lengths are not in the address). */
+    if (kvr_ucxaddr_check(tp->spare->address, tp->spare->address_len, tp->addr_version, err,
+                          errlen) != 0) {
+        size_t n = strlen(err);
+        snprintf(err + n, errlen - n, " (this UCX's own: kvrecv cannot check peers' addresses%s)",
+                 getenv("UCX_UNIFIED_MODE") ? "; unset UCX_UNIFIED_MODE" : "");
+        goto err_cleanup_worker;
+    }
 
     snprintf(tp->describe, sizeof(tp->describe), "ucx %s, UCX_TLS=%s%s%s", ucp_get_version_string(),
              tls ? tls : "all", tp->tuned[0] ? ", kvrecv sets " : "", tp->tuned);
     *tp_p = tp;
     return 0;
 
+err_cleanup_worker:
+    kvr_tp_worker_free(tp->spare);
 err_cleanup_context:
     ucp_cleanup(tp->context);
 err_free:
@@ -754,13 +767,7 @@ const char *kvr_tp_describe(kvr_transport_t *tp)
 int kvr_tp_address_check(kvr_transport_t *tp, const void *addr, size_t len, char *err,
                          size_t errlen)
 {
-    const unsigned char *a = addr;
-    if (len < 9 || (a[0] & 0x0f) != tp->addr_version) {
-        snprintf(err, errlen, "malformed UCX worker address (%zu bytes, version %u, ours %u)", len,
-                 len ? a[0] & 0x0f : 0, tp->addr_version);
-        return -1;
-    }
-    return 0;
+    return kvr_ucxaddr_check(addr, len, tp->addr_version, err, errlen);
 }
 
 int kvr_tp_ep_create(kvr_tp_worker_t *w, const void *addr, size_t len, void *ep_ctx,
@@ -768,9 +775,10 @@ int kvr_tp_ep_create(kvr_tp_worker_t *w, const void *addr, size_t len, void *ep_
 {
     kvr_transport_t *tp = w->tp;
     /* UCX asserts (aborting the process) on an address whose header it does
-     * not know: check that it has a header of our UCX's address version and
-     * room for the worker id before handing it over.  (The control channel
-     * is where peers are vetted; this stops garbage, not a forger.) */
+     * not know and reads as far as the address's fields say: check its
+     * whole structure against its length before handing it over.  (The
+     * control channel is where peers are vetted; this stops garbage, not a
+     * forger.) */
     if (kvr_tp_address_check(tp, addr, len, err, errlen) != 0) {
         return -1;
     }

@@ -9,19 +9,19 @@
 #   fuzz/run.sh                      the default targets, 30 s each
 #   FUZZ_SECONDS=300 fuzz/run.sh fuzz_wire
 #
-# fuzz_worker_addr (a peer's UCX worker address through kvr_tp_address_check
-# into UCX's ucp_ep_create, on a real worker with UCX_TLS=self) is not among
-# the defaults: UCX 1.13 reads past the end of a malformed address (it takes
-# no length), so it finds a crash within seconds until kvrecv checks the
-# address's structure itself.  fuzz/ucx_crashes/ holds such inputs; replay
-# one with fuzz/build/fuzz_worker_addr fuzz/ucx_crashes/<file>.
+# fuzz_worker_addr takes a peer's UCX worker address through
+# kvr_tp_address_check (csrc/ucxaddr.c walks its structure against its
+# length) into UCX's ucp_ep_create, on a real worker with UCX_TLS=self: UCX
+# 1.13 takes no length and reads as far as the address's fields say.  Its
+# corpus keeps, as regression cases, inputs on which UCX read past the end
+# before that walk existed (overread_*).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CLANG=${CLANG:-clang}
 SECONDS_EACH=${FUZZ_SECONDS:-30}
 JOBS=${FUZZ_JOBS:-1}
 BUILD=fuzz/build
-TARGETS=${*:-fuzz_wire fuzz_am_header fuzz_auth}
+TARGETS=${*:-fuzz_wire fuzz_am_header fuzz_auth fuzz_worker_addr}
 mkdir -p "$BUILD"
 if ! command -v "$CLANG" >/dev/null; then
     echo "clang not found (apt-get install -y clang libclang-rt-14-dev)" >&2
@@ -37,7 +37,7 @@ for t in $TARGETS; do
     srcs="$SRCS" libs="-lcrypto" asan=$ASAN_OPTIONS
     if [ "$t" = fuzz_worker_addr ]; then
         # a real UCX worker; UCX's own allocations outlive the process
-        srcs="csrc/transport.c csrc/log.c csrc/ucxlog.c" libs="-lucp -luct -lucs -lucm -pthread"
+        srcs="csrc/transport.c csrc/ucxaddr.c csrc/log.c csrc/ucxlog.c" libs="-lucp -luct -lucs -lucm -pthread"
         asan=detect_leaks=0:abort_on_error=1
     fi
     # shellcheck disable=SC2086

@@ -151,6 +151,8 @@ def main() -> int:
                 reply({"state": int(rooms[cmd["room"]].poll())})
             elif op == "failure":
                 reply(_failure(rooms[cmd["room"]], kvrecv))
+            elif op == "canary":  # decode: nothing landed on these pages
+                reply({"canary": pages_canary(kv, cmd["pages"])})
             elif op == "stats":
                 reply(mgr.stats())
             elif op == "set_siblings":

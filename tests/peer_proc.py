@@ -52,6 +52,11 @@ class PeerProcess(JsonLineChild):
         os.kill(self.proc.pid, signal.SIGSTOP)
         self._frozen = True
 
+    def thaw(self):
+        """SIGCONT: a frozen process resumes where it stopped."""
+        os.kill(self.proc.pid, signal.SIGCONT)
+        self._frozen = False
+
     def kill(self) -> float:
         """SIGKILL; returns the monotonic time of the kill."""
         t = super().kill()

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import pickle
+import re
 import subprocess
 import sys
 import threading
@@ -805,6 +806,47 @@ def test_decode_killed_big_rooms_in_flight(fail_bs, fail_closer, fail_spawn, mon
     fail_closer(d2)
     _check_new_room_in_process(p, pkv, paux, d2, dkv2, daux2, fail_bs.address, 5999, [0, 1, 2, 3], 0)
     _assert_no_rooms(p, d2)
+
+
+@pytest.mark.parametrize("tls", sorted(FAIL_TLS))
+def test_decode_frozen_then_resumed_takes_no_byte(fail_bs, fail_closer, fail_spawn, monkeypatch,
+                                                   tls):
+    """The decode is frozen (SIGSTOP) after asking for a room, before the
+    data goes: the data waits for it in the transport, and the prefill
+    fails the room for PEER_LOST after a heartbeat timeout of silence.
+    Resumed (SIGCONT), the decode must declare the prefill lost itself
+    before taking anything queued meanwhile: both sides PEER_LOST, and not
+    a byte of the room on the decode's pages."""
+    monkeypatch.setenv("UCX_TLS", FAIL_TLS[tls])
+    p, pkv, paux = _prefill(fail_bs.address, seed=60)
+    fail_closer(p)
+    child = fail_spawn("decode", fail_bs.address)
+    dst, src = [3, 4, 5, 6], [10, 11, 12, 13]
+    s = KVSender(p, fail_bs.address, 7100)
+    s.init(len(src))
+    assert child.call("open_receiver", room=7100, pages=dst)["state"] == int(KVPoll.WaitingForInput)
+    st, el = _wait_state(s, (KVPoll.WaitingForInput, KVPoll.Failed), 20)
+    assert st == KVPoll.WaitingForInput, (st, el)
+    child.freeze()
+    t_freeze = time.monotonic()
+    s.send(np.asarray(src, dtype=np.int32))
+    st, el = _wait_state(s, TERMINAL, 10)
+    assert st == KVPoll.Failed, f"prefill room {st!r} {el:.2f} s after the decode froze"
+    e = _exc(s)
+    assert type(e) is KVPeerLostError and e.code == "PEER_LOST", (type(e), e.failure_reason)
+    assert re.fullmatch(r"room 7100: decode rank 0 \(epoch [0-9a-f]{16}\) lost: no heartbeat for \d+ ms",
+                        e.failure_reason), (
+        e.failure_reason)
+    time.sleep(max(0.0, 1.0 - (time.monotonic() - t_freeze)))
+    child.thaw()
+    st = child.call("wait", room=7100, states=[int(KVPoll.Success), int(KVPoll.Failed)],
+                    timeout=10)["state"]
+    f = child.call("failure", room=7100)
+    assert st == int(KVPoll.Failed), f"the resumed decode ended the room {KVPoll(st)!r}: {f}"
+    assert (f["cls"], f["code"]) == ("KVPeerLostError", "PEER_LOST"), f
+    assert re.fullmatch(r"room 7100: prefill rank 0 at \S+ lost: no heartbeat for \d+ ms", f["reason"]), f
+    assert child.call("canary", pages=dst)["canary"], "bytes of the failed room landed"
+    s.clear()
 
 
 # --------------------------------------------------------------------------

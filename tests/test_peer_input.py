@@ -94,7 +94,7 @@ def test_failures_for_rooms_never_opened_are_bounded(res):
     assert not any(opened_failed(room) for room in (1, 2, 100, n - 1024 - 1))
 
 
-WORKER_ADDR = b"\x00" + b"\x01" * 31  # passes the prefill's address check (version 0)
+WORKER_ADDR = b"\x00" + b"\x01" * 8 + b"\xff"  # a well-formed v1 address naming no device
 
 
 def forged_decode(res, prefill, epoch: int):

@@ -4,6 +4,7 @@ never crash anything, and leave the manager able to transfer."""
 
 from __future__ import annotations
 
+import pathlib
 import struct
 import time
 
@@ -289,6 +290,27 @@ def test_hello_with_a_garbage_worker_address_does_not_crash_the_prefill(res, boo
     assert parse_header(reply)[2] == MSG_HELLO_REJECT
     ping_pong(d)
     assert child.alive()
+
+
+@pytest.mark.parametrize("name, why", [
+    ("overread_1", "(16 bytes): transport attributes past the end at byte 13"),
+    ("overread_2", "(87 bytes): transport attributes past the end at byte 85")])
+def test_hello_with_a_worker_address_running_past_its_length_is_rejected(res, pair, name, why):
+    """Addresses on which UCX 1.13 read past the end (it takes no length):
+    their header and length are plausible, their fields are not.  The
+    prefill refuses them with TRANSPORT before UCX sees them."""
+    addr = (pathlib.Path(__file__).parent.parent / "fuzz" / "corpus" / "fuzz_worker_addr"
+            / name).read_bytes()
+    d = res.dealer(pair.prefill.endpoint)
+    d.send(hello(0, STD, addr))
+    reply = d.recv()
+    assert reply is not None
+    assert parse_header(reply)[2] == MSG_HELLO_REJECT
+    rank, code, n = struct.unpack_from("<IHH", reply, 16)
+    assert code == 5, reply  # TRANSPORT
+    assert reply[24:24 + n].decode() == "malformed UCX worker address " + why
+    ping_pong(d)
+    transfer_works(pair.prefill, pair.decode, pair.addr, pair.src, pair.dst, 34)
 
 
 def test_bootstrap_server_drops_and_counts_malformed_messages(res, bootstrap):

@@ -71,6 +71,10 @@
     X(log_concurrent_writers_reader, 60, 0)                                   \
     X(log_read_negative_timeout, 1, 0)                                        \
     X(log_write_shared, 10, 0)                                                \
+    X(ucxaddr_real_address_accepted, 10, 0)                                   \
+    X(ucxaddr_every_truncation_refused, 10, 0)                                \
+    X(ucxaddr_overreads_refused, 10, 0)                                       \
+    X(ucxaddr_impossible_values_refused, 10, 0)                               \
     X(_selftest_assert, 5, TEST_HIDDEN)                                       \
     X(_selftest_crash, 5, TEST_HIDDEN)                                        \
     X(_selftest_hang, 1, TEST_HIDDEN)
