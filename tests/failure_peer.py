@@ -1,4 +1,5 @@
-"""Child-process peer for tests/test_failures.py and tests/test_ranks.py.
+"""Child-process peer for tests/test_failures.py, tests/test_peer_death.py
+and tests/test_ranks.py.
 
 Runs one kvrecv manager (prefill or decode) in its own process so that the
 tests can kill it for real (SIGKILL) and watch the survivor.  It takes a JSON

@@ -572,7 +572,7 @@ def test_prefill_restarts_same_address(pair):
     one's connections close: it must recognise the new instance when the
     network is back, fail the rooms bound to the old one with PEER_RESTARTED,
     and send new rooms to the new one.  (With the network up, tcp reports the
-    old process's death at once, and that is PEER_LOST: test_failures.py.)
+    old process's death at once, and that is PEER_LOST: test_peer_death.py.)
     The partition is made with firewall rules, not by taking the link down:
     UCX will not start on a device without carrier."""
     if _FW is None:

@@ -1,0 +1,416 @@
+"""Failure paths where a peer process dies or freezes: a prefill or decode
+SIGKILLed with rooms in flight (small and big rooms, tcp and shared memory),
+and a decode frozen with SIGSTOP and resumed.  Each is checked for its
+exception class, code, reason and how long it took to be noticed, that no
+byte lands after the failure, and that the surviving manager serves a new
+room.  Helpers and fixtures: tests/failtest.py."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from peer_proc import peer_mod
+from kvrecv import (
+    KVConfig,
+    KVPeerLostError,
+    KVPoll,
+    KVSender,
+)
+from failtest import (  # noqa: F401 (fixtures are used by name)
+    AUX_ITEM,
+    CANARY,
+    PAGE_BYTES,
+    TERMINAL,
+    _assert_no_rooms,
+    _assert_still,
+    _check_new_room_in_process,
+    _decode,
+    _exc,
+    _open_receiver,
+    _pages_canary,
+    _pages_equal,
+    _prefill,
+    _wait_all_failed,
+    _wait_state,
+    _wait_until,
+    fail_bs,
+    fail_closer,
+    fail_no_thread_leak,
+    fail_spawn,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+# --------------------------------------------------------------------------
+# 4. The prefill process dies
+# --------------------------------------------------------------------------
+
+# UCX_TLS per transport.  "shm" leaves out cma, as in containers where
+# process_vm_readv is not allowed: shared memory then has no peer-failure
+# handling in UCX 1.13 and only the heartbeats can tell that a peer died.
+FAIL_TLS = {"tcp": "tcp", "shm": "posix,sysv,self"}
+
+
+@pytest.mark.parametrize("tls", sorted(FAIL_TLS))
+def test_prefill_killed(fail_bs, fail_closer, fail_spawn, monkeypatch, tls):
+    monkeypatch.setenv("UCX_TLS", FAIL_TLS[tls])
+    child = fail_spawn("prefill", fail_bs.address, seed=11)
+    d, dkv, daux = _decode()  # default heartbeat settings
+    fail_closer(d)
+    src = [10, 11, 12, 13]
+    plan = {  # room -> (decode pages, aux row, pages the child sends)
+        401: ([0, 1, 2, 3], 0, src),         # completes before the kill
+        402: ([4, 5, 6, 7], 1, src[:2]),     # half sent
+        403: ([8, 9, 10, 11], 2, None),      # sender open, nothing sent
+        404: ([12, 13, 14, 15], 3, None),    # sender open, nothing sent
+        405: ([16, 17, 18, 19], 4, "none"),  # no sender at all on the prefill
+    }
+    rooms = {rid: _open_receiver(d, fail_bs.address, rid, pg, aux) for rid, (pg, aux, _) in plan.items()}
+    for rid, (pg, aux, send) in plan.items():
+        if send == "none":
+            continue
+        child.call("open_sender", room=rid, n=len(pg), aux=aux)
+        if send:
+            child.call("send", room=rid, pages=send)
+    st, el = _wait_state(rooms[401], TERMINAL, 20)
+    assert st == KVPoll.Success, f"room 401: {st} after {el:.3f} s"
+    want = len(src) * PAGE_BYTES + AUX_ITEM + 2 * PAGE_BYTES
+    _wait_until(lambda: d.stats()["bytes_moved"] == want, 20, f"{want} bytes landed")
+    pkv, _ = peer_mod.source_buffers(11)
+    assert _pages_equal(pkv, dkv, src[:2], [4, 5]), "room 402: the first half is wrong"
+    for rid in (402, 403, 404, 405):
+        assert rooms[rid].poll() == KVPoll.Transferring, (rid, rooms[rid].poll())
+
+    failing = {rid: rooms[rid] for rid in (402, 403, 404, 405)}
+    t_kill = child.kill()
+    times = _wait_all_failed(failing, t_kill, 10, spin=True)
+    print(f"prefill SIGKILL: decode rooms Failed after {times}")
+    for rid, t in times.items():
+        assert t is not None, f"room {rid} not Failed 10 s after the kill: {rooms[rid].poll()} ({times})"
+        assert t < 2.5, f"room {rid}: PEER_LOST detected {t:.3f} s after SIGKILL (want ~1 s): {times}"
+    peer_name = f"prefill rank 0 at 127.0.0.1:{child.port}"
+    for rid in failing:
+        e = _exc(rooms[rid])
+        assert type(e) is KVPeerLostError and e.code == "PEER_LOST", (rid, type(e), e.code, e.failure_reason)
+        assert e.bootstrap_room == rid
+        assert peer_name in e.failure_reason, e.failure_reason
+        assert e.peer == peer_name, e.peer
+        if tls == "tcp":
+            # UCX's endpoint error named the cause (milliseconds here), even
+            # when the spinning poll() above was the thread that saw it:
+            # sooner than the heartbeat timeout could have.
+            hb_s = KVConfig().heartbeat_timeout_ms / 1e3
+            assert "no heartbeat" not in e.failure_reason and times[rid] < hb_s, (
+                e.failure_reason, times, hb_s)
+    assert rooms[401].poll() == KVPoll.Success, "a finished room changed state after the kill"
+    stats = d.stats()
+    assert stats["failures_by_code"]["PEER_LOST"] == 4, stats
+    # Nothing landed after the failure: room 402's second half is untouched.
+    assert _pages_canary(dkv, [6, 7]), "room 402: bytes landed for pages never sent"
+    assert (daux[0][1 * AUX_ITEM:5 * AUX_ITEM] == CANARY).all()
+
+    # The decode manager survives: a new prefill instance serves a new room.
+    regs = fail_bs.stats()["registrations"]
+    p2, pkv2, paux2 = _prefill(fail_bs.address, seed=12)
+    fail_closer(p2)
+    _wait_until(lambda: fail_bs.stats()["registrations"] > regs, 20, "new prefill registration")
+    _check_new_room_in_process(p2, pkv2, paux2, d, dkv, daux, fail_bs.address, 406, [20, 21, 22, 23], 6)
+    for r in rooms.values():
+        r.clear()
+    _assert_no_rooms(d, p2)
+
+
+# --------------------------------------------------------------------------
+# 5. The decode process dies
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("tls", sorted(FAIL_TLS))
+def test_decode_killed(fail_bs, fail_closer, fail_spawn, monkeypatch, tls):
+    monkeypatch.setenv("UCX_TLS", FAIL_TLS[tls])
+    p, pkv, paux = _prefill(fail_bs.address, seed=13)  # default heartbeat settings
+    fail_closer(p)
+    child = fail_spawn("decode", fail_bs.address)
+    src = [20, 21, 22, 23]
+    plan = {  # room -> (decode pages, aux row, pages sent before the kill)
+        501: ([0, 1, 2, 3], 0, src),
+        502: ([4, 5, 6, 7], 1, src[:2]),
+        503: ([8, 9, 10, 11], 2, []),
+        504: ([12, 13, 14, 15], 3, []),
+    }
+    senders = {}
+    for rid, (pg, aux, _) in plan.items():
+        s = KVSender(p, fail_bs.address, rid)
+        s.init(len(pg), aux_index=aux)
+        senders[rid] = s
+        st = child.call("open_receiver", room=rid, pages=pg, aux=aux)["state"]
+        assert st in (KVPoll.WaitingForInput, KVPoll.Transferring), (rid, st)
+    unbound = KVSender(p, fail_bs.address, 505)  # the decode never asks for it
+    unbound.init(4)
+    for rid, s in senders.items():
+        st, el = _wait_state(s, (KVPoll.WaitingForInput, KVPoll.Failed), 20)
+        assert st == KVPoll.WaitingForInput, f"room {rid} not bound: {st} after {el:.3f} s"
+    for rid, (_, _, send) in plan.items():
+        if send:
+            senders[rid].send(np.asarray(send, dtype=np.int32))
+    st, el = _wait_state(senders[501], TERMINAL, 20)
+    assert st == KVPoll.Success, f"room 501: {st} after {el:.3f} s"
+    want = len(src) * PAGE_BYTES + AUX_ITEM + 2 * PAGE_BYTES
+    _wait_until(lambda: p.stats()["bytes_moved"] == want, 20, f"{want} bytes sent")
+
+    failing = {rid: senders[rid] for rid in (502, 503, 504)}
+    t_kill = child.kill()
+    times = _wait_all_failed(failing, t_kill, 10)
+    print(f"decode SIGKILL: prefill rooms Failed after {times}")
+    for rid, t in times.items():
+        assert t is not None, f"room {rid} not Failed 10 s after the kill: {senders[rid].poll()} ({times})"
+        assert t < 2.5, f"room {rid}: PEER_LOST detected {t:.3f} s after SIGKILL (want ~1 s): {times}"
+    for rid in failing:
+        e = _exc(senders[rid])
+        assert type(e) is KVPeerLostError and e.code == "PEER_LOST", (rid, type(e), e.code, e.failure_reason)
+        assert e.bootstrap_room == rid
+        assert "decode rank 0" in e.failure_reason, e.failure_reason
+        assert e.peer and e.peer.startswith("decode rank 0"), e.peer
+    assert senders[501].poll() == KVPoll.Success, "a finished room changed state after the kill"
+    assert unbound.poll() == KVPoll.Bootstrapping, "a room never bound to the dead decode was failed"
+    assert p.stats()["failures_by_code"]["PEER_LOST"] == 3, p.stats()
+
+    # The prefill manager survives: a new decode gets a new room.
+    d2, dkv2, daux2 = _decode()
+    fail_closer(d2)
+    _check_new_room_in_process(p, pkv, paux, d2, dkv2, daux2, fail_bs.address, 506, [0, 1, 2, 3], 0)
+    for s in senders.values():
+        s.clear()
+    unbound.clear()
+    _assert_no_rooms(p, d2)
+
+
+# --------------------------------------------------------------------------
+# 4b/5b. A peer dies while big rooms are in flight
+# --------------------------------------------------------------------------
+#
+# To kill "during" a transfer deterministically, the doomed process is first
+# frozen with SIGSTOP as soon as data flows: its half of the in-flight
+# operations stays in flight, which is checked (the byte counter stands still
+# below the total), and then it is SIGKILLed.  The expectations are those of
+# scenarios 4 and 5: every unfinished room bound to the dead peer is Failed
+# with PEER_LOST within ~1 s of the kill, and nothing lands afterwards.
+
+BIG_SCALE = 131072  # KV items of 128..512 KiB: a page is 1.25 MiB, a room 10 MiB
+BIG_ROOM_PAGES = 8
+
+
+def _freeze_mid_transfer(child, progress, total):
+    """Waits for the first bytes, freezes child, waits until the byte counter
+    stands still (the kernel's socket buffers drained) and returns it."""
+    t0 = time.monotonic()
+    while progress() == 0:
+        assert time.monotonic() - t0 < 20, "no byte moved within 20 s"
+        time.sleep(0.0005)
+    child.freeze()
+    t0 = time.monotonic()
+    last, still = progress(), 0
+    while still < 4:
+        assert time.monotonic() - t0 < 10, "bytes kept moving 10 s after the peer was frozen"
+        time.sleep(0.05)
+        now = progress()
+        still = still + 1 if now == last else 0
+        last = now
+    return last
+
+
+class _BusyProcesses:
+    """Processes that spin on every core while the block runs.  A prefill
+    thread preempted in the middle of a copy into the decode's
+    shared-memory FIFO is then often frozen (and killed) right there, which
+    is the case the decode must survive."""
+
+    def __enter__(self):
+        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"])
+                      for _ in range(os.cpu_count() or 2)]
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
+@pytest.mark.parametrize("tls", sorted(FAIL_TLS))
+def test_prefill_killed_big_rooms_in_flight(fail_bs, fail_closer, fail_spawn, monkeypatch, tls):
+    """Each trial a new prefill process starts sending four 10 MiB rooms,
+    is frozen mid-transfer and SIGKILLed; the decode fails the rooms with
+    PEER_LOST, drops the UCX worker it had for the dead prefill and receives
+    the next prefill's rooms on a new one.  With busy cores the prefill is
+    often frozen in the middle of a write into the decode's shared-memory
+    FIFO: with one worker for every peer (before), that FIFO stopped for
+    good and the next prefill's data never arrived (in 3 of 8 runs of this
+    test with 6 trials on a 2-core host)."""
+    monkeypatch.setenv("UCX_TLS", FAIL_TLS[tls])
+    with _BusyProcesses():
+        _prefill_killed_big_rooms(fail_bs, fail_closer, fail_spawn, tls)
+
+
+def _prefill_killed_big_rooms(fail_bs, fail_closer, fail_spawn, tls):
+    d, dkv, daux = _decode(scale=BIG_SCALE)
+    fail_closer(d)
+    room_bytes = BIG_ROOM_PAGES * peer_mod.page_bytes(scale=BIG_SCALE)
+    trials = 0
+    for trial in range(8):
+        for buf in dkv:
+            buf.fill(CANARY)
+        regs = fail_bs.stats()["registrations"]
+        child = fail_spawn("prefill", fail_bs.address, seed=40 + trial, scale=BIG_SCALE)
+        _wait_until(lambda: fail_bs.stats()["registrations"] > regs, 20, "registration")
+        created = d.stats()["ucx_workers_created"]
+        base = d.stats()["bytes_moved"]
+        plan = {100 * trial + 4100 + i: list(range(8 * i, 8 * i + BIG_ROOM_PAGES)) for i in range(4)}
+        rooms = {rid: _open_receiver(d, fail_bs.address, rid, pg) for rid, pg in plan.items()}
+        for rid, pg in plan.items():
+            child.call("open_sender", room=rid, n=len(pg))
+        for rid, pg in plan.items():
+            child.call("send", room=rid, pages=pg)
+        total = len(plan) * room_bytes
+        landed = _freeze_mid_transfer(child, lambda: d.stats()["bytes_moved"] - base, total)
+        if landed == total:
+            child.kill()
+            for r in rooms.values():
+                r.clear()
+            continue
+        trials += 1
+        t_kill = child.kill()
+        unfinished = {rid: r for rid, r in rooms.items() if r.poll() != KVPoll.Success}
+        times = _wait_all_failed(unfinished, t_kill, 3)
+        print(f"[{tls}] prefill SIGKILL with {landed} of {total} bytes landed: Failed after {times}")
+        for rid, t in times.items():
+            assert t is not None, (
+                f"room {rid} not Failed 3 s after the kill: {rooms[rid].poll()!r}, "
+                f"stats {d.stats()}")
+            assert t < 2.5, f"room {rid}: Failed {t:.3f} s after SIGKILL: {times}"
+        peer_name = f"prefill rank 0 at 127.0.0.1:{child.port}"
+        for rid, r in unfinished.items():
+            e = _exc(r)
+            assert type(e) is KVPeerLostError and e.code == "PEER_LOST", (rid, e.code, e.failure_reason)
+            assert peer_name in e.failure_reason and e.bootstrap_room == rid, e.failure_reason
+        _assert_still(dkv, 0.3, "prefill killed in flight")
+        # The dead prefill's worker is gone; this connection had a new one.
+        _wait_until(lambda: d.stats()["ucx_workers"] == 0, 5, "the dead prefill's worker destroyed")
+        assert d.stats()["ucx_workers_created"] == created + 1, d.stats()
+        for r in rooms.values():
+            r.clear()
+    if trials == 0:
+        pytest.skip("every trial's transfer finished before the prefill could be frozen")
+
+    regs = fail_bs.stats()["registrations"]  # before the prefill exists: it registers at once
+    p, pkv, paux = _prefill(fail_bs.address, seed=49, scale=BIG_SCALE)
+    fail_closer(p)
+    _wait_until(lambda: fail_bs.stats()["registrations"] > regs, 20, "registration")
+    _check_new_room_in_process(p, pkv, paux, d, dkv, daux, fail_bs.address, 4999, [8, 9, 10, 11], 1)
+    _assert_no_rooms(d, p)
+
+
+@pytest.mark.parametrize("tls", [
+    pytest.param(t) for t in sorted(FAIL_TLS)
+])
+def test_decode_killed_big_rooms_in_flight(fail_bs, fail_closer, fail_spawn, monkeypatch, tls):
+    monkeypatch.setenv("UCX_TLS", FAIL_TLS[tls])
+    p, pkv, paux = _prefill(fail_bs.address, seed=50, scale=BIG_SCALE)
+    fail_closer(p)
+    room_bytes = BIG_ROOM_PAGES * peer_mod.page_bytes(scale=BIG_SCALE)
+    trials = 0
+    for trial in range(6):
+        child = fail_spawn("decode", fail_bs.address, scale=BIG_SCALE)
+        base = p.stats()["bytes_moved"]
+        plan = {100 * trial + 5100 + i: list(range(8 * i, 8 * i + BIG_ROOM_PAGES)) for i in range(4)}
+        senders = {}
+        for rid, pg in plan.items():
+            s = KVSender(p, fail_bs.address, rid)
+            s.init(len(pg))
+            senders[rid] = s
+            child.call("open_receiver", room=rid, pages=pg)
+        for rid, s in senders.items():
+            st, el = _wait_state(s, (KVPoll.WaitingForInput, KVPoll.Failed), 20)
+            assert st == KVPoll.WaitingForInput, (rid, st, el)
+        for rid, pg in plan.items():
+            senders[rid].send(np.asarray(pg, dtype=np.int32))
+        total = len(plan) * room_bytes
+        sent = _freeze_mid_transfer(child, lambda: p.stats()["bytes_moved"] - base, total)
+        if sent == total:
+            child.kill()
+            for s in senders.values():
+                s.clear()
+            continue
+        trials += 1
+        t_kill = child.kill()
+        unfinished = {rid: s for rid, s in senders.items() if s.poll() != KVPoll.Success}
+        times = _wait_all_failed(unfinished, t_kill, 3)
+        print(f"[{tls}] decode SIGKILL with {sent} of {total} bytes sent: Failed after {times}")
+        for rid, t in times.items():
+            assert t is not None, (
+                f"room {rid} not Failed 3 s after the kill: {senders[rid].poll()!r}, "
+                f"stats {p.stats()}")
+            assert t < 2.5, f"room {rid}: Failed {t:.3f} s after SIGKILL: {times}"
+        for rid, s in unfinished.items():
+            e = _exc(s)
+            assert type(e) is KVPeerLostError and e.code == "PEER_LOST", (
+                f"trial {trial}, room {rid}: {type(e).__name__} {e.code}: {e.failure_reason}")
+            assert "decode rank 0" in e.failure_reason and e.bootstrap_room == rid, e.failure_reason
+        # The prefill dropped the UCX worker it had for the dead decode.
+        _wait_until(lambda: p.stats()["ucx_workers"] == 0, 5, "the dead decode's worker destroyed")
+        for s in senders.values():
+            s.clear()
+    if trials == 0:
+        pytest.skip("every trial's transfer finished before the decode could be frozen")
+
+    d2, dkv2, daux2 = _decode(scale=BIG_SCALE)
+    fail_closer(d2)
+    _check_new_room_in_process(p, pkv, paux, d2, dkv2, daux2, fail_bs.address, 5999, [0, 1, 2, 3], 0)
+    _assert_no_rooms(p, d2)
+
+
+@pytest.mark.parametrize("tls", sorted(FAIL_TLS))
+def test_decode_frozen_then_resumed_takes_no_byte(fail_bs, fail_closer, fail_spawn, monkeypatch,
+                                                   tls):
+    """The decode is frozen (SIGSTOP) after asking for a room, before the
+    data goes: the data waits for it in the transport, and the prefill
+    fails the room for PEER_LOST after a heartbeat timeout of silence.
+    Resumed (SIGCONT), the decode must declare the prefill lost itself
+    before taking anything queued meanwhile: both sides PEER_LOST, and not
+    a byte of the room on the decode's pages."""
+    monkeypatch.setenv("UCX_TLS", FAIL_TLS[tls])
+    p, pkv, paux = _prefill(fail_bs.address, seed=60)
+    fail_closer(p)
+    child = fail_spawn("decode", fail_bs.address)
+    dst, src = [3, 4, 5, 6], [10, 11, 12, 13]
+    s = KVSender(p, fail_bs.address, 7100)
+    s.init(len(src))
+    assert child.call("open_receiver", room=7100, pages=dst)["state"] == int(KVPoll.WaitingForInput)
+    st, el = _wait_state(s, (KVPoll.WaitingForInput, KVPoll.Failed), 20)
+    assert st == KVPoll.WaitingForInput, (st, el)
+    child.freeze()
+    t_freeze = time.monotonic()
+    s.send(np.asarray(src, dtype=np.int32))
+    st, el = _wait_state(s, TERMINAL, 10)
+    assert st == KVPoll.Failed, f"prefill room {st!r} {el:.2f} s after the decode froze"
+    e = _exc(s)
+    assert type(e) is KVPeerLostError and e.code == "PEER_LOST", (type(e), e.failure_reason)
+    assert re.fullmatch(r"room 7100: decode rank 0 \(epoch [0-9a-f]{16}\) lost: no heartbeat for \d+ ms",
+                        e.failure_reason), (
+        e.failure_reason)
+    time.sleep(max(0.0, 1.0 - (time.monotonic() - t_freeze)))
+    child.thaw()
+    st = child.call("wait", room=7100, states=[int(KVPoll.Success), int(KVPoll.Failed)],
+                    timeout=10)["state"]
+    f = child.call("failure", room=7100)
+    assert st == int(KVPoll.Failed), f"the resumed decode ended the room {KVPoll(st)!r}: {f}"
+    assert (f["cls"], f["code"]) == ("KVPeerLostError", "PEER_LOST"), f
+    assert re.fullmatch(r"room 7100: prefill rank 0 at \S+ lost: no heartbeat for \d+ ms", f["reason"]), f
+    assert child.call("canary", pages=dst)["canary"], "bytes of the failed room landed"
+    s.clear()
