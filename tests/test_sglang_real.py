@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -350,8 +351,104 @@ def test_manager_keeps_sglangs_kv_args(cluster):
     try:
         assert mgr.kv_args is args and mgr.kv_args.state_types == []
         assert mgr.supports_host_destination is False
+        assert mgr.siblings == []  # no process group in this process: no siblings
     finally:
         mgr.close()
+
+
+def _sibling_rank(conn, rank, store_port, peer) -> None:
+    """One rank of a 2-rank gloo group published as sglang's attention-TP
+    group.  Rank 0 creates a decode manager; rank 1 does what `peer` says:
+    "exit" (dies before the manager's gather), "junk" (meets the gather with
+    an integer instead of an endpoint)."""
+    import datetime
+    import logging
+    import types
+
+    import torch.distributed as dist
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=rank,
+                                world_size=2, timeout=datetime.timedelta(seconds=15))
+        group = dist.new_group([0, 1], backend="gloo")
+        get_parallel().override_permanently(attn_tp_group=types.SimpleNamespace(
+            cpu_group=group, world_size=2, rank_in_group=rank))
+        dist.barrier(group=group)
+        if rank == 1:
+            if peer == "exit":
+                os._exit(0)
+            dist.all_gather_object([None, None], 12345, group=group)
+            conn.send(("ok", None))
+            return
+        warnings = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda record: warnings.append(record.getMessage())
+        logging.getLogger("kvrecv").addHandler(handler)
+        server_args = types.SimpleNamespace(host="127.0.0.1", disaggregation_bootstrap_port=9,
+                                            tp_size=2)
+        try:
+            mgr = KVRecvManager(sglang_kv_args(Side(STD, rank=0)), DisaggregationMode.DECODE,
+                                server_args, False)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            conn.send(("raised", (type(e).__name__, str(e), warnings)))
+            return
+        conn.send(("made", (mgr.siblings, warnings)))
+        mgr.close()
+    except Exception as e:  # noqa: BLE001
+        conn.send(("error", repr(e)))
+
+
+def _two_ranks(peer: str) -> tuple:
+    import multiprocessing as mp
+
+    from sglang_sched import free_port
+
+    ctx = mp.get_context("fork")
+    store = free_port()
+    pipes = [ctx.Pipe() for _ in range(2)]
+    procs = [ctx.Process(target=_sibling_rank, args=(pipes[r][1], r, store, peer), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        assert pipes[0][0].poll(60), "rank 0 gave no answer"
+        return pipes[0][0].recv()
+    finally:
+        for p in procs:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+@pytest.mark.timeout(120)
+def test_sibling_gather_with_a_dead_rank_is_a_warning():
+    """The other rank of the attention-TP group is gone when the manager
+    gathers the endpoints: the manager is made, without siblings, and says
+    so in a warning."""
+    kind, (siblings, warnings) = _two_ranks("exit")
+    assert kind == "made" and siblings == []
+    [msg] = [w for w in warnings if "sibling" in w]
+    assert msg.startswith("kvrecv: decode rank 0 could not learn its sibling ranks over sglang's "
+                          "attention-TP group ("), msg
+    assert msg.endswith("); a rank whose part of a room succeeded will raise the generic cause "
+                        "when another rank's part fails"), msg
+
+
+@pytest.mark.timeout(120)
+def test_sibling_gather_of_a_wrong_set_is_refused():
+    """The gather yields something that is not one endpoint per rank: the
+    manager refuses to be made (sharing causes with a wrong set would put
+    them on unrelated rooms) rather than join it."""
+    kind, info = _two_ranks("junk")
+    assert kind == "raised", info
+    cls, text, _ = info
+    assert cls == "_WrongSiblings"
+    assert re.fullmatch(r"kvrecv: the attention-TP group gathered \['(tcp://127\.0\.0\.1:\d+)', "
+                        r"12345\] as its ranks' endpoints, which is not one distinct endpoint "
+                        r"per rank with '\1' at rank 0; refusing to share failure causes with it",
+                        text), text
 
 
 # --- sglang's own scheduler queues, ranks in separate processes ------------
