@@ -195,6 +195,11 @@ class KVRecvManager(KVManager):
     Refused at creation, with the reason: state buffers (hybrid models), a
     prefill with more than one DP group, PP or CP stage (kvrecv's rendezvous
     pairs decode rank r with prefill rank r of one group).
+
+    In an sglang scheduler the manager joins the other ranks of its
+    attention-TP group as siblings (set_siblings(), endpoints gathered over
+    the group's gloo group; ``siblings`` lists them, [] when not joined), so
+    every rank raises the origin's cause of a failed room.
     """
 
     supports_host_destination = False
