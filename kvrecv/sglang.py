@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import os
 import socket
+import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -386,8 +387,6 @@ def _attn_tp_endpoints(endpoint: str) -> List[str]:
     init_disaggregation, in the same order, so the collective is met on
     every rank.  Nothing is imported unless torch.distributed is already in
     use: a process without a process group pays no import."""
-    import sys
-
     dist = sys.modules.get("torch.distributed")
     if dist is None or not dist.is_available() or not dist.is_initialized():
         return []
