@@ -29,6 +29,7 @@ import dataclasses
 import logging
 import os
 import socket
+import sys
 import time
 from typing import Any, Dict, List, Optional, Sequence
 
@@ -195,6 +196,11 @@ class KVRecvManager(KVManager):
     Refused at creation, with the reason: state buffers (hybrid models), a
     prefill with more than one DP group, PP or CP stage (kvrecv's rendezvous
     pairs decode rank r with prefill rank r of one group).
+
+    In an sglang scheduler the manager joins the other ranks of its
+    attention-TP group as siblings (set_siblings(), endpoints gathered over
+    the group's gloo group; ``siblings`` lists them, [] when not joined), so
+    every rank raises the origin's cause of a failed room.
     """
 
     supports_host_destination = False
@@ -250,6 +256,20 @@ class KVRecvManager(KVManager):
         self.prefill_info_table: Dict[str, PrefillInfo] = {}
         self._aborted: Dict[int, "KVRecvReceiver"] = {}
         self._executor = None
+        self.siblings: List[str] = []
+        try:
+            self.siblings = _attn_tp_endpoints(self.endpoint)
+            if len(self.siblings) > 1:
+                self.set_siblings(self.siblings)
+        except _WrongSiblings:
+            self.close()
+            raise
+        except Exception as e:  # a peer that died, a gloo timeout, a refused endpoint
+            _log.warning("kvrecv: %s rank %d could not learn its sibling ranks over sglang's "
+                         "attention-TP group (%s: %s); a rank whose part of a room succeeded "
+                         "will raise the generic cause when another rank's part fails", mode,
+                         kv_args.engine_rank, type(e).__name__, e)
+            self.siblings = []
         if mode == "prefill":
             self._register_route(port)
 
@@ -349,6 +369,45 @@ class KVRecvManager(KVManager):
         if self._executor is not None:
             self._executor.shutdown(wait=False, cancel_futures=True)
         super().close()
+
+
+class _WrongSiblings(RuntimeError):
+    """The gathered sibling set is not this group's: sharing causes with it
+    would put one rank's cause on rooms of unrelated ranks."""
+
+
+def _attn_tp_endpoints(endpoint: str) -> List[str]:
+    """Every rank's kvrecv endpoint in sglang's attention-TP group of this
+    process (the ranks whose polls sglang's queues MIN-reduce), gathered
+    over the group's CPU (gloo) group, in group-rank order; [] outside an
+    sglang scheduler (no process group, no attention-TP group published)
+    or in a group of one.
+
+    Every rank of the group creates its manager in the scheduler's
+    init_disaggregation, in the same order, so the collective is met on
+    every rank.  Nothing is imported unless torch.distributed is already in
+    use: a process without a process group pays no import."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return []
+    try:
+        from sglang.srt.runtime_context import get_parallel
+
+        group = get_parallel().attn_tp_group.cpu_group
+    except (ImportError, AttributeError, RuntimeError):  # not an sglang scheduler process
+        return []
+    size, rank = dist.get_world_size(group), dist.get_rank(group)
+    if size <= 1:
+        return []
+    got: List[Any] = [None] * size
+    dist.all_gather_object(got, endpoint, group=group)
+    if got[rank] != endpoint or len(set(map(str, got))) != size or \
+            not all(isinstance(ep, str) and ep.startswith("tcp://") for ep in got):
+        raise _WrongSiblings(f"kvrecv: the attention-TP group gathered {got!r} as its ranks' "
+                             f"endpoints, which is not one distinct endpoint per rank with "
+                             f"{endpoint!r} at rank {rank}; refusing to share failure causes "
+                             "with it")
+    return got
 
 
 def _wait_rendezvous(http_addr: str, timeout_s: float) -> str:

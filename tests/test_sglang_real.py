@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -350,8 +351,104 @@ def test_manager_keeps_sglangs_kv_args(cluster):
     try:
         assert mgr.kv_args is args and mgr.kv_args.state_types == []
         assert mgr.supports_host_destination is False
+        assert mgr.siblings == []  # no process group in this process: no siblings
     finally:
         mgr.close()
+
+
+def _sibling_rank(conn, rank, store_port, peer) -> None:
+    """One rank of a 2-rank gloo group published as sglang's attention-TP
+    group.  Rank 0 creates a decode manager; rank 1 does what `peer` says:
+    "exit" (dies before the manager's gather), "junk" (meets the gather with
+    an integer instead of an endpoint)."""
+    import datetime
+    import logging
+    import types
+
+    import torch.distributed as dist
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=rank,
+                                world_size=2, timeout=datetime.timedelta(seconds=15))
+        group = dist.new_group([0, 1], backend="gloo")
+        get_parallel().override_permanently(attn_tp_group=types.SimpleNamespace(
+            cpu_group=group, world_size=2, rank_in_group=rank))
+        dist.barrier(group=group)
+        if rank == 1:
+            if peer == "exit":
+                os._exit(0)
+            dist.all_gather_object([None, None], 12345, group=group)
+            conn.send(("ok", None))
+            return
+        warnings = []
+        handler = logging.Handler(logging.WARNING)
+        handler.emit = lambda record: warnings.append(record.getMessage())
+        logging.getLogger("kvrecv").addHandler(handler)
+        server_args = types.SimpleNamespace(host="127.0.0.1", disaggregation_bootstrap_port=9,
+                                            tp_size=2)
+        try:
+            mgr = KVRecvManager(sglang_kv_args(Side(STD, rank=0)), DisaggregationMode.DECODE,
+                                server_args, False)
+        except Exception as e:  # noqa: BLE001 - reported to the test
+            conn.send(("raised", (type(e).__name__, str(e), warnings)))
+            return
+        conn.send(("made", (mgr.siblings, warnings)))
+        mgr.close()
+    except Exception as e:  # noqa: BLE001
+        conn.send(("error", repr(e)))
+
+
+def _two_ranks(peer: str) -> tuple:
+    import multiprocessing as mp
+
+    from sglang_sched import free_port
+
+    ctx = mp.get_context("fork")
+    store = free_port()
+    pipes = [ctx.Pipe() for _ in range(2)]
+    procs = [ctx.Process(target=_sibling_rank, args=(pipes[r][1], r, store, peer), daemon=True)
+             for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        assert pipes[0][0].poll(60), "rank 0 gave no answer"
+        return pipes[0][0].recv()
+    finally:
+        for p in procs:
+            p.join(20)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
+
+
+@pytest.mark.timeout(120)
+def test_sibling_gather_with_a_dead_rank_is_a_warning():
+    """The other rank of the attention-TP group is gone when the manager
+    gathers the endpoints: the manager is made, without siblings, and says
+    so in a warning."""
+    kind, (siblings, warnings) = _two_ranks("exit")
+    assert kind == "made" and siblings == []
+    [msg] = [w for w in warnings if "sibling" in w]
+    assert msg.startswith("kvrecv: decode rank 0 could not learn its sibling ranks over sglang's "
+                          "attention-TP group ("), msg
+    assert msg.endswith("); a rank whose part of a room succeeded will raise the generic cause "
+                        "when another rank's part fails"), msg
+
+
+@pytest.mark.timeout(120)
+def test_sibling_gather_of_a_wrong_set_is_refused():
+    """The gather yields something that is not one endpoint per rank: the
+    manager refuses to be made (sharing causes with a wrong set would put
+    them on unrelated rooms) rather than join it."""
+    kind, info = _two_ranks("junk")
+    assert kind == "raised", info
+    cls, text, _ = info
+    assert cls == "_WrongSiblings"
+    assert re.fullmatch(r"kvrecv: the attention-TP group gathered \['(tcp://127\.0\.0\.1:\d+)', "
+                        r"12345\] as its ranks' endpoints, which is not one distinct endpoint "
+                        r"per rank with '\1' at rank 0; refusing to share failure causes with it",
+                        text), text
 
 
 # --- sglang's own scheduler queues, ranks in separate processes ------------
@@ -419,46 +516,60 @@ def test_sglang_chunked_prefill_byte_exact(sched):
     assert out["prefill"][0]["calls"]["send_kv_chunk"] == 5 + 10
 
 
-def _own_cause(out, side, rank, room, want) -> bool:
-    """True if this rank's except-clause got `want` (class, reason, False);
-    else it must have got the generic cause a rank raises when sglang's MIN
-    all-reduce failed the room before its own part failed (the sibling gap,
-    see test_sglang_one_prefill_rank_aborts_every_rank_gets_the_cause)."""
-    got = out[side][rank]["failures"][str(room)]
-    if got == [list(want) + [False]]:
-        return True
-    generic = "KVReceiver Exception" if side == "decode" else "KVSender Exception"
-    assert got == [["KVTransferError", generic, True]], (side, rank, got)
-    return False
-
-
 def _aborted(out, side, rid, rank) -> str:
     got = out[side][rank]["reqs"][rid]
     assert got["status"] == "aborted", got
     return got["message"]
 
 
+def _causes(out, side, room, cls, reason) -> list:
+    """What each rank's except-clause got for a failed room: exactly one
+    failure, of class `cls`, whose reason is origin rank o's (reason(o,
+    text) tells); is_from_another_rank is True exactly on the ranks other
+    than the origin, and an origin rank raised its own cause.  Returns
+    (origin, reason) per rank."""
+    got = []
+    for rank, r in enumerate(out[side]):
+        failures = r["failures"][str(room)]
+        assert len(failures) == 1, (side, rank, failures)
+        [(c, text, other)] = failures
+        origins = [o for o in range(len(out[side])) if reason(o, text)]
+        assert c == cls and len(origins) == 1, (side, rank, failures)
+        assert other is (origins[0] != rank), (side, rank, failures)
+        got.append((origins[0], text))
+    for o, _ in got:
+        assert got[o][0] == o, (side, got)
+    return got
+
+
+def _check_causes(out, side, rid, room, cls, reason) -> list:
+    """_causes(), and sglang's abort message of the request on every rank
+    ends with the cause the rank raised."""
+    got = _causes(out, side, room, cls, reason)
+    for rank, (_, text) in enumerate(got):
+        msg = _aborted(out, side, rid, rank)
+        assert msg.startswith(f"{side.capitalize()} transfer failed for request rank={rank} "), msg
+        assert msg.endswith(f"with exception KVTransferError(bootstrap_room={room}): {text}"), msg
+    return got
+
+
 @pytest.mark.timeout(120)
 def test_sglang_prefill_abort_reaches_both_sides(sched):
     """The prefill scheduler's abort_request for an in-flight request (the
-    sender's abort() after the first chunk): every rank's except-clause gets
-    KVAbortedError with the rank that aborted; the other request of the
-    batch is unaffected; with deferred release (sglang's default) the decode
-    held the pages until the room drained, then released them."""
+    sender's abort() after the first chunk) on both prefill ranks: every
+    rank's except-clause gets KVAbortedError naming the prefill rank that
+    aborted first (its own on that rank, the sibling's, with
+    is_from_another_rank, on a rank sglang's MIN all-reduce failed first);
+    the other request of the batch is unaffected; with deferred release
+    (sglang's default) the decode held the pages until the room drained,
+    then released them."""
     specs = [ReqSpec("a1", 1301, 40, chunk=8, prefill_abort=True), ReqSpec("a2", 1302, 10)]
     out = sched.run(specs)
     _check_clean(sched, out)
     _ok(out, "a2")
     for side in ("decode", "prefill"):
-        own = 0
-        for rank in range(2):
-            reason = f"room 1301: aborted by prefill rank {rank}"
-            msg = _aborted(out, side, "a1", rank)
-            assert msg.startswith(f"{side.capitalize()} transfer failed for request rank={rank} ")
-            if _own_cause(out, side, rank, 1301, ("KVAbortedError", reason)):
-                own += 1
-                assert msg.endswith(f"with exception KVTransferError(bootstrap_room=1301): {reason}")
-        assert own >= 1, side
+        _check_causes(out, side, "a1", 1301, "KVAbortedError",
+                      lambda o, t: t == f"room 1301: aborted by prefill rank {o}")
     for rank in range(2):
         assert out["decode"][rank]["held_max"] == 1  # deferred release held a1's pages
         assert out["decode"][rank]["streamed"] == ["a1"]
@@ -468,7 +579,8 @@ def test_sglang_prefill_abort_reaches_both_sides(sched):
 def test_sglang_unreachable_bootstrap_aborts_the_request(sched):
     """A request naming a bootstrap server nobody listens on: sglang's
     DecodePreallocQueue retries try_ensure_parallel_info, gives up, aborts
-    the receiver, and its handshake except-clause reports the abort."""
+    the receiver, and its handshake except-clause reports the abort (the
+    rank whose retries ran out first: the sibling's abort on the other)."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -477,19 +589,10 @@ def test_sglang_unreachable_bootstrap_aborts_the_request(sched):
     _check_clean(sched, out)
     head = "Decode handshake failed for request rank={} decode_req.req.rid='u1' " \
            "decode_req.req.bootstrap_room=1401 with exception KVTransferError(bootstrap_room=1401): "
-    gave_up = 0
-    for rank in range(2):
-        # sglang's retries are timed per rank: a rank whose retries ran out
-        # aborted its receiver; a rank that learnt Failed first from the MIN
-        # all-reduce holds no cause of its own (see the xfail test below)
-        reason = f"room 1401: aborted by decode rank {rank}"
-        failures = out["decode"][rank]["failures"]["1401"]
-        if failures == [["KVAbortedError", reason, False]]:
-            gave_up += 1
-            assert _aborted(out, "decode", "u1", rank) == head.format(rank) + reason
-        else:
-            assert failures == [["KVTransferError", "KVReceiver Exception", True]], failures
-    assert gave_up >= 1
+    got = _causes(out, "decode", 1401, "KVAbortedError",
+                  lambda o, t: t == f"room 1401: aborted by decode rank {o}")
+    for rank, (_, text) in enumerate(got):
+        assert _aborted(out, "decode", "u1", rank) == head.format(rank) + text
     assert f"Could not fetch prefill parallel info from 127.0.0.1:{port} after 15 attempts" \
         in sched.log_tail(200000)
 
@@ -497,28 +600,21 @@ def test_sglang_unreachable_bootstrap_aborts_the_request(sched):
 @pytest.mark.timeout(180)
 def test_sglang_killed_prefill_fails_the_transfer_then_recovers(sched):
     """Both prefill ranks SIGKILLed mid-transfer (after their first chunk):
-    each decode rank's except-clause gets KVPeerLostError naming its prefill
-    rank, the pages are held until the room drained and then released.  A
-    restarted prefill re-registers and serves the next request."""
+    each decode rank's except-clause gets KVPeerLostError naming the prefill
+    rank lost first (its own, or the sibling's with is_from_another_rank
+    when the sibling noticed first), the pages are held until the room
+    drained and then released.  A restarted prefill re-registers and serves
+    the next request."""
     out = sched.run([ReqSpec("k1", 1501, 64, chunk=8, prefill_die=True)])
     assert out["prefill"] == [{"died": -9}, {"died": -9}]
     out["prefill"] = []
     _check_clean(sched, out)
-    own = 0
+
+    def lost(o, text):
+        return text.startswith(f"room 1501: prefill rank {o} at 127.0.0.1:") and " lost: " in text
+    _check_causes(out, "decode", "k1", 1501, "KVPeerLostError", lost)
     for rank in range(2):
-        msg = _aborted(out, "decode", "k1", rank)
-        [(cls, reason, other)] = out["decode"][rank]["failures"]["1501"]
         assert out["decode"][rank]["held_max"] == 1
-        if (cls, other) == ("KVTransferError", True):
-            # this rank's room was not failed yet when sglang's MIN all-reduce
-            # said Failed: no cause of its own (see the xfail test below)
-            assert reason == "KVReceiver Exception"
-            continue
-        own += 1
-        assert (cls, other) == ("KVPeerLostError", False)
-        assert reason.startswith(f"room 1501: prefill rank {rank} at 127.0.0.1:") and " lost: " in reason
-        assert msg.endswith(f"with exception KVTransferError(bootstrap_room=1501): {reason}")
-    assert own >= 1
     sched.call("start_prefill")
     out = sched.run([ReqSpec("k2", 1502, 30, chunk=8)])
     _check_clean(sched, out)
@@ -528,31 +624,26 @@ def test_sglang_killed_prefill_fails_the_transfer_then_recovers(sched):
 @pytest.mark.timeout(180)
 def test_sglang_deferred_release_off_frees_pages_at_once(sched):
     """SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE=0: sglang frees a
-    failed request's pages in the same pop_transferred, holding nothing."""
+    failed request's pages in the same pop_transferred, holding nothing; the
+    causes are the same as with deferred release."""
     sched.call("start_decode", env={"SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE": "0"})
     try:
         out = sched.run([ReqSpec("d1", 1601, 40, chunk=8, prefill_abort=True),
                          ReqSpec("d2", 1602, 12)])
         _check_clean(sched, out)
         _ok(out, "d2")
-        own = 0
+        _check_causes(out, "decode", "d1", 1601, "KVAbortedError",
+                      lambda o, t: t == f"room 1601: aborted by prefill rank {o}")
         for rank in range(2):
-            reason = f"room 1601: aborted by prefill rank {rank}"
-            own += _own_cause(out, "decode", rank, 1601, ("KVAbortedError", reason))
             assert out["decode"][rank]["held_max"] == 0
-        assert own >= 1
     finally:
         sched.call("start_decode")
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.xfail(strict=True, reason=(
-    "kvrecv.sglang.KVRecvManager never calls set_siblings(): the ranks of one sglang instance "
-    "do not share failure causes, so a rank whose own part succeeded raises the generic "
-    "'KVReceiver Exception' / 'KVSender Exception' after sglang's MIN all-reduce says Failed"))
 def test_sglang_one_prefill_rank_aborts_every_rank_gets_the_cause(sched):
     """Only prefill rank 1 aborts: decode rank 0 and prefill rank 0, whose own
-    parts succeeded, should raise the origin's cause with
+    parts succeeded, raise the origin's cause with
     is_from_another_rank=True (docs/design.md, sibling ranks)."""
     out = sched.run([ReqSpec("s1", 1701, 40, chunk=8, prefill_abort_rank=1)])
     _check_clean(sched, out)
