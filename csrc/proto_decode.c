@@ -15,7 +15,8 @@
 /* Decode: tells the room's prefill that every byte landed. */
 void kvr_send_done_locked(kvr_engine_t *e, kvr_room_t *r)
 {
-    r->done_pending = 0;
+    KVR_ASSERT_LOCKED(e);
+    kvr_eroom(r)->done_pending = 0;
     if (r->peer != NULL) {
         kvr_msg_t m = kvr_msg_room_done(r->id, r->tag);
         kvr_send_ctrl_to_peer(e, r->peer, &m);
@@ -140,6 +141,7 @@ reject:
 
 void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r)
 {
+    KVR_ASSERT_LOCKED(e);
     kvr_msg_t m = kvr_msg_room_req(r->id, r->tag, r->aux_index, r->npages,
                                    (const unsigned char *)r->pages, /* little-endian host */
                                    r->prefix_len);
@@ -147,6 +149,7 @@ void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r)
     r->req_sent = 1;
     r->started_ns = kvr_now_ns();
     r->deadline_ns = kvr_deadline_ns(e, r->started_ns, r->expected);
+    kvr_timer_arm_locked(e, r);
     kvr_room_advance(r, KVR_POLL_TRANSFERRING);
 }
 
@@ -159,6 +162,7 @@ void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r)
 static void kvr_on_auth_reject_locked(kvr_engine_t *e, kvr_ctl_conn_t *conn, kvr_peer_t *p,
                                       const kvr_msg_t *m)
 {
+    KVR_ASSERT_LOCKED(e);
     char reason[KVR_WIRE_MAX_STR + 1];
     snprintf(reason, sizeof(reason), "%.*s", (int)m->str_len, m->str);
     e->stats.auth_refused_by_peer++;
@@ -206,6 +210,7 @@ static void kvr_on_auth_reject_locked(kvr_engine_t *e, kvr_ctl_conn_t *conn, kvr
 /* Prefill: the bootstrap server's answer to our registration. */
 static void kvr_on_registered_locked(kvr_engine_t *e, const kvr_msg_t *m)
 {
+    KVR_ASSERT_LOCKED(e);
     if (m->type != KVR_MSG_BS_REGISTER_OK) {
         e->stats.ctrl_dropped++;
         return;
@@ -223,6 +228,7 @@ static void kvr_on_registered_locked(kvr_engine_t *e, const kvr_msg_t *m)
  * (or none yet): connect to it and say HELLO. */
 static void kvr_on_bs_reply_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
 {
+    KVR_ASSERT_LOCKED(e);
     char err[256];
     if (m->type != KVR_MSG_BS_QUERY_REPLY || p->state != KVR_PEER_RESOLVING) {
         e->stats.ctrl_dropped++;
@@ -259,6 +265,7 @@ static void kvr_on_bs_reply_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
  * endpoint to its worker, and the peer is ready. */
 static void kvr_on_hello_ok_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
 {
+    KVR_ASSERT_LOCKED(e);
     if (p->state != KVR_PEER_CONNECTING) {
         return;
     }
@@ -294,6 +301,7 @@ static void kvr_on_hello_ok_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
  * its reason. */
 static void kvr_on_hello_reject_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
 {
+    KVR_ASSERT_LOCKED(e);
     kvr_failure_t f;
     kvr_failure_fill(&f, m->code < KVR_STATUS_LAST ? m->code : KVR_REMOTE, (int)m->rank,
                      p->name, "%.*s", (int)m->str_len, m->str);
