@@ -42,6 +42,7 @@
 #include "debug.h"
 #include "engine.h"
 #include "heap.h"
+#include "peerstate.h"
 #include "log.h"
 #include "room.h"
 #include "table.h"
@@ -52,10 +53,7 @@
 /* Types                                                               */
 /* ------------------------------------------------------------------ */
 
-/* Peer states: see the diagram in peer.c. */
-
-enum { KVR_PEER_RESOLVING, KVR_PEER_CONNECTING, KVR_PEER_READY, KVR_PEER_FAILED };
-enum { KVR_PEER_IS_PREFILL, KVR_PEER_IS_DECODE };
+/* Peer states (peerstate.h): see the diagram in peer.c. */
 
 #define KVR_MS ((uint64_t)1000000)
 #define KVR_MAX_DEAD 1024
@@ -97,6 +95,13 @@ typedef struct kvr_peer {
     char ep_err_text[128];
     struct kvr_peer *next;
 } kvr_peer_t;
+
+/* Every change of a peer's state goes through here. */
+static inline void kvr_peer_set_state(kvr_peer_t *p, int state)
+{
+    KVR_ASSERT(kvr_peer_state_legal(p->kind, p->state, state));
+    p->state = state;
+}
 
 /* A pinned host buffer that device memory is staged through. */
 typedef struct kvr_slot {

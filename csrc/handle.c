@@ -190,7 +190,7 @@ int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *boots
             rc = kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
             goto out;
         }
-        p->state = KVR_PEER_FAILED; /* the engine thread resolves it */
+        kvr_peer_set_state(p, KVR_PEER_FAILED); /* the engine thread resolves it */
     }
     h->peer = p;
     kvr_work_push_locked(e, h);

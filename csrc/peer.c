@@ -242,7 +242,7 @@ void kvr_peer_fail_locked(kvr_engine_t *e, kvr_peer_t *p, int code, const char *
     kvr_log_write(&e->log, failed ? KVR_LOG_WARNING : KVR_LOG_INFO,
                   "%s rank %d: %s: %s %s (%d room(s) failed)", kvr_side(e), e->rank,
                   kvr_status_name(code), p->name, what, failed);
-    p->state = KVR_PEER_FAILED;
+    kvr_peer_set_state(p, KVR_PEER_FAILED);
     kvr_peer_disconnect(e, p);
     if (waiting) {
         char err[256];
@@ -257,12 +257,12 @@ int kvr_peer_resolve(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen)
 {
     char ep[192];
     kvr_peer_disconnect(e, p);
-    p->state = KVR_PEER_RESOLVING;
+    kvr_peer_set_state(p, KVR_PEER_RESOLVING);
     p->epoch = 0;
     snprintf(p->name, sizeof(p->name), "%s", p->key);
     snprintf(ep, sizeof(ep), "tcp://%s", p->key);
     if (kvr_ctl_connect(e->ctl, ep, NULL, 0, p, &p->bs_conn, err, errlen) != 0) {
-        p->state = KVR_PEER_FAILED;
+        kvr_peer_set_state(p, KVR_PEER_FAILED);
         return -1;
     }
     p->resolve_deadline_ns = kvr_now_ns() + e->cfg.bootstrap_timeout_ms * KVR_MS;

@@ -257,7 +257,7 @@ static void kvr_on_bs_reply_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
         kvr_peer_fail_locked(e, p, KVR_TRANSPORT, what);
         return;
     }
-    p->state = KVR_PEER_CONNECTING;
+    kvr_peer_set_state(p, KVR_PEER_CONNECTING);
     kvr_peer_hello(e, p);
 }
 
@@ -290,7 +290,7 @@ static void kvr_on_hello_ok_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
         kvr_peer_fail_locked(e, p, KVR_TRANSPORT, what);
         return;
     }
-    p->state = KVR_PEER_READY;
+    kvr_peer_set_state(p, KVR_PEER_READY);
     p->verified_ns = kvr_now_ns();
     kvr_log_write(&e->log, KVR_LOG_INFO, "decode rank %d connected to %s", e->rank, p->name);
     p->next_ping_ns = kvr_now_ns() + e->cfg.heartbeat_interval_ms * KVR_MS;
@@ -318,7 +318,7 @@ static void kvr_on_hello_reject_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr
             kvr_tell_room_failed(e, p, r, fr.code);
         }
     }
-    p->state = KVR_PEER_FAILED;
+    kvr_peer_set_state(p, KVR_PEER_FAILED);
     kvr_peer_disconnect(e, p);
 }
 

@@ -118,7 +118,7 @@ static void kvr_hello_reject_locked(kvr_engine_t *e, kvr_peer_t *p, int code, co
     kvr_msg_t reply = kvr_msg_text(KVR_MSG_HELLO_REJECT, (uint32_t)e->rank, code, reason);
     kvr_send_ctrl_to_peer(e, p, &reply);
     kvr_log_write(&e->log, KVR_LOG_WARNING, "%s", reason);
-    p->state = KVR_PEER_FAILED;
+    kvr_peer_set_state(p, KVR_PEER_FAILED);
     kvr_pending_t *pd;
     for (kvr_table_iter_t it = {0}; (pd = kvr_table_next(&e->pending, &it, NULL)) != NULL;) {
         if (pd && pd->peer == p) {
@@ -196,7 +196,7 @@ static void kvr_on_hello_locked(kvr_engine_t *e, const void *ident, size_t ident
     snprintf(p->name, sizeof(p->name), "decode rank %u (epoch %016" PRIx64 ")", m->rank,
              m->epoch);
     p->last_heard_ns = kvr_now_ns();
-    p->state = KVR_PEER_READY; /* so that the reply can be sent */
+    kvr_peer_set_state(p, KVR_PEER_READY); /* so that the reply can be sent */
     char reason[1024];
     if (live >= e->cfg.max_peers) {
         snprintf(reason, sizeof(reason),

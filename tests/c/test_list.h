@@ -60,6 +60,7 @@
     X(heap_empty_and_order, 10, 0)                                            \
     X(heap_update_moves_both_ways, 10, 0)                                     \
     X(heap_random_vs_model, 60, 0)                                            \
+    X(peer_state_transitions, 10, 0)                                          \
     X(log_utf8_trim, 10, 0)                                                   \
     X(registry_early_bounded, 10, 0)                                          \
     X(hist_bounds_tables, 10, 0)                                              \
