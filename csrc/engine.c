@@ -126,14 +126,14 @@ void kvr_engine_lock(kvr_engine_t *e)
 
 int kvr_engine_trylock(kvr_engine_t *e)
 {
-    int rc = pthread_mutex_trylock(&e->lock);
-#ifdef KVRECV_DEBUG
-    if (rc == 0) {
-        e->lock_owner = pthread_self();
-        e->lock_held = 1;
+    if (pthread_mutex_trylock(&e->lock) != 0) {
+        return -1;
     }
+#ifdef KVRECV_DEBUG
+    e->lock_owner = pthread_self();
+    e->lock_held = 1;
 #endif
-    return rc;
+    return 0;
 }
 
 void kvr_engine_unlock(kvr_engine_t *e)
@@ -505,9 +505,13 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
         goto err_free;
     }
     kvr_tp_callbacks_t tcb = {e, kvr_on_data, kvr_on_recv_done, kvr_on_send_done, kvr_on_ep_error};
-    rc = kvr_tp_create(&tcb, (size_t)e->cfg.pack_bytes, &e->tp, err, errlen);
-    if (rc != 0) {
-        rc = rc == -2 ? KVR_EVALUE : KVR_ESYSTEM;
+    /* A UCX setting we cannot work with is the caller's to change. */
+    if (kvr_tp_check_env(err, errlen) != 0) {
+        rc = KVR_EVALUE;
+        goto err_free;
+    }
+    if (kvr_tp_create(&tcb, (size_t)e->cfg.pack_bytes, &e->tp, err, errlen) != 0) {
+        rc = KVR_ESYSTEM;
         goto err_free;
     }
     rc = kvr_gpu_setup(e, p, err, errlen);

@@ -24,10 +24,22 @@
  * under the lock on the caller's thread leave socket work on the work list.
  * None of them blocks.
  *
- * Errors: functions returning int return 0, or a KVR_E* code with a message
- * in err (kvr_err), unless their comment says otherwise.  Failures of a room
- * or a peer are not returned: they are recorded (kvr_room_fail_locked,
- * kvr_peer_fail_locked) and reported by poll().
+ * Return codes, one convention across the core (engine, transport,
+ * control, wire, auth, cuda and the pure parts alike):
+ *   - A function that can fail returns 0, or -1 with the cause written into
+ *     err (errlen bytes) when it takes one.  Nothing else negative.
+ *   - Only the API boundary answers with a KVR_E* code (engine.h: negative,
+ *     it names the Python exception): the engine.h functions and the few
+ *     helpers that build their answer (kvr_err writes the message and
+ *     returns the code; kvr_gpu_setup).  A helper's -1 becomes a KVR_E* code
+ *     once, in the caller that knows what the failure means.
+ *   - More than two outcomes: a named enum, never more negative numbers
+ *     (kvr_tp_send: KVR_TP_*; kvr_room_claim: KVR_CLAIM_*).
+ *   - "Did it happen" and yes/no questions return 1 or 0 (kvr_room_fail:
+ *     1 if this was the first failure); counts return >= 0.
+ *   - Failures of a room or a peer are not returned: they are recorded
+ *     (kvr_room_fail_locked, kvr_peer_fail_locked) and reported by poll().
+ * Status codes of failures (KVR_BOOTSTRAP, ...) are data, in status.h.
  */
 #ifndef KVR_ENGINE_INT_H
 #define KVR_ENGINE_INT_H
@@ -316,7 +328,7 @@ void kvr_wake(kvr_engine_t *e);
  * at the entry of a _locked function checks the caller holds it. */
 void kvr_engine_lock(kvr_engine_t *e);
 void kvr_engine_unlock(kvr_engine_t *e);
-/* 0 if it took the lock, else the lock is held elsewhere. */
+/* 0 if it took the lock, -1 if the lock is held elsewhere. */
 int kvr_engine_trylock(kvr_engine_t *e);
 #ifdef KVRECV_DEBUG
 #define KVR_ASSERT_LOCKED(e) \

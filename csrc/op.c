@@ -180,10 +180,9 @@ void kvr_op_send_locked(kvr_engine_t *e, kvr_room_t *r, kvr_op_t *op,
 {
     KVR_ASSERT_LOCKED(e);
     const char *st = NULL;
-    int rc = kvr_tp_send(e->tp, r->peer->ep, op->hdr, sizeof(op->hdr), iov, niov, host,
-                         &op->base, &st);
-    if (rc <= 0) {
-        kvr_op_end_locked(e, op, rc == 0 ? KVR_TP_OK : rc == -2 ? KVR_TP_PEER_GONE : KVR_TP_ERROR,
-                          st);
+    int outcome = kvr_tp_send(e->tp, r->peer->ep, op->hdr, sizeof(op->hdr), iov, niov, host,
+                              &op->base, &st);
+    if (outcome != KVR_TP_PENDING) {
+        kvr_op_end_locked(e, op, outcome, st);
     }
 }

@@ -76,11 +76,11 @@ void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, int rnd
      * otherwise be accepted again while the first copy is in flight. */
     int claim = kvr_room_claim(r, h.kind == KVR_AM_KIND_AUX, e->nkv, e->naux, h.buf, h.nbuf, h.pos,
                                h.npages);
-    if (claim == -1) {
+    if (claim == KVR_CLAIM_REPEATED) {
         why = "data for positions already received";
         goto protocol;
     }
-    kvr_op_t *op = claim == 0 ? kvr_op_new(r, len, niov) : NULL;
+    kvr_op_t *op = claim == KVR_CLAIM_OK ? kvr_op_new(r, len, niov) : NULL;
     if (op == NULL) {
         why = "out of memory";
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory receiving data");

@@ -40,7 +40,7 @@ int kvr_room_claim(kvr_room_t *r, int aux, uint32_t nkv, uint32_t naux, uint32_t
     if (r->claimed == NULL) {
         r->claimed = calloc((size_t)((kv_bits + naux + 7) / 8), 1);
         if (r->claimed == NULL) {
-            return -2;
+            return KVR_CLAIM_NOMEM;
         }
     }
     for (int set = 0; set < 2; set++) {
@@ -51,12 +51,12 @@ int kvr_room_claim(kvr_room_t *r, int aux, uint32_t nkv, uint32_t naux, uint32_t
                 if (set) {
                     r->claimed[i >> 3] |= bit;
                 } else if (r->claimed[i >> 3] & bit) {
-                    return -1;
+                    return KVR_CLAIM_REPEATED;
                 }
             }
         }
     }
-    return 0;
+    return KVR_CLAIM_OK;
 }
 
 int kvr_room_terminal(const kvr_room_t *r)

@@ -177,11 +177,12 @@ int kvr_room_force_drain(kvr_room_t *r);
  * [pos, pos + npages) of KV buffers [buf, buf + nbuf) (aux: rows of aux
  * buffers [buf, buf + nbuf), npages 1), of a room of r->npages positions
  * over nkv KV and naux aux buffers.  The ranges were checked against the
- * room.  Returns 0 (claimed), -1 if a piece was claimed before (nothing is
- * claimed: the sender repeats data), -2 if memory ran out.  So each byte of
- * the room is accepted at most once, whether or not earlier messages have
- * landed yet.
+ * room.  Returns KVR_CLAIM_OK, KVR_CLAIM_REPEATED if a piece was claimed
+ * before (nothing is claimed: the sender repeats data), or KVR_CLAIM_NOMEM.
+ * So each byte of the room is accepted at most once, whether or not earlier
+ * messages have landed yet.
  */
+enum { KVR_CLAIM_OK = 0, KVR_CLAIM_REPEATED = 1, KVR_CLAIM_NOMEM = 2 };
 int kvr_room_claim(kvr_room_t *r, int aux, uint32_t nkv, uint32_t naux, uint32_t buf,
                    uint32_t nbuf, uint32_t pos, uint32_t npages);
 

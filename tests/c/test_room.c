@@ -325,17 +325,17 @@ TEST_IMPL(room_claim_once)
     /* A room of 10 positions over 3 KV and 2 aux buffers. */
     kvr_room_t *r = kvr_room_new(sizeof(kvr_room_t), 1, 2, KVR_ROLE_DECODE);
     r->npages = 10;
-    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 0, 2, 0, 4), 0);
-    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 0, 1, 3, 1), -1); /* position 3 of buffer 0 again */
-    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 1, 2, 3, 2), -1); /* buffer 1 overlaps, 2 does not */
-    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 2, 1, 3, 2), 0); /* nothing of the refused one stuck */
-    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 0, 3, 4, 6), -1);
-    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 0, 2, 4, 6), 0);
-    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 2, 1, 9, 1), 0); /* the last bit of KV */
-    ASSERT_EQ(kvr_room_claim(r, 1, 3, 2, 0, 1, 0, 1), 0); /* aux bits follow */
-    ASSERT_EQ(kvr_room_claim(r, 1, 3, 2, 0, 2, 0, 1), -1);
-    ASSERT_EQ(kvr_room_claim(r, 1, 3, 2, 1, 1, 0, 1), 0);
-    ASSERT_EQ(kvr_room_claim(r, 1, 3, 2, 1, 1, 0, 1), -1);
+    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 0, 2, 0, 4), KVR_CLAIM_OK);
+    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 0, 1, 3, 1), KVR_CLAIM_REPEATED); /* position 3 of buffer 0 again */
+    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 1, 2, 3, 2), KVR_CLAIM_REPEATED); /* buffer 1 overlaps, 2 does not */
+    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 2, 1, 3, 2), KVR_CLAIM_OK); /* nothing of the refused one stuck */
+    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 0, 3, 4, 6), KVR_CLAIM_REPEATED);
+    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 0, 2, 4, 6), KVR_CLAIM_OK);
+    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 2, 1, 9, 1), KVR_CLAIM_OK); /* the last bit of KV */
+    ASSERT_EQ(kvr_room_claim(r, 1, 3, 2, 0, 1, 0, 1), KVR_CLAIM_OK); /* aux bits follow */
+    ASSERT_EQ(kvr_room_claim(r, 1, 3, 2, 0, 2, 0, 1), KVR_CLAIM_REPEATED);
+    ASSERT_EQ(kvr_room_claim(r, 1, 3, 2, 1, 1, 0, 1), KVR_CLAIM_OK);
+    ASSERT_EQ(kvr_room_claim(r, 1, 3, 2, 1, 1, 0, 1), KVR_CLAIM_REPEATED);
     kvr_room_free(r);
 }
 
