@@ -41,12 +41,14 @@ for d in include_dirs:
 extra_compile += [f for f in cflags if not f.startswith("-I")]
 if os.environ.get("KVRECV_WERROR"):
     extra_compile.append("-Werror")
+if os.environ.get("KVRECV_SANITIZE") or os.environ.get("KVRECV_DEBUG"):
+    extra_compile.append("-DKVRECV_DEBUG")  # csrc/debug.h: KVR_ASSERT checks on
 if os.environ.get("KVRECV_SANITIZE"):
     san = os.environ["KVRECV_SANITIZE"]
     extra_compile += [f"-fsanitize={san}", "-fno-omit-frame-pointer", "-g", "-O1"]
     libs = libs + [f"-fsanitize={san}"]
 
-core_sources = ["status.c", "table.c", "registry.c", "log.c", "wire.c", "auth.c", "room.c", "hist.c", "ucxaddr.c",
+core_sources = ["status.c", "table.c", "registry.c", "log.c", "wire.c", "auth.c", "room.c", "hist.c", "ucxaddr.c", "heap.c", "peerstate.c",
                 "ucxlog.c", "transport.c", "control.c", "cuda.c", "testhook.c", "engine.c", "work.c", "peer.c",
                 "sibling.c", "op.c", "stage.c", "plan.c", "post.c", "proto_prefill.c", "proto_decode.c",
                 "timer.c", "handle.c"]

@@ -47,6 +47,7 @@ void kvr_warn_limited(kvr_engine_t *e, kvr_ratelog_t *rl, const char *fmt, ...)
  * the data path, so a peer must not be able to guess another room's tag. */
 uint64_t kvr_new_tag_locked(kvr_engine_t *e)
 {
+    KVR_ASSERT_LOCKED(e);
     for (;;) {
         if (e->tag_pool_n == 0) {
             if (getrandom(e->tag_pool, sizeof(e->tag_pool), 0) != (ssize_t)sizeof(e->tag_pool)) {
@@ -114,6 +115,36 @@ uint64_t kvr_floor_ns(const kvr_engine_t *e, uint64_t bytes)
     return (uint64_t)((double)bytes * 1e9 / (double)e->cfg.deadline_floor_bps);
 }
 
+void kvr_engine_lock(kvr_engine_t *e)
+{
+    pthread_mutex_lock(&e->lock);
+#ifdef KVRECV_DEBUG
+    e->lock_owner = pthread_self();
+    e->lock_held = 1;
+#endif
+}
+
+int kvr_engine_trylock(kvr_engine_t *e)
+{
+    if (pthread_mutex_trylock(&e->lock) != 0) {
+        return -1;
+    }
+#ifdef KVRECV_DEBUG
+    e->lock_owner = pthread_self();
+    e->lock_held = 1;
+#endif
+    return 0;
+}
+
+void kvr_engine_unlock(kvr_engine_t *e)
+{
+#ifdef KVRECV_DEBUG
+    KVR_ASSERT_LOCKED(e);
+    e->lock_held = 0;
+#endif
+    pthread_mutex_unlock(&e->lock);
+}
+
 void kvr_wake(kvr_engine_t *e)
 {
     uint64_t one = 1;
@@ -128,6 +159,7 @@ const char *kvr_side(const kvr_engine_t *e)
 
 static void kvr_shutdown_locked(kvr_engine_t *e)
 {
+    KVR_ASSERT_LOCKED(e);
     /* Fail what is still open, tell the peers, then close endpoints (force:
      * outstanding operations complete with an error and the rooms drain). */
     kvr_room_t *r;
@@ -175,7 +207,7 @@ static void *kvr_engine_main(void *arg)
     if (tick_ms > 50) {
         tick_ms = 50;
     }
-    pthread_mutex_lock(&e->lock);
+    kvr_engine_lock(e);
     for (;;) {
         if (e->stopping) {
             break;
@@ -204,7 +236,7 @@ static void *kvr_engine_main(void *arg)
              * tells when they finish): a short nap between polls. */
             int nap = copying && progressed == 0 && e->work_head == NULL && !e->sib_pending;
             uint64_t now = kvr_now_ns();
-            pthread_mutex_unlock(&e->lock);
+            kvr_engine_unlock(e);
             if (nap) {
                 struct timespec ts = {0, KVR_STAGE_NAP_NS};
                 nanosleep(&ts, NULL);
@@ -213,14 +245,14 @@ static void *kvr_engine_main(void *arg)
                 last_sock_poll_ns = now;
                 kvr_ctl_poll(e->ctl, fds, 2, ready, 0);
             }
-            pthread_mutex_lock(&e->lock);
+            kvr_engine_lock(e);
             continue;
         }
-        pthread_mutex_unlock(&e->lock);
+        kvr_engine_unlock(e);
         last_sock_poll_ns = kvr_now_ns();
         /* The callbacks of kvr_ctl_poll run without the lock; they take it. */
         kvr_ctl_poll(e->ctl, fds, 2, ready, tick_ms);
-        pthread_mutex_lock(&e->lock);
+        kvr_engine_lock(e);
         if (ready[0]) {
             uint64_t v;
             ssize_t n = read(e->wake_fd, &v, sizeof(v));
@@ -228,7 +260,7 @@ static void *kvr_engine_main(void *arg)
         }
     }
     kvr_shutdown_locked(e);
-    pthread_mutex_unlock(&e->lock);
+    kvr_engine_unlock(e);
     return NULL;
 }
 
@@ -238,18 +270,18 @@ static void kvr_on_router_msg_entry(void *arg, const void *ident, size_t ident_l
                                     const void *data, size_t len)
 {
     kvr_engine_t *e = arg;
-    pthread_mutex_lock(&e->lock);
+    kvr_engine_lock(e);
     kvr_on_router_msg(e, ident, ident_len, data, len);
-    pthread_mutex_unlock(&e->lock);
+    kvr_engine_unlock(e);
 }
 
 static void kvr_on_conn_msg_entry(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx,
                                   const void *data, size_t len)
 {
     kvr_engine_t *e = arg;
-    pthread_mutex_lock(&e->lock);
+    kvr_engine_lock(e);
     kvr_on_conn_msg(e, conn, conn_ctx, data, len);
-    pthread_mutex_unlock(&e->lock);
+    kvr_engine_unlock(e);
 }
 
 static void kvr_on_refused_entry(void *arg, int kind, kvr_ctl_conn_t *conn, void *conn_ctx,
@@ -257,9 +289,9 @@ static void kvr_on_refused_entry(void *arg, int kind, kvr_ctl_conn_t *conn, void
                                  size_t len, const char *why)
 {
     kvr_engine_t *e = arg;
-    pthread_mutex_lock(&e->lock);
+    kvr_engine_lock(e);
     kvr_on_refused(e, kind, conn, conn_ctx, ident, ident_len, from, len, why);
-    pthread_mutex_unlock(&e->lock);
+    kvr_engine_unlock(e);
 }
 
 static uint64_t kvr_u64_max(const uint64_t *v, uint32_t n)
@@ -449,6 +481,7 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
              p->bootstrap_addr ? p->bootstrap_addr : "");
     kvr_table_init(&e->rooms);
     kvr_table_init(&e->tags);
+    kvr_heap_init(&e->deadlines);
     kvr_table_init(&e->pending);
     kvr_wbuf_init(&e->wbuf);
     kvr_registry_init(&e->registry);
@@ -473,9 +506,13 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
         goto err_free;
     }
     kvr_tp_callbacks_t tcb = {e, kvr_on_data, kvr_on_recv_done, kvr_on_send_done, kvr_on_ep_error};
-    rc = kvr_tp_create(&tcb, (size_t)e->cfg.pack_bytes, &e->tp, err, errlen);
-    if (rc != 0) {
-        rc = rc == -2 ? KVR_EVALUE : KVR_ESYSTEM;
+    /* A UCX setting we cannot work with is the caller's to change. */
+    if (kvr_tp_check_env(err, errlen) != 0) {
+        rc = KVR_EVALUE;
+        goto err_free;
+    }
+    if (kvr_tp_create(&tcb, (size_t)e->cfg.pack_bytes, &e->tp, err, errlen) != 0) {
+        rc = KVR_ESYSTEM;
         goto err_free;
     }
     rc = kvr_gpu_setup(e, p, err, errlen);
@@ -518,20 +555,20 @@ err_free:
 
 void kvr_engine_close(kvr_engine_t *e)
 {
-    pthread_mutex_lock(&e->lock);
+    kvr_engine_lock(e);
     if (e->closed) {
-        pthread_mutex_unlock(&e->lock);
+        kvr_engine_unlock(e);
         return;
     }
     __atomic_store_n(&e->closed, 1, __ATOMIC_RELEASE);
     e->stopping = 1;
-    pthread_mutex_unlock(&e->lock);
+    kvr_engine_unlock(e);
     kvr_wake(e);
     if (e->thread_started) {
         pthread_join(e->thread, NULL);
         e->thread_started = 0;
     }
-    pthread_mutex_lock(&e->lock);
+    kvr_engine_lock(e);
     if (e->ctl != NULL && e->tp != NULL) {
         kvr_reap_locked(e);
     }
@@ -544,9 +581,7 @@ void kvr_engine_close(kvr_engine_t *e)
     kvr_room_t *r;
     for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->tags, &it, NULL)) != NULL;) {
         if (r) {
-            r->inflight = 0;
-            kvr_room_fail(r, KVR_ABORTED);
-            kvr_room_settle(r);
+            kvr_room_abandon(r, KVR_ABORTED);
         }
     }
     for (int i = 0; i < e->nsib_conns; i++) {
@@ -563,6 +598,7 @@ void kvr_engine_close(kvr_engine_t *e)
             r->in_table = 0;
         }
     }
+    kvr_heap_destroy(&e->deadlines); /* no timer runs any more */
     kvr_table_t rooms = e->rooms;
     kvr_table_init(&e->rooms);
     for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&rooms, &it, NULL)) != NULL;) {
@@ -571,11 +607,17 @@ void kvr_engine_close(kvr_engine_t *e)
     kvr_table_destroy(&rooms);
     while (e->work_head) {
         r = e->work_head;
-        e->work_head = r->work_next;
-        r->on_work = 0;
+        e->work_head = kvr_eroom(r)->work_next;
+        kvr_eroom(r)->on_work = 0;
         kvr_room_unref_locked(e, r);
     }
-    pthread_mutex_unlock(&e->lock);
+    while (e->draining) {
+        r = e->draining;
+        e->draining = kvr_eroom(r)->drain_next;
+        kvr_eroom(r)->draining = 0;
+        kvr_room_unref_locked(e, r);
+    }
+    kvr_engine_unlock(e);
     kvr_log_close(&e->log);
 }
 
@@ -611,7 +653,7 @@ void kvr_engine_free(kvr_engine_t *e)
     kvr_room_t *r;
     for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->tags, &it, NULL)) != NULL;) {
         if (r) {
-            kvr_room_free(r);
+            kvr_eroom_free(r);
         }
     }
     kvr_table_destroy(&e->tags);
@@ -674,7 +716,7 @@ const char *kvr_engine_transport(kvr_engine_t *e)
 
 void kvr_engine_stats(kvr_engine_t *e, kvr_stats_t *s)
 {
-    pthread_mutex_lock(&e->lock);
+    kvr_engine_lock(e);
     *s = e->stats;
     memset(s->rooms_by_state, 0, sizeof(s->rooms_by_state));
     s->rooms_open = 0;
@@ -697,13 +739,13 @@ void kvr_engine_stats(kvr_engine_t *e, kvr_stats_t *s)
         s->pack_cached_bytes = kvr_tp_pack_cached(e->tp);
         s->ucx_workers = kvr_tp_nworkers(e->tp, &s->ucx_workers_created);
     }
-    pthread_mutex_unlock(&e->lock);
+    kvr_engine_unlock(e);
     s->log_dropped = kvr_log_dropped(&e->log);
 }
 
 void kvr_engine_test_corrupt(kvr_engine_t *e, int mode)
 {
-    pthread_mutex_lock(&e->lock);
+    kvr_engine_lock(e);
     e->test_corrupt = mode;
-    pthread_mutex_unlock(&e->lock);
+    kvr_engine_unlock(e);
 }

@@ -24,10 +24,22 @@
  * under the lock on the caller's thread leave socket work on the work list.
  * None of them blocks.
  *
- * Errors: functions returning int return 0, or a KVR_E* code with a message
- * in err (kvr_err), unless their comment says otherwise.  Failures of a room
- * or a peer are not returned: they are recorded (kvr_room_fail_locked,
- * kvr_peer_fail_locked) and reported by poll().
+ * Return codes, one convention across the core (engine, transport,
+ * control, wire, auth, cuda and the pure parts alike):
+ *   - A function that can fail returns 0, or -1 with the cause written into
+ *     err (errlen bytes) when it takes one.  Nothing else negative.
+ *   - Only the API boundary answers with a KVR_E* code (engine.h: negative,
+ *     it names the Python exception): the engine.h functions and the few
+ *     helpers that build their answer (kvr_err writes the message and
+ *     returns the code; kvr_gpu_setup).  A helper's -1 becomes a KVR_E* code
+ *     once, in the caller that knows what the failure means.
+ *   - More than two outcomes: a named enum, never more negative numbers
+ *     (kvr_tp_send: KVR_TP_*; kvr_room_claim: KVR_CLAIM_*).
+ *   - "Did it happen" and yes/no questions return 1 or 0 (kvr_room_fail:
+ *     1 if this was the first failure); counts return >= 0.
+ *   - Failures of a room or a peer are not returned: they are recorded
+ *     (kvr_room_fail_locked, kvr_peer_fail_locked) and reported by poll().
+ * Status codes of failures (KVR_BOOTSTRAP, ...) are data, in status.h.
  */
 #ifndef KVR_ENGINE_INT_H
 #define KVR_ENGINE_INT_H
@@ -39,7 +51,10 @@
 
 #include "control.h"
 #include "cuda.h"
+#include "debug.h"
 #include "engine.h"
+#include "heap.h"
+#include "peerstate.h"
 #include "log.h"
 #include "room.h"
 #include "table.h"
@@ -50,10 +65,7 @@
 /* Types                                                               */
 /* ------------------------------------------------------------------ */
 
-/* Peer states: see the diagram in peer.c. */
-
-enum { KVR_PEER_RESOLVING, KVR_PEER_CONNECTING, KVR_PEER_READY, KVR_PEER_FAILED };
-enum { KVR_PEER_IS_PREFILL, KVR_PEER_IS_DECODE };
+/* Peer states (peerstate.h): see the diagram in peer.c. */
 
 #define KVR_MS ((uint64_t)1000000)
 #define KVR_MAX_DEAD 1024
@@ -96,6 +108,13 @@ typedef struct kvr_peer {
     struct kvr_peer *next;
 } kvr_peer_t;
 
+/* Every change of a peer's state goes through here. */
+static inline void kvr_peer_set_state(kvr_peer_t *p, int state)
+{
+    KVR_ASSERT(kvr_peer_state_legal(p->kind, p->state, state));
+    p->state = state;
+}
+
 /* A pinned host buffer that device memory is staged through. */
 typedef struct kvr_slot {
     char *buf;
@@ -130,6 +149,35 @@ typedef struct kvr_op {
      * receiver's destination runs (UCX reads them until completion). */
     kvr_tp_iov_t iov[];
 } kvr_op_t;
+
+/*
+ * The engine's room: the pure room (room.h) first, then what the engine
+ * keeps about it.  Every kvr_room_t the engine handles is the start of one
+ * (kvr_room_new(sizeof(kvr_eroom_t), ...)); kvr_eroom() gets it back.
+ */
+typedef struct kvr_eroom {
+    kvr_room_t room;        /* first */
+    kvr_engine_t *owner;
+    kvr_op_t *ops;          /* operations in flight, linked through prev/next */
+    kvr_failure_t *notice;  /* failure to tell the peer, sent by the engine thread */
+    kvr_plan_cursor_t post; /* prefill: how far posting got (plan.h) */
+    int done_pending;       /* decode: ROOM_DONE for the engine thread to send */
+    /* the lists the room is on; each holds a reference (kvr_room_list_push) */
+    struct kvr_room *work_next; /* the work list (work.c) */
+    int on_work;
+    struct kvr_room *slot_next; /* rooms waiting for a staging slot (stage.c) */
+    int slot_waiting;
+    struct kvr_room *drain_next; /* failing rooms with operations in flight (timer.c) */
+    int draining;
+    /* in e->deadlines while it has a deadline or a rejection to time out
+     * and is an open room (timer.c); no reference */
+    kvr_heap_node_t timer;
+} kvr_eroom_t;
+
+static inline kvr_eroom_t *kvr_eroom(kvr_room_t *r)
+{
+    return (kvr_eroom_t *)r;
+}
 
 /* A decode request that reached the prefill before its KVSender. */
 typedef struct {
@@ -175,7 +223,11 @@ struct kvr_engine {
     unsigned char *layout_kv; /* little-endian copies for the wire */
     unsigned char *layout_aux;
 
-    pthread_mutex_t lock;
+    pthread_mutex_t lock;   /* kvr_engine_lock / kvr_engine_unlock */
+#ifdef KVRECV_DEBUG
+    pthread_t lock_owner;   /* for KVR_ASSERT_LOCKED */
+    int lock_held;
+#endif
     pthread_t thread;
     int thread_started;
     int wake_fd;
@@ -190,6 +242,8 @@ struct kvr_engine {
     kvr_table_t pending; /* room id -> kvr_pending_t* (prefill) */
     uint64_t pending_pages; /* pages the pending requests hold */
     kvr_room_t *work_head;
+    kvr_room_t *draining;   /* failing rooms with operations in flight */
+    kvr_heap_t deadlines;   /* open rooms by their next deadline (timer.c) */
     kvr_peer_t *peers;
     /* decode: poll() progressing UCX from the caller's thread */
     int off_thread;               /* set while it does (under the lock) */
@@ -270,6 +324,18 @@ uint64_t kvr_new_tag_locked(kvr_engine_t *e);
 int kvr_err(char *err, size_t errlen, int code, const char *fmt, ...)
     __attribute__((format(printf, 4, 5)));
 void kvr_wake(kvr_engine_t *e);
+/* The engine lock.  Debug builds remember its holder: KVR_ASSERT_LOCKED(e)
+ * at the entry of a _locked function checks the caller holds it. */
+void kvr_engine_lock(kvr_engine_t *e);
+void kvr_engine_unlock(kvr_engine_t *e);
+/* 0 if it took the lock, -1 if the lock is held elsewhere. */
+int kvr_engine_trylock(kvr_engine_t *e);
+#ifdef KVRECV_DEBUG
+#define KVR_ASSERT_LOCKED(e) \
+    KVR_ASSERT((e)->lock_held && pthread_equal((e)->lock_owner, pthread_self()))
+#else
+#define KVR_ASSERT_LOCKED(e) ((void)(e))
+#endif
 /* Our routing id on the peers' and siblings' ROUTERs: epoch, then rank. */
 #define KVR_ENGINE_IDENT_LEN 12
 void kvr_engine_ident(const kvr_engine_t *e, unsigned char ident[KVR_ENGINE_IDENT_LEN]);
@@ -286,6 +352,8 @@ const char *kvr_side(const kvr_engine_t *e);
  * the work list, the slot-wait list).  Any thread, lock held. */
 void kvr_room_ref(kvr_room_t *r);
 void kvr_room_unref_locked(kvr_engine_t *e, kvr_room_t *r);
+/* Frees the room and what the engine kept with it; its references are gone. */
+void kvr_eroom_free(kvr_room_t *r);
 void kvr_work_push_locked(kvr_engine_t *e, kvr_room_t *r);
 /* Puts r at the head of the list *head, linked through *next, unless *on
  * says it is there already; the list holds a reference to each room. */
@@ -409,5 +477,14 @@ void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r);
 /* ------------------------------------------------------------------ */
 void kvr_timers_locked(kvr_engine_t *e);
 void kvr_timer_silences_locked(kvr_engine_t *e);
+/* Puts room r in the deadline heap at its earliest due time (its deadline,
+ * or the time its unexplained rejection fails it), or takes it out if it
+ * has none or left the open rooms.  Called whenever r->deadline_ns or
+ * r->rejected_ns change, and when r leaves the open rooms.  Any thread,
+ * lock held. */
+void kvr_timer_arm_locked(kvr_engine_t *e, kvr_room_t *r);
+/* A failing room with operations in flight: the force-drain timer watches
+ * it (a reference is held while it does). */
+void kvr_timer_watch_drain_locked(kvr_engine_t *e, kvr_room_t *r);
 
 #endif

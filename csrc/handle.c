@@ -16,20 +16,20 @@
 
 static kvr_engine_t *kvr_handle_engine(kvr_handle_t *h)
 {
-    return h->owner;
+    return kvr_eroom(h)->owner;
 }
 
 /* Takes the lock and checks that the handle is usable. */
 static int kvr_handle_enter(kvr_handle_t *h, char *err, size_t errlen)
 {
     kvr_engine_t *e = kvr_handle_engine(h);
-    pthread_mutex_lock(&e->lock);
+    kvr_engine_lock(e);
     if (e->closed) {
-        pthread_mutex_unlock(&e->lock);
+        kvr_engine_unlock(e);
         return kvr_err(err, errlen, KVR_ERUNTIME, "the manager is closed");
     }
     if (!h->in_table) {
-        pthread_mutex_unlock(&e->lock);
+        kvr_engine_unlock(e);
         return kvr_err(err, errlen, KVR_ERUNTIME, "room %" PRIu64 " was cleared", h->id);
     }
     return 0;
@@ -51,7 +51,7 @@ static int kvr_handle_pages_check(const kvr_engine_t *e, const int32_t *pages, s
 int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
                     kvr_handle_t **h_p, char *err, size_t errlen)
 {
-    pthread_mutex_lock(&e->lock);
+    kvr_engine_lock(e);
     int rc = 0;
     if (e->closed) {
         rc = kvr_err(err, errlen, KVR_ERUNTIME, "the manager is closed");
@@ -67,13 +67,13 @@ int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
                      e->cfg.max_rooms);
         goto out;
     }
-    kvr_room_t *r = kvr_room_new(room, kvr_new_tag_locked(e),
+    kvr_room_t *r = kvr_room_new(sizeof(kvr_eroom_t), room, kvr_new_tag_locked(e),
                                  e->mode == KVR_MODE_PREFILL ? KVR_ROLE_PREFILL : KVR_ROLE_DECODE);
     if (r == NULL) {
         rc = kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
         goto out;
     }
-    r->owner = e;
+    kvr_eroom(r)->owner = e;
     snprintf(r->bootstrap_addr, sizeof(r->bootstrap_addr), "%s",
              bootstrap_addr ? bootstrap_addr : "");
     if (kvr_table_put(&e->rooms, room, r) != 0 || kvr_table_put(&e->tags, r->tag, r) != 0) {
@@ -95,6 +95,7 @@ int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
         /* Wait for the decode's request, within the bootstrap timeout. */
         r->started_ns = kvr_now_ns();
         r->deadline_ns = r->started_ns + e->cfg.bootstrap_timeout_ms * KVR_MS;
+        kvr_timer_arm_locked(e, r);
         kvr_pending_t *pd = kvr_table_remove(&e->pending, room);
         if (pd != NULL) {
             if (pd->peer != NULL && pd->peer->state == KVR_PEER_READY) {
@@ -108,12 +109,13 @@ int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
     }
     *h_p = r;
 out:
-    pthread_mutex_unlock(&e->lock);
+    kvr_engine_unlock(e);
     return rc;
 }
 
 static void kvr_handle_drop_locked(kvr_engine_t *e, kvr_room_t *r, const char *why)
 {
+    KVR_ASSERT_LOCKED(e);
     if (!r->in_table) {
         return;
     }
@@ -122,6 +124,7 @@ static void kvr_handle_drop_locked(kvr_engine_t *e, kvr_room_t *r, const char *w
     }
     kvr_table_remove(&e->rooms, r->id);
     r->in_table = 0;
+    kvr_timer_arm_locked(e, r);
     if (r->peer_counted && r->peer != NULL && r->peer->nrooms > 0) {
         r->peer->nrooms--;
     }
@@ -134,14 +137,14 @@ static void kvr_handle_drop_locked(kvr_engine_t *e, kvr_room_t *r, const char *w
 void kvr_handle_release(kvr_handle_t *h)
 {
     kvr_engine_t *e = kvr_handle_engine(h);
-    pthread_mutex_lock(&e->lock);
+    kvr_engine_lock(e);
     if (!e->closed) {
         kvr_handle_drop_locked(e, h, "the room's handle was released while in flight");
     }
     h->released = 1;
     kvr_room_unref_locked(e, h);
     int wake = !e->closed;
-    pthread_mutex_unlock(&e->lock);
+    kvr_engine_unlock(e);
     if (wake) {
         kvr_wake(e);
     }
@@ -187,12 +190,12 @@ int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *boots
             rc = kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
             goto out;
         }
-        p->state = KVR_PEER_FAILED; /* the engine thread resolves it */
+        kvr_peer_set_state(p, KVR_PEER_FAILED); /* the engine thread resolves it */
     }
     h->peer = p;
     kvr_work_push_locked(e, h);
 out:
-    pthread_mutex_unlock(&e->lock);
+    kvr_engine_unlock(e);
     if (rc == 0) {
         kvr_wake(e);
     }
@@ -258,7 +261,7 @@ int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, in
     h->meta_set = 1;
     kvr_work_push_locked(e, h);
 out:
-    pthread_mutex_unlock(&e->lock);
+    kvr_engine_unlock(e);
     if (rc == 0) {
         kvr_wake(e);
     }
@@ -308,7 +311,7 @@ int kvr_handle_send_init(kvr_handle_t *h, int64_t num_pages, int64_t aux_index, 
     /* A room of no pages is complete at init: its aux row may go now. */
     kvr_work_push_locked(e, h);
 out:
-    pthread_mutex_unlock(&e->lock);
+    kvr_engine_unlock(e);
     if (rc == 0) {
         kvr_wake(e);
     }
@@ -348,7 +351,7 @@ int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, 
         h->ready_ns = kvr_now_ns();
     }
     wake = 1;
-    if (h->bound && !h->on_work && h->peer != NULL && h->peer->state == KVR_PEER_READY) {
+    if (h->bound && !kvr_eroom(h)->on_work && h->peer != NULL && h->peer->state == KVR_PEER_READY) {
         /* Post from the caller's thread: the worker is serialized by the
          * engine lock, and a message that leaves at once (eager) then needs
          * no hand-off to the engine thread.  Only what needs progress or a
@@ -361,7 +364,7 @@ int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, 
         kvr_work_push_locked(e, h);
     }
 out:
-    pthread_mutex_unlock(&e->lock);
+    kvr_engine_unlock(e);
     if (rc == 0 && wake) {
         kvr_wake(e);
     }
@@ -371,9 +374,9 @@ out:
 uint32_t kvr_handle_prefix_len(kvr_handle_t *h)
 {
     kvr_engine_t *e = kvr_handle_engine(h);
-    pthread_mutex_lock(&e->lock);
+    kvr_engine_lock(e);
     uint32_t n = h->prefix_len; /* prefill: set when the request is bound */
-    pthread_mutex_unlock(&e->lock);
+    kvr_engine_unlock(e);
     return n;
 }
 
@@ -398,7 +401,7 @@ int kvr_handle_poll(kvr_handle_t *h)
      */
     uint64_t now = kvr_now_ns();
     uint64_t last = atomic_load_explicit(&e->poll_progress_ns, memory_order_relaxed);
-    if (now - last < KVR_POLL_PROGRESS_NS || pthread_mutex_trylock(&e->lock) != 0) {
+    if (now - last < KVR_POLL_PROGRESS_NS || kvr_engine_trylock(e) != 0) {
         return v;
     }
     atomic_store_explicit(&e->poll_progress_ns, now, memory_order_relaxed);
@@ -415,7 +418,7 @@ int kvr_handle_poll(kvr_handle_t *h)
         wake = n > 0;
         wake |= e->work_head != NULL || e->ep_err_pending;
     }
-    pthread_mutex_unlock(&e->lock);
+    kvr_engine_unlock(e);
     if (wake) {
         kvr_wake(e);
     }
@@ -440,22 +443,22 @@ int kvr_handle_failure(kvr_handle_t *h, kvr_failure_t *out, int pop, uint32_t wa
 uint32_t kvr_handle_sibling_wait_ms(kvr_handle_t *h)
 {
     kvr_engine_t *e = kvr_handle_engine(h);
-    pthread_mutex_lock(&e->lock);
+    kvr_engine_lock(e);
     uint32_t w = e->nsib > 0 ? e->cfg.sibling_wait_ms : 0;
-    pthread_mutex_unlock(&e->lock);
+    kvr_engine_unlock(e);
     return w;
 }
 
 int kvr_handle_abort(kvr_handle_t *h, char *err, size_t errlen)
 {
     kvr_engine_t *e = kvr_handle_engine(h);
-    pthread_mutex_lock(&e->lock);
+    kvr_engine_lock(e);
     if (!e->closed && h->in_table && !kvr_room_terminal(h) && !h->failing) {
         kvr_room_failf_locked(e, h, KVR_ABORTED, 1, "aborted by %s rank %d", kvr_side(e),
                               e->rank);
         kvr_work_push_locked(e, h);
     }
-    pthread_mutex_unlock(&e->lock);
+    kvr_engine_unlock(e);
     (void)err;
     (void)errlen;
     kvr_wake(e);
@@ -467,11 +470,11 @@ int kvr_handle_clear(kvr_handle_t *h, char *err, size_t errlen)
     kvr_engine_t *e = kvr_handle_engine(h);
     (void)err;
     (void)errlen;
-    pthread_mutex_lock(&e->lock);
+    kvr_engine_lock(e);
     if (!e->closed) {
         kvr_handle_drop_locked(e, h, "cleared while in flight");
     }
-    pthread_mutex_unlock(&e->lock);
+    kvr_engine_unlock(e);
     kvr_wake(e);
     return 0;
 }

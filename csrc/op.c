@@ -18,14 +18,17 @@ kvr_op_t *kvr_op_new(kvr_room_t *r, uint64_t len, uint32_t niov)
     op->room = r;
     op->len = len;
     op->prev = NULL;
-    op->next = r->ops;
-    if (r->ops) {
-        ((kvr_op_t *)r->ops)->prev = op;
+    kvr_eroom_t *x = kvr_eroom(r);
+    op->next = x->ops;
+    if (x->ops) {
+        x->ops->prev = op;
     }
-    r->ops = op;
+    x->ops = op;
     kvr_room_ref(r);
-    r->inflight++;
-    r->ops_posted++;
+    kvr_room_op_started(r);
+    if (r->failing) {
+        kvr_timer_watch_drain_locked(x->owner, r);
+    }
     return op;
 }
 
@@ -34,7 +37,7 @@ static void kvr_op_unlink(kvr_room_t *r, kvr_op_t *op)
     if (op->prev) {
         op->prev->next = op->next;
     } else {
-        r->ops = op->next;
+        kvr_eroom(r)->ops = op->next;
     }
     if (op->next) {
         op->next->prev = op->prev;
@@ -44,12 +47,11 @@ static void kvr_op_unlink(kvr_room_t *r, kvr_op_t *op)
 /* Ends one operation of a room: accounting, then settle or succeed. */
 void kvr_op_end_locked(kvr_engine_t *e, kvr_op_t *op, int failed, const char *status_text)
 {
+    KVR_ASSERT_LOCKED(e);
     kvr_room_t *r = op->room;
     kvr_op_unlink(r, op);
     kvr_op_unstage(e, op);
-    if (!r->drained_by_force) {
-        r->inflight--;
-    }
+    kvr_room_op_ended(r);
     if (r->peer != NULL) {
         r->peer->last_data_ns = kvr_now_ns();
     }
@@ -69,6 +71,7 @@ void kvr_op_end_locked(kvr_engine_t *e, kvr_op_t *op, int failed, const char *st
         if (r->rejected_ns == 0) {
             r->rejected_ns = kvr_now_ns();
             r->rejected_why = status_text ? status_text : "rejected";
+            kvr_timer_arm_locked(e, r);
         }
     } else if (failed) {
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "data operation with %s failed: %s",
@@ -82,12 +85,12 @@ void kvr_op_end_locked(kvr_engine_t *e, kvr_op_t *op, int failed, const char *st
     if (r->failing) {
         kvr_room_settle(r);
     } else if (e->mode == KVR_MODE_DECODE) {
-        if (kvr_room_complete(r) && kvr_room_advance(r, KVR_POLL_SUCCESS)) {
+        if (kvr_room_succeed(r)) {
             kvr_room_succeeded_locked(e, r);
             if (r->peer) {
                 /* Sockets belong to the engine thread: from poll()'s
                  * progress it sends the notice. */
-                r->done_pending = 1;
+                kvr_eroom(r)->done_pending = 1;
                 if (e->off_thread) {
                     kvr_work_push_locked(e, r);
                 } else {
@@ -175,11 +178,11 @@ uint32_t kvr_msg_pieces(const kvr_engine_t *e, const kvr_am_header_t *h,
 void kvr_op_send_locked(kvr_engine_t *e, kvr_room_t *r, kvr_op_t *op,
                         const kvr_tp_iov_t *iov, uint32_t niov, int host)
 {
+    KVR_ASSERT_LOCKED(e);
     const char *st = NULL;
-    int rc = kvr_tp_send(e->tp, r->peer->ep, op->hdr, sizeof(op->hdr), iov, niov, host,
-                         &op->base, &st);
-    if (rc <= 0) {
-        kvr_op_end_locked(e, op, rc == 0 ? KVR_TP_OK : rc == -2 ? KVR_TP_PEER_GONE : KVR_TP_ERROR,
-                          st);
+    int outcome = kvr_tp_send(e->tp, r->peer->ep, op->hdr, sizeof(op->hdr), iov, niov, host,
+                              &op->base, &st);
+    if (outcome != KVR_TP_PENDING) {
+        kvr_op_end_locked(e, op, outcome, st);
     }
 }

@@ -28,6 +28,7 @@
 static void kvr_peer_fail_rooms_locked(kvr_engine_t *e, kvr_peer_t *p, int code, int notify,
                                        const char *what)
 {
+    KVR_ASSERT_LOCKED(e);
     kvr_room_t *r;
     for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
         if (r == NULL || r->peer != p || kvr_room_terminal(r)) {
@@ -57,6 +58,7 @@ void kvr_send_ctrl_to_peer(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m_in
  * bootstrap server's; a lost message is asked again by the timers). */
 void kvr_send_conn_locked(kvr_engine_t *e, kvr_ctl_conn_t *conn, const kvr_msg_t *m_in)
 {
+    KVR_ASSERT_LOCKED(e);
     kvr_msg_t m = *m_in;
     m.epoch = e->epoch;
     if (kvr_wire_encode(&e->wbuf, &m) == 0) {
@@ -181,6 +183,7 @@ int kvr_peer_worker(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen)
 
 void kvr_reap_locked(kvr_engine_t *e)
 {
+    KVR_ASSERT_LOCKED(e);
     while (e->ndead_conns > 0) {
         kvr_ctl_conn_close(e->ctl, e->dead_conns[--e->ndead_conns]);
     }
@@ -213,6 +216,7 @@ void kvr_tell_room_failed(kvr_engine_t *e, kvr_peer_t *p, kvr_room_t *r, int cod
  */
 void kvr_peer_fail_locked(kvr_engine_t *e, kvr_peer_t *p, int code, const char *what)
 {
+    KVR_ASSERT_LOCKED(e);
     if (p->state == KVR_PEER_FAILED) {
         return;
     }
@@ -238,7 +242,7 @@ void kvr_peer_fail_locked(kvr_engine_t *e, kvr_peer_t *p, int code, const char *
     kvr_log_write(&e->log, failed ? KVR_LOG_WARNING : KVR_LOG_INFO,
                   "%s rank %d: %s: %s %s (%d room(s) failed)", kvr_side(e), e->rank,
                   kvr_status_name(code), p->name, what, failed);
-    p->state = KVR_PEER_FAILED;
+    kvr_peer_set_state(p, KVR_PEER_FAILED);
     kvr_peer_disconnect(e, p);
     if (waiting) {
         char err[256];
@@ -290,12 +294,12 @@ int kvr_peer_resolve(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen)
 {
     char ep[192];
     kvr_peer_disconnect(e, p);
-    p->state = KVR_PEER_RESOLVING;
+    kvr_peer_set_state(p, KVR_PEER_RESOLVING);
     p->epoch = 0;
     snprintf(p->name, sizeof(p->name), "%s", p->key);
     snprintf(ep, sizeof(ep), "tcp://%s", p->key);
     if (kvr_ctl_connect(e->ctl, ep, NULL, 0, p, &p->bs_conn, err, errlen) != 0) {
-        p->state = KVR_PEER_FAILED;
+        kvr_peer_set_state(p, KVR_PEER_FAILED);
         return -1;
     }
     p->resolve_deadline_ns = kvr_now_ns() + e->cfg.bootstrap_timeout_ms * KVR_MS;
@@ -334,6 +338,7 @@ void kvr_peer_hello(kvr_engine_t *e, kvr_peer_t *p)
 
 void kvr_peer_verify_locked(kvr_engine_t *e, kvr_peer_t *p)
 {
+    KVR_ASSERT_LOCKED(e);
     uint64_t now = kvr_now_ns();
     if (p->verifying || now - p->verified_ns < KVR_VERIFY_EVERY_MS * KVR_MS) {
         return;
@@ -353,6 +358,7 @@ void kvr_peer_verify_locked(kvr_engine_t *e, kvr_peer_t *p)
  * instance replaced the one our rooms are bound to. */
 void kvr_peer_verified_locked(kvr_engine_t *e, kvr_peer_t *p, int found, uint64_t epoch)
 {
+    KVR_ASSERT_LOCKED(e);
     if (p->vconn && e->ndead_conns < KVR_MAX_DEAD) {
         e->dead_conns[e->ndead_conns++] = p->vconn;
         p->vconn = NULL;
@@ -407,6 +413,7 @@ void kvr_on_ep_error(void *arg, void *ep_ctx, const char *status_text)
  * those of endpoints the peers still use). */
 void kvr_ep_errors_locked(kvr_engine_t *e)
 {
+    KVR_ASSERT_LOCKED(e);
     e->ep_err_pending = 0;
     for (kvr_peer_t *p = e->peers; p; p = p->next) {
         if (p->ep_err) {

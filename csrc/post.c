@@ -21,6 +21,7 @@ static int kvr_prefill_stages(const kvr_engine_t *e, int kind, uint32_t buf)
 /* Returns 0 (posted, or the room failed), 1 if it must wait for a slot. */
 static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_header_t *h)
 {
+    KVR_ASSERT_LOCKED(e);
     kvr_slot_t *slot = NULL;
     if (kvr_prefill_stages(e, h->kind, h->buf) && (slot = kvr_slot_get(e)) == NULL) {
         kvr_slot_wait(e, r);
@@ -138,6 +139,7 @@ static void kvr_post_limits(const kvr_engine_t *e, const kvr_room_t *r, kvr_plan
  * the endpoint to its decode on the first data. */
 static int kvr_post_ready_locked(kvr_engine_t *e, kvr_room_t *r)
 {
+    KVR_ASSERT_LOCKED(e);
     if (!r->bound || !r->inited || r->failing || kvr_room_terminal(r) || r->rejected_ns ||
         r->peer == NULL || r->peer->state != KVR_PEER_READY) {
         return 0;
@@ -177,6 +179,7 @@ static int kvr_post_ready_locked(kvr_engine_t *e, kvr_room_t *r)
  * or send()'s caller). */
 void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
 {
+    KVR_ASSERT_LOCKED(e);
     if (!kvr_post_ready_locked(e, r)) {
         return;
     }
@@ -187,19 +190,19 @@ void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
     h.tag = r->dst_tag;
     h.epoch = e->epoch;
     for (;;) {
-        kvr_plan_cursor_t next = r->post;
+        kvr_plan_cursor_t next = kvr_eroom(r)->post;
         if (!kvr_post_plan(&plan, &next, &h)) {
-            r->post.aux_done = next.aux_done;
+            kvr_eroom(r)->post.aux_done = next.aux_done;
             return;
         }
         kvr_room_advance(r, KVR_POLL_TRANSFERRING);
         if (kvr_post_one_locked(e, r, &h) == 1) {
-            kvr_plan_hold(&r->post, &h); /* no free slot: resume here */
+            kvr_plan_hold(&kvr_eroom(r)->post, &h); /* no free slot: resume here */
             return;
         }
         if (r->failing) {
             return;
         }
-        r->post = next;
+        kvr_eroom(r)->post = next;
     }
 }

@@ -15,7 +15,8 @@
 /* Decode: tells the room's prefill that every byte landed. */
 void kvr_send_done_locked(kvr_engine_t *e, kvr_room_t *r)
 {
-    r->done_pending = 0;
+    KVR_ASSERT_LOCKED(e);
+    kvr_eroom(r)->done_pending = 0;
     if (r->peer != NULL) {
         kvr_msg_t m = kvr_msg_room_done(r->id, r->tag);
         kvr_send_ctrl_to_peer(e, r->peer, &m);
@@ -81,11 +82,11 @@ void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, int rnd
      * otherwise be accepted again while the first copy is in flight. */
     int claim = kvr_room_claim(r, h.kind == KVR_AM_KIND_AUX, e->nkv, e->naux, h.buf, h.nbuf, h.pos,
                                h.npages);
-    if (claim == -1) {
+    if (claim == KVR_CLAIM_REPEATED) {
         why = "data for positions already received";
         goto protocol;
     }
-    kvr_op_t *op = claim == 0 ? kvr_op_new(r, len, niov) : NULL;
+    kvr_op_t *op = claim == KVR_CLAIM_OK ? kvr_op_new(r, len, niov) : NULL;
     if (op == NULL) {
         why = "out of memory";
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory receiving data");
@@ -146,6 +147,7 @@ reject:
 
 void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r)
 {
+    KVR_ASSERT_LOCKED(e);
     kvr_msg_t m = kvr_msg_room_req(r->id, r->tag, r->aux_index, r->npages,
                                    (const unsigned char *)r->pages, /* little-endian host */
                                    r->prefix_len);
@@ -153,6 +155,7 @@ void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r)
     r->req_sent = 1;
     r->started_ns = kvr_now_ns();
     r->deadline_ns = kvr_deadline_ns(e, r->started_ns, r->expected);
+    kvr_timer_arm_locked(e, r);
     kvr_room_advance(r, KVR_POLL_TRANSFERRING);
 }
 
@@ -165,6 +168,7 @@ void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r)
 static void kvr_on_auth_reject_locked(kvr_engine_t *e, kvr_ctl_conn_t *conn, kvr_peer_t *p,
                                       const kvr_msg_t *m)
 {
+    KVR_ASSERT_LOCKED(e);
     char reason[KVR_WIRE_MAX_STR + 1];
     snprintf(reason, sizeof(reason), "%.*s", (int)m->str_len, m->str);
     e->stats.auth_refused_by_peer++;
@@ -212,6 +216,7 @@ static void kvr_on_auth_reject_locked(kvr_engine_t *e, kvr_ctl_conn_t *conn, kvr
 /* Prefill: the bootstrap server's answer to our registration. */
 static void kvr_on_registered_locked(kvr_engine_t *e, const kvr_msg_t *m)
 {
+    KVR_ASSERT_LOCKED(e);
     if (m->type != KVR_MSG_BS_REGISTER_OK) {
         e->stats.ctrl_dropped++;
         return;
@@ -229,6 +234,7 @@ static void kvr_on_registered_locked(kvr_engine_t *e, const kvr_msg_t *m)
  * (or none yet): connect to it and say HELLO. */
 static void kvr_on_bs_reply_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
 {
+    KVR_ASSERT_LOCKED(e);
     char err[256];
     if (m->type != KVR_MSG_BS_QUERY_REPLY || p->state != KVR_PEER_RESOLVING) {
         e->stats.ctrl_dropped++;
@@ -257,7 +263,7 @@ static void kvr_on_bs_reply_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
         kvr_peer_fail_locked(e, p, KVR_TRANSPORT, what);
         return;
     }
-    p->state = KVR_PEER_CONNECTING;
+    kvr_peer_set_state(p, KVR_PEER_CONNECTING);
     kvr_peer_hello(e, p);
 }
 
@@ -265,6 +271,7 @@ static void kvr_on_bs_reply_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
  * endpoint to its worker, and the peer is ready. */
 static void kvr_on_hello_ok_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
 {
+    KVR_ASSERT_LOCKED(e);
     if (p->state != KVR_PEER_CONNECTING) {
         return;
     }
@@ -289,7 +296,7 @@ static void kvr_on_hello_ok_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
         kvr_peer_fail_locked(e, p, KVR_TRANSPORT, what);
         return;
     }
-    p->state = KVR_PEER_READY;
+    kvr_peer_set_state(p, KVR_PEER_READY);
     p->verified_ns = kvr_now_ns();
     kvr_log_write(&e->log, KVR_LOG_INFO, "decode rank %d connected to %s", e->rank, p->name);
     p->next_ping_ns = kvr_now_ns() + e->cfg.heartbeat_interval_ms * KVR_MS;
@@ -300,6 +307,7 @@ static void kvr_on_hello_ok_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
  * its reason. */
 static void kvr_on_hello_reject_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
 {
+    KVR_ASSERT_LOCKED(e);
     kvr_failure_t f;
     kvr_failure_fill(&f, m->code < KVR_STATUS_LAST ? m->code : KVR_REMOTE, (int)m->rank,
                      p->name, "%.*s", (int)m->str_len, m->str);
@@ -316,7 +324,7 @@ static void kvr_on_hello_reject_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr
             kvr_tell_room_failed(e, p, r, fr.code);
         }
     }
-    p->state = KVR_PEER_FAILED;
+    kvr_peer_set_state(p, KVR_PEER_FAILED);
     kvr_peer_disconnect(e, p);
 }
 

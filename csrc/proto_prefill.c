@@ -25,6 +25,7 @@ static void kvr_refuse_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_
  * byte (done_received), or said nothing since: the data path failed. */
 void kvr_rejected_fail_locked(kvr_engine_t *e, kvr_room_t *r)
 {
+    KVR_ASSERT_LOCKED(e);
     char why[96];
     if (r->done_received) {
         snprintf(why, sizeof(why), "then reported every byte landed");
@@ -38,6 +39,7 @@ void kvr_rejected_fail_locked(kvr_engine_t *e, kvr_room_t *r)
 
 void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r)
 {
+    KVR_ASSERT_LOCKED(e);
     if (r->failing || kvr_room_terminal(r) || !r->done_received) {
         return;
     }
@@ -45,10 +47,7 @@ void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r)
         kvr_rejected_fail_locked(e, r);
         return;
     }
-    if (r->inflight > 0) {
-        return;
-    }
-    if (kvr_room_advance(r, KVR_POLL_SUCCESS)) {
+    if (kvr_room_succeed(r)) {
         kvr_room_succeeded_locked(e, r);
     }
 }
@@ -56,6 +55,7 @@ void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r)
 void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint64_t tag,
                              int64_t aux_index, uint32_t npages, int32_t *pages)
 {
+    KVR_ASSERT_LOCKED(e);
     r->bound = 1;
     r->peer = p;
     r->peer_counted = 1;
@@ -67,6 +67,7 @@ void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint
     r->started_ns = kvr_now_ns();
     uint64_t bytes = (uint64_t)npages * e->page_bytes + (aux_index >= 0 ? e->aux_bytes : 0);
     r->deadline_ns = kvr_deadline_ns(e, r->started_ns, bytes);
+    kvr_timer_arm_locked(e, r);
     kvr_room_advance(r, KVR_POLL_WAITING);
     if (r->inited && r->total_pages != npages) {
         kvr_room_failf_locked(e, r, KVR_LAYOUT_MISMATCH, 1,
@@ -113,10 +114,11 @@ static kvr_peer_t *kvr_decode_peer_by_ident(kvr_engine_t *e, const void *ident, 
  */
 static void kvr_hello_reject_locked(kvr_engine_t *e, kvr_peer_t *p, int code, const char *reason)
 {
+    KVR_ASSERT_LOCKED(e);
     kvr_msg_t reply = kvr_msg_text(KVR_MSG_HELLO_REJECT, (uint32_t)e->rank, code, reason);
     kvr_send_ctrl_to_peer(e, p, &reply);
     kvr_log_write(&e->log, KVR_LOG_WARNING, "%s", reason);
-    p->state = KVR_PEER_FAILED;
+    kvr_peer_set_state(p, KVR_PEER_FAILED);
     kvr_pending_t *pd;
     for (kvr_table_iter_t it = {0}; (pd = kvr_table_next(&e->pending, &it, NULL)) != NULL;) {
         if (pd && pd->peer == p) {
@@ -168,6 +170,7 @@ static kvr_peer_t *kvr_decode_peer_recycle(kvr_engine_t *e, const char *key)
 static void kvr_on_hello_locked(kvr_engine_t *e, const void *ident, size_t ident_len,
                                 const kvr_msg_t *m)
 {
+    KVR_ASSERT_LOCKED(e);
     char key[2 * KVR_IDENT_MAX + 1], why[256], err[256] = "";
     kvr_ident_key(ident, ident_len, key);
     kvr_peer_t *p = kvr_peer_find(e, KVR_PEER_IS_DECODE, key);
@@ -193,7 +196,7 @@ static void kvr_on_hello_locked(kvr_engine_t *e, const void *ident, size_t ident
     snprintf(p->name, sizeof(p->name), "decode rank %u (epoch %016" PRIx64 ")", m->rank,
              m->epoch);
     p->last_heard_ns = kvr_now_ns();
-    p->state = KVR_PEER_READY; /* so that the reply can be sent */
+    kvr_peer_set_state(p, KVR_PEER_READY); /* so that the reply can be sent */
     char reason[1024];
     if (live >= e->cfg.max_peers) {
         snprintf(reason, sizeof(reason),
@@ -255,6 +258,7 @@ static void kvr_on_hello_locked(kvr_engine_t *e, const void *ident, size_t ident
 static void kvr_refuse_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m, int code,
                                   const char *fmt, ...)
 {
+    KVR_ASSERT_LOCKED(e);
     char text[200], reason[KVR_REASON_MAX];
     va_list ap;
     va_start(ap, fmt);
@@ -277,6 +281,7 @@ static void kvr_refuse_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_
 
 static void kvr_on_room_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
 {
+    KVR_ASSERT_LOCKED(e);
     /* Indices are the decode's own pages: the prefill cannot check them
      * against the decode's registration, only that they are page numbers. */
     for (uint32_t i = 0; i < m->npages; i++) {
@@ -397,6 +402,7 @@ static void kvr_on_room_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
  * already have one). */
 static void kvr_on_room_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
 {
+    KVR_ASSERT_LOCKED(e);
     kvr_room_t *r = kvr_table_get(&e->rooms, m->room);
     uint64_t mytag = r == NULL ? 0 : e->mode == KVR_MODE_DECODE ? r->tag : r->dst_tag;
     /* A prefill room no decode has bound yet fails with the decode's cause
@@ -433,6 +439,7 @@ static void kvr_on_room_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_ms
 
 void kvr_on_peer_msg_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
 {
+    KVR_ASSERT_LOCKED(e);
     switch (m->type) {
     case KVR_MSG_ROOM_FAIL:
         kvr_on_room_fail_locked(e, p, m);
@@ -448,6 +455,7 @@ void kvr_on_peer_msg_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
 /* Counts a malformed control message; logs at most one line a second. */
 void kvr_drop_locked(kvr_engine_t *e, size_t len, const char *why)
 {
+    KVR_ASSERT_LOCKED(e);
     uint64_t now = kvr_now_ns();
     e->stats.ctrl_dropped++;
     e->drop_log_n++;
@@ -593,6 +601,7 @@ void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, const voi
 
 void kvr_register_tick_locked(kvr_engine_t *e, uint64_t now)
 {
+    KVR_ASSERT_LOCKED(e);
     if (e->mode != KVR_MODE_PREFILL || e->registered || e->bs_conn == NULL ||
         now < e->next_register_ns) {
         return;

@@ -2,9 +2,12 @@
 
 #include <stdlib.h>
 
-kvr_room_t *kvr_room_new(uint64_t id, uint64_t tag, int role)
+#include "debug.h"
+
+kvr_room_t *kvr_room_new(size_t size, uint64_t id, uint64_t tag, int role)
 {
-    kvr_room_t *r = calloc(1, sizeof(*r));
+    KVR_ASSERT(size >= sizeof(kvr_room_t));
+    kvr_room_t *r = calloc(1, size);
     if (r == NULL) {
         return NULL;
     }
@@ -26,7 +29,6 @@ void kvr_room_free(kvr_room_t *r)
     free(r->pages);
     free(r->src_pages);
     free(r->dst_pages);
-    free(r->notice);
     free(r->claimed);
     free(r);
 }
@@ -38,7 +40,7 @@ int kvr_room_claim(kvr_room_t *r, int aux, uint32_t nkv, uint32_t naux, uint32_t
     if (r->claimed == NULL) {
         r->claimed = calloc((size_t)((kv_bits + naux + 7) / 8), 1);
         if (r->claimed == NULL) {
-            return -2;
+            return KVR_CLAIM_NOMEM;
         }
     }
     for (int set = 0; set < 2; set++) {
@@ -49,12 +51,12 @@ int kvr_room_claim(kvr_room_t *r, int aux, uint32_t nkv, uint32_t naux, uint32_t
                 if (set) {
                     r->claimed[i >> 3] |= bit;
                 } else if (r->claimed[i >> 3] & bit) {
-                    return -1;
+                    return KVR_CLAIM_REPEATED;
                 }
             }
         }
     }
-    return 0;
+    return KVR_CLAIM_OK;
 }
 
 int kvr_room_terminal(const kvr_room_t *r)
@@ -74,6 +76,40 @@ int kvr_room_advance(kvr_room_t *r, int state)
     }
     atomic_store(&r->visible, state);
     return 1;
+}
+
+void kvr_room_op_started(kvr_room_t *r)
+{
+    KVR_ASSERT(!kvr_room_terminal(r) && r->inflight >= 0);
+    r->inflight++;
+    r->ops_posted++;
+}
+
+void kvr_room_op_ended(kvr_room_t *r)
+{
+    if (!r->drained_by_force) {
+        KVR_ASSERT(r->inflight > 0);
+        r->inflight--;
+    }
+}
+
+int kvr_room_succeed(kvr_room_t *r)
+{
+    int done = r->role == KVR_ROLE_DECODE
+                   ? kvr_room_complete(r)
+                   : !r->failing && r->done_received && r->inflight == 0;
+    if (!done || !kvr_room_advance(r, KVR_POLL_SUCCESS)) {
+        return 0;
+    }
+    KVR_ASSERT(r->inflight == 0 && (r->role != KVR_ROLE_DECODE || r->received == r->expected));
+    return 1;
+}
+
+void kvr_room_abandon(kvr_room_t *r, int code)
+{
+    r->inflight = 0;
+    kvr_room_fail(r, code);
+    kvr_room_settle(r);
 }
 
 int kvr_room_fail(kvr_room_t *r, int code)
@@ -101,6 +137,7 @@ int kvr_room_settle(kvr_room_t *r)
     if (!r->failing || r->inflight > 0 || atomic_load(&r->visible) == KVR_POLL_FAILED) {
         return 0;
     }
+    KVR_ASSERT(r->inflight == 0);
     atomic_store(&r->visible, KVR_POLL_FAILED);
     return 1;
 }

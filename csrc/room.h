@@ -1,5 +1,10 @@
 /*
- * room: the per-room state machine, pure logic, no I/O.
+ * room: one bootstrap room's state machine and its bookkeeping, pure logic,
+ * no I/O.  The engine decides when a transition is due (a message, a
+ * completion, a deadline) and calls the function below that performs it;
+ * what the engine itself keeps per room (its operations, the lists the room
+ * is on, the failure notice, the posting cursor, the deadline heap node)
+ * lives beside the room in kvr_eroom_t (engine_int.h), not here.
  *
  *   visible state (what poll() returns; sglang's KVPoll values)
  *
@@ -11,30 +16,42 @@
  *            |                         Transferring(3) --all bytes--> Success(4)
  *            |                               |
  *            +-------------+-----------------+
- *                          | failure recorded, and no operation of the room
- *                          v still in flight (the room has drained)
- *                      Failed(0)
+ *                          | kvr_room_fail: failing, visible state kept
+ *                          v
+ *                   (failing, draining) --inflight == 0, or force-drained-->
+ *                                                                 Failed(0)
  *
  *   transition                         performed by
  *   -> Bootstrapping                   kvr_room_new
- *   Bootstrapping -> WaitingForInput   kvr_room_advance (engine: peer ready /
- *                                      decode's request arrived)
- *   -> Transferring                    kvr_room_advance
- *   Transferring -> Success            kvr_room_advance, when kvr_room_complete
- *   any -> failing                     kvr_room_fail (first cause wins)
- *   failing -> Failed                  kvr_room_settle, when inflight == 0
+ *   Bootstrapping -> WaitingForInput   kvr_room_advance (engine: peer ready,
+ *                                      or the decode's request bound)
+ *   -> Transferring                    kvr_room_advance (decode: request sent;
+ *                                      prefill: first message posted)
+ *   an operation starts / ends         kvr_room_op_started / kvr_room_op_ended
+ *   Transferring -> Success            kvr_room_succeed
+ *   any but Success -> failing         kvr_room_fail (first cause wins)
+ *   failing -> Failed                  kvr_room_settle, once inflight == 0
+ *   failing -> Failed, ops lingering   kvr_room_force_drain (dead peer)
+ *   any -> Failed (engine closing)     kvr_room_abandon
  *
- * Invariants:
- *   - Success and Failed are terminal: nothing leaves them (no resurrection).
- *   - The visible state only grows, except to Failed.
- *   - A failing room accepts no new data and posts no new operation; it
- *     becomes visibly Failed only once its in-flight operations are done, so
- *     after poll() says Failed no byte of the room lands in local memory.
- *   - Decode: received <= expected; Success iff received == expected and
- *     nothing is in flight.
+ * Invariants, per state:
+ *   Bootstrapping, WaitingForInput: no operation in flight (inflight == 0);
+ *     prefill: not bound to a request before WaitingForInput.
+ *   Transferring: received <= expected (decode); each byte of the room is
+ *     accepted at most once (kvr_room_claim).
+ *   failing (any visible state but Success, failing == 1): fail_code is the
+ *     first cause and never changes; no new data is accepted and no new
+ *     operation posted; the room becomes visibly Failed only once its
+ *     operations are done, so after poll() says Failed no byte of the room
+ *     lands in local memory.
+ *   Success: terminal; decode: received == expected, nothing in flight,
+ *     never failing.
+ *   Failed: terminal; failing, and inflight == 0 (or drained_by_force).
+ *   Always: the visible state only grows, except to Failed; nothing leaves
+ *   Success or Failed (no resurrection).
  *
- * Fields are protected by the engine lock, except `visible`, which poll()
- * reads without it.
+ * Threads: the engine lock protects every field (the caller holds it),
+ * except `visible`, which poll() reads without it.
  */
 #ifndef KVR_ROOM_H
 #define KVR_ROOM_H
@@ -69,15 +86,12 @@ typedef struct kvr_room {
     int fail_code;
     int notified;           /* the peer was told of our failure / completion */
     int inflight;           /* transport operations outstanding */
-    void *ops;              /* the engine's list of them */
     uint64_t failing_since_ns;
     int cancel_sent;        /* the stuck operations were asked to cancel */
     int drained_by_force;   /* declared drained although operations linger */
     uint64_t deadline_ns;   /* 0: none */
     uint64_t started_ns;
-    struct kvr_peer *peer;
-    void *owner;            /* the engine */
-    void *notice;           /* failure to tell the peer, sent by the engine thread */
+    struct kvr_peer *peer;  /* the engine's; never looked at here */
     char bootstrap_addr[128];
 
     /* decode */
@@ -96,7 +110,6 @@ typedef struct kvr_room {
     uint32_t total_pages;   /* announced by init() */
     int32_t *src_pages;     /* source pages given so far */
     uint32_t given;         /* pages handed over by send() */
-    kvr_plan_cursor_t post; /* how far posting got (plan.h) */
     int64_t src_aux;
     int bound;              /* decode's request arrived */
     int32_t *dst_pages;
@@ -118,17 +131,13 @@ typedef struct kvr_room {
 
     /* staging of device memory (both sides) */
     int stage_copies;       /* operations in a CUDA copy (never force-drained) */
-    int slot_waiting;       /* on the engine's list of rooms waiting for a slot */
-    struct kvr_room *slot_next;
-
-    /* the engine's work list */
-    struct kvr_room *work_next;
-    int on_work;
-    int done_pending;       /* decode: ROOM_DONE for the engine thread to send */
 } kvr_room_t;
 
-/* Allocates a room in Bootstrapping; NULL on ENOMEM. */
-kvr_room_t *kvr_room_new(uint64_t id, uint64_t tag, int role);
+/* Allocates size bytes, zeroed, holding a room in Bootstrapping at their
+ * start: the engine keeps its own fields after it (engine_int.h,
+ * kvr_eroom_t).  NULL on ENOMEM. */
+kvr_room_t *kvr_room_new(size_t size, uint64_t id, uint64_t tag, int role);
+/* Frees the room, its page arrays and the block kvr_room_new allocated. */
 void kvr_room_free(kvr_room_t *r);
 
 /* Moves the visible state forward to `state` (never backwards, never out of
@@ -143,6 +152,22 @@ int kvr_room_fail(kvr_room_t *r, int code);
  * did. */
 int kvr_room_settle(kvr_room_t *r);
 
+/* An operation of the room starts (posted, or a data message accepted). */
+void kvr_room_op_started(kvr_room_t *r);
+
+/* An operation of the room ended (completed, failed or cancelled).  After a
+ * force-drain the room no longer counts them. */
+void kvr_room_op_ended(kvr_room_t *r);
+
+/* Publishes Success if the room is done -- decode: kvr_room_complete;
+ * prefill: the decode reported every byte landed and nothing of ours is in
+ * flight.  Returns 1 if it did. */
+int kvr_room_succeed(kvr_room_t *r);
+
+/* The engine is closing: whatever is in flight will never complete.  The
+ * room fails with code (unless it already ended) and becomes Failed now. */
+void kvr_room_abandon(kvr_room_t *r, int code);
+
 /* Declares a failing room drained although operations are still
  * outstanding (their peer is dead); publishes Failed.  Returns 1 if it did. */
 int kvr_room_force_drain(kvr_room_t *r);
@@ -152,11 +177,12 @@ int kvr_room_force_drain(kvr_room_t *r);
  * [pos, pos + npages) of KV buffers [buf, buf + nbuf) (aux: rows of aux
  * buffers [buf, buf + nbuf), npages 1), of a room of r->npages positions
  * over nkv KV and naux aux buffers.  The ranges were checked against the
- * room.  Returns 0 (claimed), -1 if a piece was claimed before (nothing is
- * claimed: the sender repeats data), -2 if memory ran out.  So each byte of
- * the room is accepted at most once, whether or not earlier messages have
- * landed yet.
+ * room.  Returns KVR_CLAIM_OK, KVR_CLAIM_REPEATED if a piece was claimed
+ * before (nothing is claimed: the sender repeats data), or KVR_CLAIM_NOMEM.
+ * So each byte of the room is accepted at most once, whether or not earlier
+ * messages have landed yet.
  */
+enum { KVR_CLAIM_OK = 0, KVR_CLAIM_REPEATED = 1, KVR_CLAIM_NOMEM = 2 };
 int kvr_room_claim(kvr_room_t *r, int aux, uint32_t nkv, uint32_t naux, uint32_t buf,
                    uint32_t nbuf, uint32_t pos, uint32_t npages);
 

@@ -13,6 +13,7 @@
 /* Engine thread: (re)connects to the siblings and publishes root causes. */
 void kvr_siblings_locked(kvr_engine_t *e)
 {
+    KVR_ASSERT_LOCKED(e);
     if (e->sib_dirty) {
         e->sib_dirty = 0;
         for (int i = 0; i < e->nsib_conns; i++) {
@@ -55,6 +56,7 @@ void kvr_siblings_locked(kvr_engine_t *e)
  * the room here fails with it (telling our own peer to stop). */
 void kvr_on_sib_fail_locked(kvr_engine_t *e, const kvr_msg_t *m)
 {
+    KVR_ASSERT_LOCKED(e);
     kvr_failure_t f;
     kvr_failure_from_msg(&f, m, NULL);
     f.from_sibling = 1;
@@ -97,9 +99,9 @@ int kvr_engine_set_siblings(kvr_engine_t *e, const char *const *endpoints, int n
         }
         eps[i] = strdup(endpoints[i]);
     }
-    pthread_mutex_lock(&e->lock);
+    kvr_engine_lock(e);
     if (e->closed) {
-        pthread_mutex_unlock(&e->lock);
+        kvr_engine_unlock(e);
         for (int i = 0; i < n; i++) {
             free(eps[i]);
         }
@@ -113,7 +115,7 @@ int kvr_engine_set_siblings(kvr_engine_t *e, const char *const *endpoints, int n
     e->sib_eps = eps;
     e->nsib = n;
     e->sib_dirty = 1;
-    pthread_mutex_unlock(&e->lock);
+    kvr_engine_unlock(e);
     kvr_wake(e);
     return 0;
 }

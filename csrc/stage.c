@@ -53,9 +53,9 @@ void kvr_slot_put(kvr_engine_t *e, kvr_slot_t *s)
     /* Rooms that stopped for want of a slot go round again. */
     while (e->slot_waiters != NULL) {
         kvr_room_t *r = e->slot_waiters;
-        e->slot_waiters = r->slot_next;
-        r->slot_next = NULL;
-        r->slot_waiting = 0;
+        e->slot_waiters = kvr_eroom(r)->slot_next;
+        kvr_eroom(r)->slot_next = NULL;
+        kvr_eroom(r)->slot_waiting = 0;
         kvr_work_push_locked(e, r);
         kvr_room_unref_locked(e, r);
     }
@@ -65,7 +65,8 @@ void kvr_slot_put(kvr_engine_t *e, kvr_slot_t *s)
 void kvr_slot_wait(kvr_engine_t *e, kvr_room_t *r)
 {
     e->stats.staging_waits++;
-    kvr_room_list_push(&e->slot_waiters, r, &r->slot_waiting, &r->slot_next);
+    kvr_room_list_push(&e->slot_waiters, r, &kvr_eroom(r)->slot_waiting,
+                       &kvr_eroom(r)->slot_next);
 }
 
 static void *kvr_event_get(kvr_engine_t *e, char *err, size_t errlen)
@@ -117,6 +118,7 @@ void kvr_op_unstage(kvr_engine_t *e, kvr_op_t *op)
 int kvr_stage_copy_locked(kvr_engine_t *e, kvr_op_t *op, int d2h, char *err,
                           size_t errlen)
 {
+    KVR_ASSERT_LOCKED(e);
     char *stage = op->siov.buf;
     size_t off = 0;
     for (uint32_t i = 0; i < op->niov; i++) {
@@ -157,6 +159,7 @@ fail:
 /* Prefill: a staged message's copy into its slot is done: send the slot. */
 static void kvr_stage_send_locked(kvr_engine_t *e, kvr_op_t *op)
 {
+    KVR_ASSERT_LOCKED(e);
     kvr_room_t *r = op->room;
     op->stage = KVR_STAGE_XFER;
     if (r->failing) {
@@ -172,6 +175,7 @@ static void kvr_stage_send_locked(kvr_engine_t *e, kvr_op_t *op)
  * how many. */
 unsigned kvr_stage_poll_locked(kvr_engine_t *e)
 {
+    KVR_ASSERT_LOCKED(e);
     unsigned n = 0;
     while (e->stage_head != NULL) {
         kvr_op_t *op = e->stage_head;
@@ -205,6 +209,7 @@ unsigned kvr_stage_poll_locked(kvr_engine_t *e)
  * failing by now: nothing is sent, nothing more is copied). */
 void kvr_stage_finish_locked(kvr_engine_t *e)
 {
+    KVR_ASSERT_LOCKED(e);
     if (e->stream != NULL) {
         kvr_cuda_stream_sync(e->stream, NULL, 0);
         kvr_stage_poll_locked(e);

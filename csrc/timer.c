@@ -3,7 +3,12 @@
  * retries, peer timeouts and heartbeats, the force-drain of rooms whose
  * operations a dead peer left hanging, expired pending requests, and room
  * deadlines.  Every function here runs on the engine thread with the engine
- * lock held.
+ * lock held, except the two that say otherwise.
+ *
+ * Rooms are never scanned: an open room with a deadline (or an unexplained
+ * rejection to time out) sits in e->deadlines, a min-heap keyed by the
+ * earliest of them, and a pass looks only at the rooms due; a failing room
+ * with operations in flight sits on e->draining until they are done.
  */
 #include "engine_int.h"
 
@@ -15,6 +20,7 @@
  * Returns 1 if it was declared lost. */
 static int kvr_timer_silence_locked(kvr_engine_t *e, kvr_peer_t *p, uint64_t now)
 {
+    KVR_ASSERT_LOCKED(e);
     if (!kvr_peer_silent(e, p, now)) {
         return 0;
     }
@@ -30,6 +36,7 @@ static int kvr_timer_silence_locked(kvr_engine_t *e, kvr_peer_t *p, uint64_t now
  * timeout, heartbeat silence and pings. */
 static void kvr_timer_prefill_peer_locked(kvr_engine_t *e, kvr_peer_t *p, uint64_t now)
 {
+    KVR_ASSERT_LOCKED(e);
     if (p->state == KVR_PEER_RESOLVING || p->state == KVR_PEER_CONNECTING) {
         if (now >= p->resolve_deadline_ns) {
             char what[200];
@@ -65,6 +72,7 @@ static void kvr_timer_prefill_peer_locked(kvr_engine_t *e, kvr_peer_t *p, uint64
 
 static void kvr_timer_peers_locked(kvr_engine_t *e, uint64_t now)
 {
+    KVR_ASSERT_LOCKED(e);
     for (kvr_peer_t *p = e->peers; p; p = p->next) {
         if (p->kind == KVR_PEER_IS_PREFILL) {
             kvr_timer_prefill_peer_locked(e, p, now);
@@ -96,11 +104,27 @@ void kvr_timer_silences_locked(kvr_engine_t *e)
  */
 static void kvr_timer_drains_locked(kvr_engine_t *e, uint64_t now)
 {
+    KVR_ASSERT_LOCKED(e);
     kvr_peer_t *stalled = NULL;
     uint64_t stalled_ms = 0;
-    kvr_room_t *r;
-    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->tags, &it, NULL)) != NULL;) {
-        if (r == NULL || !r->failing || r->inflight == 0 || r->stage_copies > 0) {
+    /* Rooms whose operations are done leave the list first: the pass below
+     * may complete operations (a cancel) and free rooms it holds no
+     * reference to otherwise. */
+    for (kvr_room_t **pp = &e->draining; *pp != NULL;) {
+        kvr_room_t *r = *pp;
+        if (r->inflight > 0) {
+            pp = &kvr_eroom(r)->drain_next;
+            continue;
+        }
+        *pp = kvr_eroom(r)->drain_next;
+        kvr_eroom(r)->drain_next = NULL;
+        kvr_eroom(r)->draining = 0;
+        kvr_room_unref_locked(e, r);
+    }
+    for (kvr_room_t *r = e->draining, *rnext; r != NULL; r = rnext) {
+        rnext = kvr_eroom(r)->drain_next; /* the list's reference keeps both */
+        KVR_ASSERT(r->failing);
+        if (r->inflight == 0 || r->stage_copies > 0) {
             /* (A CUDA copy always finishes: a room with one in flight waits
              * for it, so nothing lands after Failed.) */
             continue;
@@ -117,7 +141,7 @@ static void kvr_timer_drains_locked(kvr_engine_t *e, uint64_t now)
              * closed, which cancels the operations, and the room drains.
              */
             uint64_t bytes = 0;
-            for (kvr_op_t *op = r->ops; op != NULL; op = op->next) {
+            for (kvr_op_t *op = kvr_eroom(r)->ops; op != NULL; op = op->next) {
                 bytes += op->len;
             }
             uint64_t grace = e->cfg.heartbeat_timeout_ms * KVR_MS + kvr_floor_ns(e, bytes);
@@ -134,7 +158,7 @@ static void kvr_timer_drains_locked(kvr_engine_t *e, uint64_t now)
             r->cancel_sent = 1;
             r->failing_since_ns = now;
             kvr_room_ref(r);
-            for (kvr_op_t *op = r->ops; op != NULL;) {
+            for (kvr_op_t *op = kvr_eroom(r)->ops; op != NULL;) {
                 kvr_op_t *next = op->next; /* cancelling may complete and free op */
                 kvr_tp_op_cancel(&op->base);
                 op = next;
@@ -158,6 +182,7 @@ static void kvr_timer_drains_locked(kvr_engine_t *e, uint64_t now)
 /* Prefill: requests whose sender never came, or whose decode is gone. */
 static void kvr_timer_pending_locked(kvr_engine_t *e, uint64_t now)
 {
+    KVR_ASSERT_LOCKED(e);
     kvr_pending_t *pd;
     for (kvr_table_iter_t it = {0}; (pd = kvr_table_next(&e->pending, &it, NULL)) != NULL;) {
         if (pd->peer == NULL || pd->peer->state != KVR_PEER_READY ||
@@ -171,6 +196,7 @@ static void kvr_timer_pending_locked(kvr_engine_t *e, uint64_t now)
 /* Room r passed its deadline: it fails, saying how far it got. */
 static void kvr_timer_deadline_locked(kvr_engine_t *e, kvr_room_t *r)
 {
+    KVR_ASSERT_LOCKED(e);
     uint64_t expected = e->mode == KVR_MODE_DECODE
                             ? r->expected
                             : (uint64_t)r->ndst * e->page_bytes +
@@ -199,39 +225,76 @@ static void kvr_timer_deadline_locked(kvr_engine_t *e, kvr_room_t *r)
     }
 }
 
+/* When an unexplained rejection fails the room (0: never). */
+static uint64_t kvr_timer_rejected_due(const kvr_engine_t *e, const kvr_room_t *r)
+{
+    return r->rejected_ns ? r->rejected_ns + 2 * e->cfg.heartbeat_interval_ms * KVR_MS : 0;
+}
+
+void kvr_timer_arm_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    KVR_ASSERT_LOCKED(e);
+    kvr_heap_node_t *node = &kvr_eroom(r)->timer;
+    uint64_t due = r->deadline_ns;
+    uint64_t rejected = kvr_timer_rejected_due(e, r);
+    if (rejected && (due == 0 || rejected < due)) {
+        due = rejected;
+    }
+    if (due == 0 || !r->in_table || r->failing || kvr_room_terminal(r)) {
+        kvr_heap_remove(&e->deadlines, node);
+    } else if (kvr_heap_set(&e->deadlines, node, due) != 0) {
+        /* Without the heap no deadline would ever fail the room. */
+        kvr_heap_remove(&e->deadlines, node);
+        kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory for its deadline");
+    }
+}
+
+void kvr_timer_watch_drain_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    KVR_ASSERT_LOCKED(e);
+    KVR_ASSERT(r->failing);
+    if (r->inflight > 0) {
+        kvr_room_list_push(&e->draining, r, &kvr_eroom(r)->draining, &kvr_eroom(r)->drain_next);
+    }
+}
+
 /* Rooms refused by their decode without a reason, and rooms past their
- * deadline. */
+ * deadline: only those due, earliest first. */
 static void kvr_timer_rooms_locked(kvr_engine_t *e, uint64_t now)
 {
-    kvr_room_t *r;
-    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
-        if (r == NULL || r->failing || kvr_room_terminal(r)) {
+    KVR_ASSERT_LOCKED(e);
+    kvr_heap_node_t *node;
+    while ((node = kvr_heap_top(&e->deadlines)) != NULL && now > node->key) {
+        kvr_room_t *r = &((kvr_eroom_t *)((char *)node - offsetof(kvr_eroom_t, timer)))->room;
+        kvr_heap_remove(&e->deadlines, node);
+        KVR_ASSERT(r->in_table);
+        if (r->failing || kvr_room_terminal(r)) {
             continue;
         }
-        if (r->rejected_ns && now - r->rejected_ns > 2 * e->cfg.heartbeat_interval_ms * KVR_MS) {
+        uint64_t rejected = kvr_timer_rejected_due(e, r);
+        if (rejected && now > rejected) {
             kvr_rejected_fail_locked(e, r);
-            continue;
-        }
-        if (r->deadline_ns && now > r->deadline_ns) {
+        } else if (r->deadline_ns && now > r->deadline_ns) {
             kvr_timer_deadline_locked(e, r);
         }
+        kvr_timer_arm_locked(e, r); /* not due yet, or not failed after all */
     }
 }
 
 void kvr_timers_locked(kvr_engine_t *e)
 {
+    KVR_ASSERT_LOCKED(e);
     uint64_t now = kvr_now_ns();
     kvr_register_tick_locked(e, now);
     kvr_tp_pack_trim(e->tp, now);
     kvr_timer_peers_locked(e, now);
-    /* The scans over every room run at most every KVR_SCAN_NS: with
-     * thousands of rooms in flight they would otherwise dominate a busy
-     * loop.  Deadlines and force-drains are coarse by nature. */
+    kvr_timer_rooms_locked(e, now);
+    /* The force-drains and the pending requests are looked at every
+     * KVR_SCAN_NS: they are coarse by nature. */
     if (now < e->next_scan_ns) {
         return;
     }
     e->next_scan_ns = now + KVR_SCAN_NS;
     kvr_timer_drains_locked(e, now);
     kvr_timer_pending_locked(e, now);
-    kvr_timer_rooms_locked(e, now);
 }

@@ -379,7 +379,7 @@ static void kvr_tp_worker_free(kvr_tp_worker_t *w);
  * transport's own variable is not set.  0, or -1 with err. */
 #define KVR_TP_SHM_SEG_LIMIT 65536
 
-static int kvr_tp_check_shm_seg(char *err, size_t errlen)
+int kvr_tp_check_env(char *err, size_t errlen)
 {
     static const char *const own[] = {"UCX_POSIX_SEG_SIZE", "UCX_SYSV_SEG_SIZE"};
     for (size_t i = 0; i < sizeof(own) / sizeof(own[0]); i++) {
@@ -408,9 +408,6 @@ int kvr_tp_create(const kvr_tp_callbacks_t *cb, size_t pack_max, kvr_transport_t
 {
     ucs_status_t st;
     ucp_config_t *config = NULL;
-    if (kvr_tp_check_shm_seg(err, errlen) != 0) {
-        return -2;
-    }
     kvr_transport_t *tp = calloc(1, sizeof(*tp));
     if (tp == NULL) {
         snprintf(err, errlen, "out of memory");
@@ -925,14 +922,16 @@ int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *e, const void *hdr, size_t hdr
         kvr_tp_bounce_put(tp, op); /* done with it, or never used */
     }
     if (req == NULL) {
-        return 0;
+        return KVR_TP_OK;
     }
     if (UCS_PTR_IS_ERR(req)) {
         *status_text = ucs_status_string(UCS_PTR_STATUS(req));
-        return kvr_tp_outcome(UCS_PTR_STATUS(req)) == KVR_TP_PEER_GONE ? -2 : -1;
+        /* (At once, a refusal is no answer of the receiver: an error.) */
+        return kvr_tp_outcome(UCS_PTR_STATUS(req)) == KVR_TP_PEER_GONE ? KVR_TP_PEER_GONE
+                                                                      : KVR_TP_ERROR;
     }
     op->req = req;
-    return 1;
+    return KVR_TP_PENDING;
 }
 
 void kvr_tp_op_cancel(kvr_tp_op_t *op)

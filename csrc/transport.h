@@ -45,12 +45,14 @@ typedef struct {
     size_t bounce_cap;
 } kvr_tp_op_t;
 
-/* How an operation ended (the `failed` argument of the callbacks). */
+/* How an operation ended (the `failed` argument of the callbacks, and what
+ * kvr_tp_send returns). */
 enum {
     KVR_TP_OK = 0,
     KVR_TP_ERROR = 1,     /* the operation failed */
     KVR_TP_PEER_GONE = 2, /* it failed because the peer or connection is gone */
     KVR_TP_REJECTED = 3,  /* the receiver refused the data message */
+    KVR_TP_PENDING = 4,   /* kvr_tp_send: in flight, on_send_done will say */
 };
 
 /* One piece of a scattered buffer (laid out like UCX's ucp_dt_iov_t). */
@@ -88,10 +90,14 @@ typedef struct {
 } kvr_tp_callbacks_t;
 
 /*
+ * Checks the UCX settings in the environment for ones kvrecv cannot work
+ * with; 0, or -1 with the cause in err.  kvr_tp_create does not repeat it.
+ */
+int kvr_tp_check_env(char *err, size_t errlen);
+/*
  * Creates the UCP context.  pack_max: most bytes of packed copies of
- * scattered messages in flight (0: never pack).  On error returns -1 (UCX or
- * the system failed) or -2 (a UCX setting in the environment kvrecv cannot
- * work with) and writes the cause into err (errlen bytes).
+ * scattered messages in flight (0: never pack).  0, or -1 (UCX or the
+ * system failed) with the cause in err (errlen bytes).
  */
 int kvr_tp_create(const kvr_tp_callbacks_t *cb, size_t pack_max, kvr_transport_t **tp_p, char *err,
                   size_t errlen);
@@ -152,10 +158,9 @@ void kvr_tp_ep_close(kvr_tp_ep_t *ep, int force);
  * over any other endpoint (tcp) are packed into one contiguous bounce
  * buffer first, within pack_max bytes in flight: UCX moves a
  * contiguous message over tcp 1.4-1.8x faster than its scattered form, the
- * copy included.  Returns 0 if it completed at
- * once (no callback), 1 if on_send_done will be called with op, -1 on an
- * immediate error, -2 if the error means the peer is gone (text in
- * *status_text, static).
+ * copy included.  Returns KVR_TP_OK if it completed at once (no callback),
+ * KVR_TP_PENDING if on_send_done will be called with op, or how it failed
+ * at once (KVR_TP_ERROR, KVR_TP_PEER_GONE; text in *status_text, static).
  */
 int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *ep, const void *hdr, size_t hdr_len,
                 const kvr_tp_iov_t *iov, size_t iovcnt, int host, kvr_tp_op_t *op,

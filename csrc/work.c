@@ -20,12 +20,20 @@ void kvr_room_ref(kvr_room_t *r)
 
 void kvr_room_unref_locked(kvr_engine_t *e, kvr_room_t *r)
 {
+    KVR_ASSERT_LOCKED(e);
     if (--r->refs > 0) {
         return;
     }
     if (kvr_table_get(&e->tags, r->tag) == r) {
         kvr_table_remove(&e->tags, r->tag);
     }
+    kvr_eroom_free(r);
+}
+
+void kvr_eroom_free(kvr_room_t *r)
+{
+    KVR_ASSERT(!kvr_heap_contains(&kvr_eroom(r)->timer));
+    free(kvr_eroom(r)->notice);
     kvr_room_free(r);
 }
 
@@ -42,7 +50,8 @@ void kvr_room_list_push(kvr_room_t **head, kvr_room_t *r, int *on, kvr_room_t **
 
 void kvr_work_push_locked(kvr_engine_t *e, kvr_room_t *r)
 {
-    kvr_room_list_push(&e->work_head, r, &r->on_work, &r->work_next);
+    KVR_ASSERT_LOCKED(e);
+    kvr_room_list_push(&e->work_head, r, &kvr_eroom(r)->on_work, &kvr_eroom(r)->work_next);
 }
 
 /*
@@ -52,10 +61,13 @@ void kvr_work_push_locked(kvr_engine_t *e, kvr_room_t *r)
 int kvr_room_fail_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_failure_t *f,
                          int notify)
 {
+    KVR_ASSERT_LOCKED(e);
     if (!kvr_room_fail(r, f->code)) {
         return 0;
     }
     r->failing_since_ns = kvr_now_ns();
+    kvr_timer_arm_locked(e, r);          /* no deadline any more */
+    kvr_timer_watch_drain_locked(e, r);  /* until its operations are done */
     if (r->in_table && kvr_registry_record(&e->registry, r->id, f) == 1 && !f->from_sibling &&
         e->nsib > 0) {
         /* Our root cause: the siblings learn it from the engine thread. */
@@ -74,11 +86,12 @@ int kvr_room_fail_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_failure_t *f,
                   "%s rank %d: %s: %s%s", kvr_side(e), e->rank, kvr_status_name(f->code),
                   f->reason, f->from_sibling ? " (from another rank)"
                                              : f->from_remote ? " (reported by the peer)" : "");
-    if (notify && r->peer != NULL && r->notice == NULL) {
+    kvr_eroom_t *x = kvr_eroom(r);
+    if (notify && r->peer != NULL && x->notice == NULL) {
         /* Sockets belong to the engine thread: it sends the notice. */
-        r->notice = malloc(sizeof(kvr_failure_t));
-        if (r->notice != NULL) {
-            memcpy(r->notice, f, sizeof(*f));
+        x->notice = malloc(sizeof(kvr_failure_t));
+        if (x->notice != NULL) {
+            memcpy(x->notice, f, sizeof(*f));
             kvr_work_push_locked(e, r);
         }
     }
@@ -106,8 +119,9 @@ void kvr_failure_from_msg(kvr_failure_t *f, const kvr_msg_t *m, const char *peer
 /* Engine thread: tells the room's peer about the room's failure. */
 static void kvr_send_notice_locked(kvr_engine_t *e, kvr_room_t *r)
 {
-    kvr_failure_t *f = r->notice;
-    r->notice = NULL;
+    KVR_ASSERT_LOCKED(e);
+    kvr_failure_t *f = kvr_eroom(r)->notice;
+    kvr_eroom(r)->notice = NULL;
     if (r->peer != NULL && r->peer->state == KVR_PEER_READY) {
         kvr_msg_t m = kvr_msg_fail(KVR_MSG_ROOM_FAIL, r->id,
                                    e->mode == KVR_MODE_DECODE ? r->tag : r->dst_tag, f->code,
@@ -120,6 +134,7 @@ static void kvr_send_notice_locked(kvr_engine_t *e, kvr_room_t *r)
 int kvr_room_failf_locked(kvr_engine_t *e, kvr_room_t *r, int code, int notify,
                           const char *fmt, ...)
 {
+    KVR_ASSERT_LOCKED(e);
     kvr_failure_t f;
     char text[KVR_REASON_MAX];
     va_list ap;
@@ -135,6 +150,7 @@ int kvr_room_failf_locked(kvr_engine_t *e, kvr_room_t *r, int code, int notify,
  * (what they measure is documented at kvr_stats_t). */
 void kvr_room_succeeded_locked(kvr_engine_t *e, kvr_room_t *r)
 {
+    KVR_ASSERT_LOCKED(e);
     uint64_t now = kvr_now_ns();
     uint64_t from = r->started_ns; /* decode: request sent; prefill: request bound */
     if (e->mode == KVR_MODE_PREFILL && r->ready_ns > from) {
@@ -147,10 +163,11 @@ void kvr_room_succeeded_locked(kvr_engine_t *e, kvr_room_t *r)
 
 static void kvr_service_room_locked(kvr_engine_t *e, kvr_room_t *r)
 {
-    if (r->notice) {
+    KVR_ASSERT_LOCKED(e);
+    if (kvr_eroom(r)->notice) {
         kvr_send_notice_locked(e, r);
     }
-    if (r->done_pending) {
+    if (kvr_eroom(r)->done_pending) {
         kvr_send_done_locked(e, r);
     }
     if (r->failing) {
@@ -182,6 +199,7 @@ static void kvr_service_room_locked(kvr_engine_t *e, kvr_room_t *r)
 
 void kvr_service_peer_rooms_locked(kvr_engine_t *e, kvr_peer_t *p)
 {
+    KVR_ASSERT_LOCKED(e);
     kvr_room_t *r;
     for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
         if (r != NULL && r->peer == p) {
@@ -192,11 +210,12 @@ void kvr_service_peer_rooms_locked(kvr_engine_t *e, kvr_peer_t *p)
 
 void kvr_drain_work_locked(kvr_engine_t *e)
 {
+    KVR_ASSERT_LOCKED(e);
     while (e->work_head) {
         kvr_room_t *r = e->work_head;
-        e->work_head = r->work_next;
-        r->on_work = 0;
-        r->work_next = NULL;
+        e->work_head = kvr_eroom(r)->work_next;
+        kvr_eroom(r)->on_work = 0;
+        kvr_eroom(r)->work_next = NULL;
         if (r->role == KVR_ROLE_DECODE && r->init_called && r->peer != NULL &&
             r->peer->state == KVR_PEER_FAILED && !r->failing && !kvr_room_terminal(r)) {
             /* A new room on a peer that failed earlier: resolve again. */

@@ -56,6 +56,11 @@
     X(plan_hold_retries_same, 10, 0)                                          \
     X(plan_random_cover, 60, 0)                                               \
     X(room_claim_once, 10, 0)                                                 \
+    X(room_ops_succeed_abandon, 10, 0)                                        \
+    X(heap_empty_and_order, 10, 0)                                            \
+    X(heap_update_moves_both_ways, 10, 0)                                     \
+    X(heap_random_vs_model, 60, 0)                                            \
+    X(peer_state_transitions, 10, 0)                                          \
     X(log_utf8_trim, 10, 0)                                                   \
     X(registry_early_bounded, 10, 0)                                          \
     X(hist_bounds_tables, 10, 0)                                              \

@@ -9,7 +9,7 @@
 
 TEST_IMPL(room_new_defaults)
 {
-    kvr_room_t *r = kvr_room_new(77, 5, KVR_ROLE_DECODE);
+    kvr_room_t *r = kvr_room_new(sizeof(kvr_room_t), 77, 5, KVR_ROLE_DECODE);
     ASSERT(r != NULL);
     ASSERT_U64_EQ(r->id, 77);
     ASSERT_U64_EQ(r->tag, 5);
@@ -26,14 +26,14 @@ TEST_IMPL(room_new_defaults)
     r->pages = malloc(16);
     r->src_pages = malloc(16);
     r->dst_pages = malloc(16);
-    r->notice = malloc(16);
+    r->claimed = malloc(16);
     kvr_room_free(r);
     kvr_room_free(NULL);
 }
 
 TEST_IMPL(room_advance_forward_only)
 {
-    kvr_room_t *r = kvr_room_new(1, 1, KVR_ROLE_PREFILL);
+    kvr_room_t *r = kvr_room_new(sizeof(kvr_room_t), 1, 1, KVR_ROLE_PREFILL);
     ASSERT_EQ(kvr_room_advance(r, KVR_POLL_BOOTSTRAPPING), 0);
     ASSERT_EQ(kvr_room_advance(r, KVR_POLL_WAITING), 1);
     ASSERT_EQ(VIS(r), KVR_POLL_WAITING);
@@ -50,13 +50,13 @@ TEST_IMPL(room_advance_forward_only)
     ASSERT_EQ(kvr_room_terminal(r), 1);
     kvr_room_free(r);
     /* skipping states forward is allowed */
-    r = kvr_room_new(2, 2, KVR_ROLE_DECODE);
+    r = kvr_room_new(sizeof(kvr_room_t), 2, 2, KVR_ROLE_DECODE);
     ASSERT_EQ(kvr_room_advance(r, KVR_POLL_TRANSFERRING), 1);
     ASSERT_EQ(kvr_room_advance(r, KVR_POLL_WAITING), 0);
     ASSERT_EQ(VIS(r), KVR_POLL_TRANSFERRING);
     kvr_room_free(r);
     /* a failing room does not advance */
-    r = kvr_room_new(3, 3, KVR_ROLE_DECODE);
+    r = kvr_room_new(sizeof(kvr_room_t), 3, 3, KVR_ROLE_DECODE);
     ASSERT_EQ(kvr_room_fail(r, KVR_TIMEOUT), 1);
     ASSERT_EQ(kvr_room_advance(r, KVR_POLL_WAITING), 0);
     ASSERT_EQ(kvr_room_advance(r, KVR_POLL_SUCCESS), 0);
@@ -67,7 +67,7 @@ TEST_IMPL(room_advance_forward_only)
 TEST_IMPL(room_terminal_is_final)
 {
     /* Success: fail, settle, force_drain, advance change nothing */
-    kvr_room_t *r = kvr_room_new(1, 1, KVR_ROLE_DECODE);
+    kvr_room_t *r = kvr_room_new(sizeof(kvr_room_t), 1, 1, KVR_ROLE_DECODE);
     ASSERT_EQ(kvr_room_advance(r, KVR_POLL_SUCCESS), 1);
     ASSERT_EQ(kvr_room_fail(r, KVR_PEER_LOST), 0);
     ASSERT_EQ(r->failing, 0);
@@ -82,7 +82,7 @@ TEST_IMPL(room_terminal_is_final)
     kvr_room_free(r);
 
     /* Failed: nothing leaves it, no second publish */
-    r = kvr_room_new(2, 2, KVR_ROLE_PREFILL);
+    r = kvr_room_new(sizeof(kvr_room_t), 2, 2, KVR_ROLE_PREFILL);
     ASSERT_EQ(kvr_room_advance(r, KVR_POLL_TRANSFERRING), 1);
     ASSERT_EQ(kvr_room_fail(r, KVR_ABORTED), 1);
     ASSERT_EQ(kvr_room_settle(r), 1);
@@ -102,7 +102,7 @@ TEST_IMPL(room_terminal_is_final)
 
 TEST_IMPL(room_fail_settle)
 {
-    kvr_room_t *r = kvr_room_new(1, 1, KVR_ROLE_DECODE);
+    kvr_room_t *r = kvr_room_new(sizeof(kvr_room_t), 1, 1, KVR_ROLE_DECODE);
     ASSERT_EQ(kvr_room_settle(r), 0); /* not failing */
     ASSERT_EQ(VIS(r), KVR_POLL_BOOTSTRAPPING);
     ASSERT_EQ(kvr_room_advance(r, KVR_POLL_TRANSFERRING), 1);
@@ -128,7 +128,7 @@ TEST_IMPL(room_fail_settle)
 
 TEST_IMPL(room_force_drain)
 {
-    kvr_room_t *r = kvr_room_new(1, 1, KVR_ROLE_PREFILL);
+    kvr_room_t *r = kvr_room_new(sizeof(kvr_room_t), 1, 1, KVR_ROLE_PREFILL);
     r->inflight = 4;
     ASSERT_EQ(kvr_room_force_drain(r), 0); /* not failing: refused */
     ASSERT_EQ(r->inflight, 4);
@@ -143,7 +143,7 @@ TEST_IMPL(room_force_drain)
     kvr_room_free(r);
     /* a failing room with nothing in flight: force_drain is not needed,
      * and settle still publishes Failed afterwards */
-    r = kvr_room_new(2, 2, KVR_ROLE_PREFILL);
+    r = kvr_room_new(sizeof(kvr_room_t), 2, 2, KVR_ROLE_PREFILL);
     ASSERT_EQ(kvr_room_fail(r, KVR_PEER_LOST), 1);
     kvr_room_force_drain(r);
     ASSERT_EQ(r->drained_by_force, 0);
@@ -154,7 +154,7 @@ TEST_IMPL(room_force_drain)
 
 TEST_IMPL(room_complete)
 {
-    kvr_room_t *r = kvr_room_new(1, 1, KVR_ROLE_DECODE);
+    kvr_room_t *r = kvr_room_new(sizeof(kvr_room_t), 1, 1, KVR_ROLE_DECODE);
     r->expected = 1000;
     ASSERT_EQ(kvr_room_complete(r), 0);
     r->meta_set = 1;
@@ -170,7 +170,7 @@ TEST_IMPL(room_complete)
     ASSERT_EQ(kvr_room_complete(r), 0);
     kvr_room_free(r);
     /* zero-byte room with metadata is complete */
-    r = kvr_room_new(2, 2, KVR_ROLE_DECODE);
+    r = kvr_room_new(sizeof(kvr_room_t), 2, 2, KVR_ROLE_DECODE);
     r->meta_set = 1;
     ASSERT_EQ(kvr_room_complete(r), 1);
     kvr_room_free(r);
@@ -183,7 +183,7 @@ TEST_IMPL(room_random_walk)
 {
     uint64_t seed = test_seed();
     for (int walk = 0; walk < 20000; walk++) {
-        kvr_room_t *r = kvr_room_new((uint64_t)walk, 1, walk % 2);
+        kvr_room_t *r = kvr_room_new(sizeof(kvr_room_t), (uint64_t)walk, 1, walk % 2);
         int first_code = -1;
         for (int step = 0; step < 24; step++) {
             int before = VIS(r);
@@ -323,18 +323,80 @@ TEST_IMPL(room_pages_check)
 TEST_IMPL(room_claim_once)
 {
     /* A room of 10 positions over 3 KV and 2 aux buffers. */
-    kvr_room_t *r = kvr_room_new(1, 2, KVR_ROLE_DECODE);
+    kvr_room_t *r = kvr_room_new(sizeof(kvr_room_t), 1, 2, KVR_ROLE_DECODE);
     r->npages = 10;
-    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 0, 2, 0, 4), 0);
-    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 0, 1, 3, 1), -1); /* position 3 of buffer 0 again */
-    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 1, 2, 3, 2), -1); /* buffer 1 overlaps, 2 does not */
-    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 2, 1, 3, 2), 0); /* nothing of the refused one stuck */
-    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 0, 3, 4, 6), -1);
-    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 0, 2, 4, 6), 0);
-    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 2, 1, 9, 1), 0); /* the last bit of KV */
-    ASSERT_EQ(kvr_room_claim(r, 1, 3, 2, 0, 1, 0, 1), 0); /* aux bits follow */
-    ASSERT_EQ(kvr_room_claim(r, 1, 3, 2, 0, 2, 0, 1), -1);
-    ASSERT_EQ(kvr_room_claim(r, 1, 3, 2, 1, 1, 0, 1), 0);
-    ASSERT_EQ(kvr_room_claim(r, 1, 3, 2, 1, 1, 0, 1), -1);
+    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 0, 2, 0, 4), KVR_CLAIM_OK);
+    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 0, 1, 3, 1), KVR_CLAIM_REPEATED); /* position 3 of buffer 0 again */
+    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 1, 2, 3, 2), KVR_CLAIM_REPEATED); /* buffer 1 overlaps, 2 does not */
+    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 2, 1, 3, 2), KVR_CLAIM_OK); /* nothing of the refused one stuck */
+    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 0, 3, 4, 6), KVR_CLAIM_REPEATED);
+    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 0, 2, 4, 6), KVR_CLAIM_OK);
+    ASSERT_EQ(kvr_room_claim(r, 0, 3, 2, 2, 1, 9, 1), KVR_CLAIM_OK); /* the last bit of KV */
+    ASSERT_EQ(kvr_room_claim(r, 1, 3, 2, 0, 1, 0, 1), KVR_CLAIM_OK); /* aux bits follow */
+    ASSERT_EQ(kvr_room_claim(r, 1, 3, 2, 0, 2, 0, 1), KVR_CLAIM_REPEATED);
+    ASSERT_EQ(kvr_room_claim(r, 1, 3, 2, 1, 1, 0, 1), KVR_CLAIM_OK);
+    ASSERT_EQ(kvr_room_claim(r, 1, 3, 2, 1, 1, 0, 1), KVR_CLAIM_REPEATED);
+    kvr_room_free(r);
+}
+
+/* The bookkeeping of operations, and Success / abandon per role. */
+TEST_IMPL(room_ops_succeed_abandon)
+{
+    /* prefill: Success needs the decode's ROOM_DONE and nothing in flight */
+    kvr_room_t *r = kvr_room_new(sizeof(kvr_room_t) + 64, 1, 1, KVR_ROLE_PREFILL);
+    ASSERT(r != NULL);
+    kvr_room_advance(r, KVR_POLL_TRANSFERRING);
+    kvr_room_op_started(r);
+    kvr_room_op_started(r);
+    ASSERT_EQ(r->inflight, 2);
+    ASSERT_U64_EQ(r->ops_posted, 2);
+    r->done_received = 1;
+    ASSERT_EQ(kvr_room_succeed(r), 0);
+    kvr_room_op_ended(r);
+    ASSERT_EQ(kvr_room_succeed(r), 0);
+    kvr_room_op_ended(r);
+    ASSERT_EQ(r->inflight, 0);
+    ASSERT_U64_EQ(r->ops_posted, 2); /* counts every operation ever posted */
+    ASSERT_EQ(kvr_room_succeed(r), 1);
+    ASSERT_EQ(VIS(r), KVR_POLL_SUCCESS);
+    ASSERT_EQ(kvr_room_succeed(r), 0); /* once */
+    kvr_room_abandon(r, 5);            /* Success stays */
+    ASSERT_EQ(VIS(r), KVR_POLL_SUCCESS);
+    ASSERT_EQ(r->failing, 0);
+    kvr_room_free(r);
+
+    /* decode: Success iff every expected byte landed, nothing in flight */
+    r = kvr_room_new(sizeof(kvr_room_t), 2, 2, KVR_ROLE_DECODE);
+    r->meta_set = 1;
+    r->expected = 100;
+    kvr_room_advance(r, KVR_POLL_TRANSFERRING);
+    kvr_room_op_started(r);
+    r->received = 100;
+    ASSERT_EQ(kvr_room_succeed(r), 0);
+    kvr_room_op_ended(r);
+    ASSERT_EQ(kvr_room_succeed(r), 1);
+    kvr_room_free(r);
+
+    /* a failing room is never a success; after a force-drain ended
+     * operations are no longer counted */
+    r = kvr_room_new(sizeof(kvr_room_t), 3, 3, KVR_ROLE_PREFILL);
+    kvr_room_op_started(r);
+    kvr_room_op_started(r);
+    r->done_received = 1;
+    ASSERT_EQ(kvr_room_fail(r, 7), 1);
+    ASSERT_EQ(kvr_room_force_drain(r), 1);
+    ASSERT_EQ(VIS(r), KVR_POLL_FAILED);
+    kvr_room_op_ended(r);
+    ASSERT_EQ(r->inflight, 0);
+    ASSERT_EQ(kvr_room_succeed(r), 0);
+    kvr_room_free(r);
+
+    /* abandon: in flight or not, Failed now, first cause kept */
+    r = kvr_room_new(sizeof(kvr_room_t), 4, 4, KVR_ROLE_DECODE);
+    kvr_room_op_started(r);
+    kvr_room_abandon(r, 9);
+    ASSERT_EQ(VIS(r), KVR_POLL_FAILED);
+    ASSERT_EQ(r->fail_code, 9);
+    ASSERT_EQ(r->inflight, 0);
     kvr_room_free(r);
 }
