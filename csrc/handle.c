@@ -14,6 +14,17 @@
 #include <string.h>
 #include <time.h>
 
+/* The end of an API call that handed the engine work: the lock released,
+ * then the engine thread woken if the call succeeded.  Returns rc. */
+static int kvr_handle_unlock_wake(kvr_engine_t *e, int rc)
+{
+    kvr_engine_unlock(e);
+    if (rc == 0) {
+        kvr_wake(e);
+    }
+    return rc;
+}
+
 static kvr_engine_t *kvr_handle_engine(kvr_handle_t *h)
 {
     return kvr_eroom(h)->owner;
@@ -195,11 +206,7 @@ int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *boots
     h->peer = p;
     kvr_work_push_locked(e, h);
 out:
-    kvr_engine_unlock(e);
-    if (rc == 0) {
-        kvr_wake(e);
-    }
-    return rc;
+    return kvr_handle_unlock_wake(e, rc);
 }
 
 int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, int64_t aux_index,
@@ -261,11 +268,7 @@ int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, in
     h->meta_set = 1;
     kvr_work_push_locked(e, h);
 out:
-    kvr_engine_unlock(e);
-    if (rc == 0) {
-        kvr_wake(e);
-    }
-    return rc;
+    return kvr_handle_unlock_wake(e, rc);
 }
 
 int kvr_handle_send_init(kvr_handle_t *h, int64_t num_pages, int64_t aux_index, char *err,
@@ -311,11 +314,7 @@ int kvr_handle_send_init(kvr_handle_t *h, int64_t num_pages, int64_t aux_index, 
     /* A room of no pages is complete at init: its aux row may go now. */
     kvr_work_push_locked(e, h);
 out:
-    kvr_engine_unlock(e);
-    if (rc == 0) {
-        kvr_wake(e);
-    }
-    return rc;
+    return kvr_handle_unlock_wake(e, rc);
 }
 
 int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, size_t errlen)
