@@ -1,7 +1,7 @@
-"""Shared by the failure-path tests (test_failures.py, test_peer_death.py):
-helpers that wait for states and check pages, and the fixtures (prefixed
-fail_) that track every manager, server and child process and check that no
-native thread outlives a test."""
+"""Shared by the failure-path tests (test_failures.py, test_peer_death.py;
+test_ranks.py takes the waiting helpers): helpers that wait for states and
+check pages, and the fixtures (prefixed fail_) that track every manager,
+server and child process and check that no native thread outlives a test."""
 
 from __future__ import annotations
 

@@ -22,13 +22,13 @@ the measured value is printed and is in every assertion message.
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import numpy as np
 import pytest
 
+from failtest import _native_threads, _wait_state, _wait_until
 from peer_proc import PeerProcess, peer_mod
 from kvrecv import (
     BootstrapServer,
@@ -115,25 +115,6 @@ def _join(instance):
 # --------------------------------------------------------------------------
 # Helpers
 # --------------------------------------------------------------------------
-
-
-def _wait_until(pred, timeout, what):
-    t0 = time.monotonic()
-    while not pred():
-        if time.monotonic() - t0 > timeout:
-            raise AssertionError(f"timed out after {timeout} s waiting for {what}")
-        time.sleep(0.002)
-    return time.monotonic() - t0
-
-
-def _wait_state(room, states, timeout):
-    t0 = time.monotonic()
-    while True:
-        st = room.poll()
-        el = time.monotonic() - t0
-        if st in states or el > timeout:
-            return st, el
-        time.sleep(0.001)
 
 
 def _wait_failed(rooms, t0, timeout):
@@ -248,10 +229,6 @@ def _assert_no_rooms(*ranks):
         st = m.stats()
         assert st["rooms_open"] == 0, f"{m.mode} rank {m.rank} still has rooms after clear(): {st}"
         assert st["rooms_draining"] == 0, f"{m.mode} rank {m.rank} still draining: {st}"
-
-
-def _native_threads() -> int:
-    return len(os.listdir("/proc/self/task"))
 
 
 # --------------------------------------------------------------------------
