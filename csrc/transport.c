@@ -75,7 +75,7 @@ struct kvr_transport {
     uint64_t workers_created; /* for peers */
     kvr_tp_worker_t *spare;   /* made by kvr_tp_create, for the first peer */
     int epfd;                 /* epoll set of the workers' event fds */
-    unsigned char addr_version; /* UCX address version of this UCX (low nibble of byte 0) */
+    kvr_ucxaddr_ref_t addr_ref; /* this UCX's address version and transports */
     kvr_tp_callbacks_t cb;
     kvr_tp_region_t *regions;
     size_t nregions;
@@ -447,10 +447,9 @@ int kvr_tp_create(const kvr_tp_callbacks_t *cb, size_t pack_max, kvr_transport_t
     if (kvr_tp_worker_new(tp, &tp->spare, err, errlen) != 0) {
         goto err_cleanup_context;
     }
-    tp->addr_version = ((const unsigned char *)tp->spare->address)[0] & 0x0f;
     /* Peers' addresses are checked in the format this UCX packs ours in
      * (not its unified mode, whose lengths are not in the address). */
-    if (kvr_ucxaddr_check(tp->spare->address, tp->spare->address_len, tp->addr_version, err,
+    if (kvr_ucxaddr_learn(&tp->addr_ref, tp->spare->address, tp->spare->address_len, err,
                           errlen) != 0) {
         size_t n = strlen(err);
         snprintf(err + n, errlen - n, " (this UCX's own: kvrecv cannot check peers' addresses%s)",
@@ -764,7 +763,7 @@ const char *kvr_tp_describe(kvr_transport_t *tp)
 int kvr_tp_address_check(kvr_transport_t *tp, const void *addr, size_t len, char *err,
                          size_t errlen)
 {
-    return kvr_ucxaddr_check(addr, len, tp->addr_version, err, errlen);
+    return kvr_ucxaddr_check(&tp->addr_ref, addr, len, err, errlen);
 }
 
 int kvr_tp_ep_create(kvr_tp_worker_t *w, const void *addr, size_t len, void *ep_ctx,
