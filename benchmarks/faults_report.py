@@ -14,6 +14,7 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 README = os.path.join(ROOT, "README.md")
+RESULTS = os.path.join(HERE, "results", "faults.json")  # the committed full run
 BEGIN, END = "<!-- faults-table:begin -->", "<!-- faults-table:end -->"
 NAMES = {"kvrecv": "kvrecv", "nixl": "NIXL", "mooncake": "Mooncake"}
 TARGET_S = 1.0
@@ -237,7 +238,10 @@ def report(path):
     out_dir = os.path.dirname(os.path.abspath(path))
     with open(os.path.join(out_dir, "faults.md"), "w") as f:
         f.write(md)
-    write_readme(res)
+    if os.path.abspath(path) == RESULTS and not res.get("quick"):
+        write_readme(res)
+    else:
+        print("README table left as it is: it shows the full run in " + os.path.relpath(RESULTS, ROOT))
     try:
         plot(res, os.path.join(out_dir, "faults.png"))
     except ImportError as e:

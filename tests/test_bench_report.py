@@ -12,7 +12,7 @@ sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 import faults_report as R  # noqa: E402
 
-RESULTS = os.path.join(ROOT, "benchmarks", "results", "faults.json")
+RESULTS = R.RESULTS
 
 
 @pytest.mark.skipif(not os.path.exists(RESULTS), reason="no benchmarks/results/faults.json")
@@ -35,3 +35,19 @@ def test_a_row_without_failure_within_the_cap_says_so_and_fails_the_target():
     row["late_bytes"] = 0
     assert R.verdict(row) is True
     assert R.named("decode rank 0 lost: no heartbeat for 601 ms", R.CAUSE_WORDS["freeze"]) == "heartbeat"
+
+
+@pytest.mark.skipif(not os.path.exists(RESULTS), reason="no benchmarks/results/faults.json")
+def test_a_report_of_another_results_file_leaves_the_readme_table_alone(tmp_path):
+    with open(RESULTS) as f:
+        res = json.load(f)
+    for row in res["rows"]:
+        row["status"] = "not run: a copy"
+    other = tmp_path / "faults.json"
+    other.write_text(json.dumps(res))
+    with open(R.README) as f:
+        before = f.read()
+    R.report(str(other))
+    with open(R.README) as f:
+        assert f.read() == before
+    assert "not run: a copy" in (tmp_path / "faults.md").read_text()
