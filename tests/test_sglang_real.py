@@ -651,3 +651,32 @@ def test_sglang_one_prefill_rank_aborts_every_rank_gets_the_cause(sched):
     assert out["decode"][1]["failures"] == {"1701": [["KVAbortedError", reason, False]]}
     for side in ("decode", "prefill"):
         assert out[side][0]["failures"] == {"1701": [["KVAbortedError", reason, True]]}, side
+
+
+@pytest.mark.timeout(180)
+def test_sglang_full_prefix_hit_through_the_decode_radix_cache(sched):
+    """sglang's decode radix cache (--disaggregation-decode-enable-radix-cache)
+    holds the whole prompt of h1: the decode promises decode_prefix_len =
+    len(prompt) with 0 pages, the prefill calls init(0, aux) at bootstrap and
+    sends a 0-page last chunk.  Every metadata row holds a stale 7 before the
+    run; the decode must read the 42 the prefill wrote at the last chunk.  h2
+    (not cached) in the same batch moves as usual.  Nothing leaks: the tree
+    unlocked every page it lent, and gives all of them back."""
+    sched.call("start_decode", radix=True)
+    try:
+        specs = [ReqSpec("h1", 1801, 24, output_id=42, decode_cached=True),
+                 ReqSpec("h2", 1802, 10, output_id=43)]
+        out = sched.run(specs)
+        _check_clean(sched, out)
+        for rank, r in enumerate(out["decode"]):
+            assert r["reqs"]["h1"] == {"status": "ok", "output_ids": [42], "bytes_ok": True}, rank
+            assert r["reqs"]["h2"] == {"status": "ok", "output_ids": [43], "bytes_ok": True}, rank
+            assert r["pages"]["1801"] == [["send_metadata", 0, 24]], rank
+            assert r["pages"]["1802"] == [["send_metadata", 10, 0]], rank
+            assert r["tree_protected"] == 0 and r["failures"] == {}, rank
+        for rank, r in enumerate(out["prefill"]):
+            assert r["reqs"]["h1"]["status"] == "ok" and r["failures"] == {}, rank
+            assert r["pages"]["1801"] == [["init", 0], ["send", 0]], rank
+            assert r["pages"]["1802"] == [["init", 10], ["send", 10]], rank
+    finally:
+        sched.call("start_decode")
