@@ -318,6 +318,50 @@ def test_unreachable_bootstrap_is_a_logged_false_not_an_exception(cluster):
     rv.clear()
 
 
+def test_abort_after_an_unreachable_bootstrap_names_the_cause(cluster):
+    """sglang gives up on a bootstrap server after its retries and aborts the
+    receiver, never init()ed: the failure names the abort and why the
+    manager could not learn the prefill."""
+    mgr = cluster.decode[0]
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    addr = f"127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    assert mgr.try_ensure_parallel_info(addr) is False
+    why = "ConnectionRefusedError: [Errno 111] Connection refused"
+    assert mgr.bootstrap_failure(addr) == why
+    rv = KVRecvReceiver(mgr=mgr, bootstrap_addr=addr, bootstrap_room=507)
+    rv.abort()
+    assert rv.poll() == KVPoll.Failed
+    got = _sglang_failure(rv)
+    assert got == ("KVBootstrapError", f"room 507: aborted by decode rank 0: could not learn the "
+                                       f"prefill at {addr}: {why}", False)
+    rv.clear()
+    # an abort before init() of a receiver whose prefill was learnt stays an abort
+    assert mgr.try_ensure_parallel_info(cluster.addr) is True
+    assert mgr.bootstrap_failure(cluster.addr) is None
+    rv = KVRecvReceiver(mgr=mgr, bootstrap_addr=cluster.addr, bootstrap_room=508)
+    rv.abort()
+    assert _sglang_failure(rv) == ("KVAbortedError", "room 508: aborted by decode rank 0", False)
+    rv.clear()
+
+
+def test_bootstrap_failures_kept_are_bounded(cluster):
+    """The addresses come from requests: only the latest 1024 failed ones
+    are kept, the oldest forgotten first."""
+    mgr = cluster.decode[0]
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    addrs = [f"127.0.{i // 250}.{i % 250 + 1}:{port}" for i in range(1030)]
+    for a in addrs:
+        assert mgr.try_ensure_parallel_info(a) is False
+    assert [mgr.bootstrap_failure(a) for a in addrs[:6]] == [None] * 6
+    assert mgr.bootstrap_failure(addrs[6]) == mgr.bootstrap_failure(addrs[-1]) == \
+        "ConnectionRefusedError: [Errno 111] Connection refused"
+
+
 def test_dp_rank_outside_the_prefill_fails_the_room(cluster):
     rv = KVRecvReceiver(mgr=cluster.decode[0], bootstrap_addr=cluster.addr, bootstrap_room=506)
     rv.init(1)
@@ -579,8 +623,9 @@ def test_sglang_prefill_abort_reaches_both_sides(sched):
 def test_sglang_unreachable_bootstrap_aborts_the_request(sched):
     """A request naming a bootstrap server nobody listens on: sglang's
     DecodePreallocQueue retries try_ensure_parallel_info, gives up, aborts
-    the receiver, and its handshake except-clause reports the abort (the
-    rank whose retries ran out first: the sibling's abort on the other)."""
+    the receiver, and its handshake except-clause gets KVBootstrapError with
+    the abort (the rank whose retries ran out first: the sibling's abort on
+    the other) and the refused connection behind it."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -589,8 +634,10 @@ def test_sglang_unreachable_bootstrap_aborts_the_request(sched):
     _check_clean(sched, out)
     head = "Decode handshake failed for request rank={} decode_req.req.rid='u1' " \
            "decode_req.req.bootstrap_room=1401 with exception KVTransferError(bootstrap_room=1401): "
-    got = _causes(out, "decode", 1401, "KVAbortedError",
-                  lambda o, t: t == f"room 1401: aborted by decode rank {o}")
+    got = _causes(out, "decode", 1401, "KVBootstrapError",
+                  lambda o, t: t == f"room 1401: aborted by decode rank {o}: could not learn the "
+                                    f"prefill at 127.0.0.1:{port}: ConnectionRefusedError: "
+                                    "[Errno 111] Connection refused")
     for rank, (_, text) in enumerate(got):
         assert _aborted(out, "decode", "u1", rank) == head.format(rank) + text
     assert f"Could not fetch prefill parallel info from 127.0.0.1:{port} after 15 attempts" \
