@@ -89,7 +89,7 @@ class ReqSpec:
     prefill_die: bool = False     # every prefill rank is SIGKILLed after its first chunk
     prefill_hold_s: float = 0.0   # the prefill waits this long before the last chunk
     decode_only: bool = False     # no prefill takes it (an unreachable bootstrap)
-    decode_cached: bool = False   # the decode's radix tree holds the whole prompt already
+    decode_cached: int = 0        # tokens of the prompt the decode's radix tree holds already
     bootstrap_host: str = ""      # default: the cluster's bootstrap server
     bootstrap_port: int = 0
     fake: bool = False            # sglang's fake backend (benchmarks)
@@ -394,21 +394,22 @@ class DecodeRank:
                     return False
         return True
 
-    def _cache_prompt(self, spec: ReqSpec) -> None:
-        """An earlier request of the same prompt, finished on this decode rank:
-        sglang's radix tree holds the prompt's KV (this rank's pattern) in
-        pages of sglang's allocator."""
+    def _cache_prefix(self, spec: ReqSpec) -> None:
+        """An earlier request that shared the first spec.decode_cached tokens
+        of the prompt, finished on this decode rank: sglang's radix tree holds
+        their KV (this rank's pattern for the request) in pages of sglang's
+        allocator."""
         import torch
         from sglang.srt.mem_cache.base_prefix_cache import InsertParams
         from sglang.srt.mem_cache.radix_cache import RadixKey
 
-        n = spec.input_len
+        n = spec.decode_cached
         loc = self.p.alloc.alloc(n).to(torch.int64)
-        pattern = kv_pattern(spec.room, self.rank, n)
+        pattern = kv_pattern(spec.room, self.rank, spec.input_len)[:, :, :n]
         for layer in range(LAYERS):
             self.p.kv.k_buffer[layer].view(torch.int16)[loc] = pattern[layer, 0]
             self.p.kv.v_buffer[layer].view(torch.int16)[loc] = pattern[layer, 1]
-        key = RadixKey(token_ids=array.array("q", input_ids(spec)), extra_key=None)
+        key = RadixKey(token_ids=array.array("q", input_ids(spec)[:n]), extra_key=None)
         self.p.tree.insert(InsertParams(key=key, value=loc))
 
     def _empty_tree(self, result: dict) -> None:
@@ -435,7 +436,7 @@ class DecodeRank:
                 _stale_rows(self.p.meta)
             for spec in specs:
                 if spec.decode_cached:
-                    self._cache_prompt(spec)
+                    self._cache_prefix(spec)
             for spec in specs:
                 req = make_req(spec, self.bootstrap_port)
                 reqs[spec.rid] = req

@@ -706,24 +706,32 @@ def test_sglang_full_prefix_hit_through_the_decode_radix_cache(sched):
     holds the whole prompt of h1: the decode promises decode_prefix_len =
     len(prompt) with 0 pages, the prefill calls init(0, aux) at bootstrap and
     sends a 0-page last chunk.  Every metadata row holds a stale 7 before the
-    run; the decode must read the 42 the prefill wrote at the last chunk.  h2
-    (not cached) in the same batch moves as usual.  Nothing leaks: the tree
+    run; the decode must read the 42 the prefill wrote at the last chunk.  In
+    the same batch h3's first 12 tokens are cached (18 pages move, in chunks
+    of 8 tokens, after the prefix) and h2 is not cached; both decode ranks
+    hold every token of each request byte for byte.  Nothing leaks: the tree
     unlocked every page it lent, and gives all of them back."""
     sched.call("start_decode", radix=True)
     try:
-        specs = [ReqSpec("h1", 1801, 24, output_id=42, decode_cached=True),
-                 ReqSpec("h2", 1802, 10, output_id=43)]
+        specs = [ReqSpec("h1", 1801, 24, output_id=42, decode_cached=24),
+                 ReqSpec("h2", 1802, 10, output_id=43),
+                 ReqSpec("h3", 1803, 30, chunk=8, output_id=44, decode_cached=12)]
         out = sched.run(specs)
         _check_clean(sched, out)
         for rank, r in enumerate(out["decode"]):
-            assert r["reqs"]["h1"] == {"status": "ok", "output_ids": [42], "bytes_ok": True}, rank
-            assert r["reqs"]["h2"] == {"status": "ok", "output_ids": [43], "bytes_ok": True}, rank
-            assert r["pages"]["1801"] == [["send_metadata", 0, 24]], rank
-            assert r["pages"]["1802"] == [["send_metadata", 10, 0]], rank
+            for rid, token in (("h1", 42), ("h2", 43), ("h3", 44)):
+                assert r["reqs"][rid] == {"status": "ok", "output_ids": [token],
+                                          "bytes_ok": True}, (rank, rid)
+            assert r["pages"] == {"1801": [["send_metadata", 0, 24]],
+                                  "1802": [["send_metadata", 10, 0]],
+                                  "1803": [["send_metadata", 18, 12]]}, rank
             assert r["tree_protected"] == 0 and r["failures"] == {}, rank
         for rank, r in enumerate(out["prefill"]):
-            assert r["reqs"]["h1"]["status"] == "ok" and r["failures"] == {}, rank
-            assert r["pages"]["1801"] == [["init", 0], ["send", 0]], rank
-            assert r["pages"]["1802"] == [["init", 10], ["send", 10]], rank
+            assert all(r["reqs"][s.rid]["status"] == "ok" for s in specs) and r["failures"] == {}
+            # h3: chunks end at 8, 16, 24, 30; the first is inside the prefix
+            assert r["pages"] == {"1801": [["init", 0], ["send", 0]],
+                                  "1802": [["init", 10], ["send", 10]],
+                                  "1803": [["init", 18], ["send", 4], ["send", 8],
+                                           ["send", 6]]}, rank
     finally:
         sched.call("start_decode")
