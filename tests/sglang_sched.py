@@ -65,7 +65,7 @@ def import_sglang() -> None:
     load_plugins()
     import sglang.srt.disaggregation.decode  # noqa: F401
     import sglang.srt.disaggregation.prefill  # noqa: F401
-    import sglang.srt.mem_cache.radix_cache  # noqa: F401
+    import sglang.srt.mem_cache.unified_radix_cache  # noqa: F401
     from sglang.srt.disaggregation.utils import TransferBackend
 
     if not hasattr(TransferBackend, "KVRECV"):
@@ -235,7 +235,8 @@ def _pools(sa, decode: bool, page_size: int, radix: bool = False):
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     kv = MHATokenToKVPool(POOL_TOKENS, page_size, torch.float16, HEADS, HEAD_DIM, LAYERS,
                           "cpu", False, enable_alt_stream=False)
@@ -248,8 +249,11 @@ def _pools(sa, decode: bool, page_size: int, radix: bool = False):
         r2t = DecodeReqToTokenPool(64, MAX_CONTEXT, "cpu", False, pre_alloc_size=64)
     else:
         r2t = ReqToTokenPool(64, MAX_CONTEXT, "cpu", False)
-    tree = RadixCache(CacheInitParams(disable=not radix, req_to_token_pool=r2t,
-                                      token_to_kv_pool_allocator=alloc, page_size=page_size))
+    # the tree a scheduler builds for a dense model (mem_cache/registry.py,
+    # create_unified_radix_cache), disabled unless the decode enables it
+    tree = UnifiedRadixCache(CacheInitParams(disable=not radix, req_to_token_pool=r2t,
+                                             token_to_kv_pool_allocator=alloc, page_size=page_size,
+                                             tree_components=(ComponentType.FULL,)))
     n_meta = 128
     meta_alloc = ReqToMetadataIdxAllocator(n_meta)
     meta = MetadataBuffers(n_meta, hidden_size=16, hidden_states_dtype=torch.float32,
