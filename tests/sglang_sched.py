@@ -70,6 +70,10 @@ def import_sglang() -> None:
 
     if not hasattr(TransferBackend, "KVRECV"):
         raise RuntimeError("sglang's load_plugins() did not register the kvrecv backend")
+    # another install of kvrecv (an editable one elsewhere) must not be what runs
+    plugin = sys.modules["kvrecv.sglang_plugin"].__file__
+    if not os.path.abspath(plugin).startswith(os.path.join(ROOT, "kvrecv") + os.sep):
+        raise RuntimeError(f"sglang loaded kvrecv's plugin from {plugin}, not from {ROOT}")
 
 
 # --- request specs and the KV pattern --------------------------------------
