@@ -35,7 +35,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 from . import _core
 from ._api import BootstrapServer, KVArgs, KVConfig, KVManager, KVPoll, KVReceiver, KVSender
-from ._core import KVTransferError
+from ._core import KVAbortedError, KVBootstrapError, KVTransferError
 from .sglang_http import HTTPBootstrap, fetch_json
 
 _log = logging.getLogger("kvrecv")
@@ -150,6 +150,10 @@ def _has_state(state_indices) -> bool:
     return False
 
 
+# Addresses whose latest try_ensure_parallel_info failed, kept with the reason
+# (a bound: the addresses come from the requests).
+_MAX_BOOTSTRAP_FAILURES = 1024
+
 _NO_STATE = ("kvrecv registered no state buffers (it moves dense KV caches only; a manager "
              "with state_types is refused), so state_indices={!r} cannot be transferred")
 
@@ -254,6 +258,7 @@ class KVRecvManager(KVManager):
         self.aux_row_bytes = sum(kv_args.aux_item_lens)
         self.parallel = par
         self.prefill_info_table: Dict[str, PrefillInfo] = {}
+        self._bootstrap_failures: Dict[str, str] = {}
         self._aborted: Dict[int, "KVRecvReceiver"] = {}
         self._executor = None
         self.siblings: List[str] = []
@@ -305,41 +310,59 @@ class KVRecvManager(KVManager):
     def try_ensure_parallel_info(self, bootstrap_addr: str) -> bool:
         """One attempt (sglang retries) to learn the prefill instance at
         bootstrap_addr: its parallel info and kvrecv rendezvous.  Never
-        raises; a refusal is logged with its reason and returns False."""
+        raises; a refusal is logged with its reason and returns False, and
+        the reason is kept (bootstrap_failure()) for the receivers sglang
+        aborts once its retries ran out."""
         if bootstrap_addr in self.prefill_info_table:
             return True
         try:
             status, data = fetch_json(bootstrap_addr, "/route?prefill_dp_rank=-1&prefill_cp_rank=-1"
                                                       "&target_tp_rank=-1&target_pp_rank=-1")
             if status != 200 or not isinstance(data, dict):
-                _log.warning("kvrecv: prefill info from %s: %s %s", bootstrap_addr, status, data)
-                return False
+                return self._not_learnt(bootstrap_addr, logging.WARNING,
+                                        f"GET /route answered {status} {data!r:.200}")
             status, rv = fetch_json(bootstrap_addr, "/kvrecv")
             if status != 200 or not isinstance(rv, dict) or "rendezvous" not in rv:
-                _log.error("kvrecv: %s is not a kvrecv bootstrap server (GET /kvrecv: %s %s)",
-                           bootstrap_addr, status, rv)
-                return False
+                return self._not_learnt(bootstrap_addr, logging.ERROR,
+                                        f"not a kvrecv bootstrap server (GET /kvrecv answered "
+                                        f"{status} {rv!r:.200})")
             info = PrefillInfo(**{f.name: data.get(f.name) for f in dataclasses.fields(PrefillInfo)
                                   if f.name != "rendezvous"}, rendezvous=str(rv["rendezvous"]))
         except (OSError, ValueError, TypeError) as e:
-            _log.warning("kvrecv: prefill info from %s: %s", bootstrap_addr, e)
-            return False
+            return self._not_learnt(bootstrap_addr, logging.WARNING, f"{type(e).__name__}: {e}")
         page_size = int(getattr(self.kv_args, "page_size", 1) or 1)
         if info.page_size is not None and info.page_size != page_size:
-            _log.error("kvrecv: prefill %s has page_size=%s, this decode %s", bootstrap_addr,
-                       info.page_size, page_size)
-            return False
+            return self._not_learnt(bootstrap_addr, logging.ERROR,
+                                    f"the prefill has page_size={info.page_size}, this decode "
+                                    f"{page_size}")
         if info.attn_tp_size != self.parallel["attn_tp_size"]:
-            _log.error("kvrecv: prefill %s has attention TP %s, this decode %s; kvrecv pairs "
-                       "equal TP sizes only", bootstrap_addr, info.attn_tp_size,
-                       self.parallel["attn_tp_size"])
-            return False
+            return self._not_learnt(bootstrap_addr, logging.ERROR,
+                                    f"the prefill has attention TP {info.attn_tp_size}, this "
+                                    f"decode {self.parallel['attn_tp_size']}; kvrecv pairs equal "
+                                    "TP sizes only")
         host = bootstrap_addr.rpartition(":")[0]
         rv_host, _, rv_port = info.rendezvous.rpartition(":")
         if rv_host in ("0.0.0.0", "::", "[::]", ""):
             info.rendezvous = f"{host}:{rv_port}"
         self.prefill_info_table[bootstrap_addr] = info
+        self._bootstrap_failures.pop(bootstrap_addr, None)
         return True
+
+    def _not_learnt(self, bootstrap_addr: str, level: int, why: str) -> bool:
+        """A failed try_ensure_parallel_info: logged, and kept as the
+        address's latest failure (the oldest address is forgotten beyond
+        _MAX_BOOTSTRAP_FAILURES: the addresses come from requests)."""
+        _log.log(level, "kvrecv: could not learn the prefill at %s: %s", bootstrap_addr, why)
+        self._bootstrap_failures.pop(bootstrap_addr, None)
+        self._bootstrap_failures[bootstrap_addr] = why
+        while len(self._bootstrap_failures) > _MAX_BOOTSTRAP_FAILURES:
+            del self._bootstrap_failures[next(iter(self._bootstrap_failures))]
+        return False
+
+    def bootstrap_failure(self, bootstrap_addr: str) -> Optional[str]:
+        """Why the latest try_ensure_parallel_info(bootstrap_addr) failed;
+        None if it has not failed since it last succeeded."""
+        return self._bootstrap_failures.get(bootstrap_addr)
 
     def _ensure_prefill_recompute_executor(self):
         """The worker sglang's decode runs ``query_prefill_dp_ranks`` on."""
@@ -577,6 +600,7 @@ class KVRecvReceiver(_RoomMixin, KVReceiver):
         super().__init__(mgr, bootstrap_addr, 0 if bootstrap_room is None else bootstrap_room)
         self._local_reason = None
         self._t_done = None
+        self._initialised = False
         self.abort_notified = False
         self.bootstrap_infos: list = []
 
@@ -587,6 +611,7 @@ class KVRecvReceiver(_RoomMixin, KVReceiver):
     def init(self, prefill_dp_rank: int = 0) -> None:
         """Starts resolving the prefill rank of the DP group asked for (the
         manager learnt the instance in try_ensure_parallel_info)."""
+        self._initialised = True
         dp = int(prefill_dp_rank or 0)
         info = getattr(self.mgr, "prefill_info_table", {}).get(self.bootstrap_addr)
         if info is None:
@@ -609,6 +634,25 @@ class KVRecvReceiver(_RoomMixin, KVReceiver):
             self._fail_local(_NO_STATE.format(state_indices))
             return
         KVReceiver.send_metadata(self, kv_indices, aux_index, decode_prefix_len or 0)
+
+    def failure_exception(self):
+        """The room's failure.  A room aborted before init() (sglang's
+        decode gives up on a prefill whose bootstrap server it could not
+        learn, and aborts the receiver; or a sibling rank did so) raises
+        KVBootstrapError naming why this rank's latest attempt failed: the
+        abort alone would hide it."""
+        why = None
+        if not self._initialised and self._local_reason is None:
+            why = getattr(self.mgr, "bootstrap_failure", lambda addr: None)(self.bootstrap_addr)
+        try:
+            super().failure_exception()
+        except KVAbortedError as e:
+            if why is None:
+                raise
+            raise KVBootstrapError(
+                self.bootstrap_room, f"{e.failure_reason}: could not learn the prefill at "
+                f"{self.bootstrap_addr}: {why}", e.is_from_another_rank, origin_rank=e.origin_rank,
+                peer=e.peer) from None
 
     def ensure_abort_notified(self, force_arm: bool = False) -> None:
         """sglang's deferred release: aborts the room (the prefill is told)

@@ -65,11 +65,15 @@ def import_sglang() -> None:
     load_plugins()
     import sglang.srt.disaggregation.decode  # noqa: F401
     import sglang.srt.disaggregation.prefill  # noqa: F401
-    import sglang.srt.mem_cache.radix_cache  # noqa: F401
+    import sglang.srt.mem_cache.unified_radix_cache  # noqa: F401
     from sglang.srt.disaggregation.utils import TransferBackend
 
     if not hasattr(TransferBackend, "KVRECV"):
         raise RuntimeError("sglang's load_plugins() did not register the kvrecv backend")
+    # another install of kvrecv (an editable one elsewhere) must not be what runs
+    plugin = sys.modules["kvrecv.sglang_plugin"].__file__
+    if not os.path.abspath(plugin).startswith(os.path.join(ROOT, "kvrecv") + os.sep):
+        raise RuntimeError(f"sglang loaded kvrecv's plugin from {plugin}, not from {ROOT}")
 
 
 # --- request specs and the KV pattern --------------------------------------
@@ -89,6 +93,7 @@ class ReqSpec:
     prefill_die: bool = False     # every prefill rank is SIGKILLed after its first chunk
     prefill_hold_s: float = 0.0   # the prefill waits this long before the last chunk
     decode_only: bool = False     # no prefill takes it (an unreachable bootstrap)
+    decode_cached: int = 0        # tokens of the prompt the decode's radix tree holds already
     bootstrap_host: str = ""      # default: the cluster's bootstrap server
     bootstrap_port: int = 0
     fake: bool = False            # sglang's fake backend (benchmarks)
@@ -131,6 +136,32 @@ def _model_config_stand_in():
     )
 
 
+def _spy_pages(log: Dict[str, list], cls, name: str, with_prefix: bool = False) -> None:
+    """Records, per room, the page count of each call sglang makes to
+    cls.name (init, send, send_metadata), and decode_prefix_len where the
+    call carries one; the call itself is unchanged."""
+    original = getattr(cls, name)
+
+    def spy(self, kv_indices, *args, **kwargs):
+        entry = [name, int(kv_indices) if isinstance(kv_indices, int) else len(kv_indices)]
+        if with_prefix:
+            entry.append(kwargs.get("decode_prefix_len"))
+        log.setdefault(str(self.bootstrap_room), []).append(entry)
+        return original(self, kv_indices, *args, **kwargs)
+
+    setattr(cls, name, spy)
+
+
+STALE_OUTPUT_ID = 7  # what a reused metadata row holds from an earlier request
+
+
+def _stale_rows(meta) -> None:
+    """Every metadata row as an earlier request left it: a scenario whose
+    requests answer another id shows whether the row the decode reads is the
+    one the prefill filled at the last chunk."""
+    meta.output_ids[:] = STALE_OUTPUT_ID
+
+
 def _spy_failures(log: Dict[str, list], cls) -> None:
     """Records what sglang's `except Exception as e:` receives from
     failure_exception(), and re-raises it unchanged."""
@@ -171,24 +202,25 @@ def model_dir() -> str:
     return d
 
 
-def _server_args(mode: str, tp: int, bootstrap_port: int, page_size: int):
+def _server_args(mode: str, tp: int, bootstrap_port: int, page_size: int, radix: bool):
     from sglang.srt.server_args import ServerArgs
 
     return ServerArgs(model_path=model_dir(), tp_size=tp, device="cpu",
                       disaggregation_mode=mode, disaggregation_transfer_backend="kvrecv",
                       disaggregation_bootstrap_port=bootstrap_port, host="127.0.0.1",
                       page_size=page_size, skip_server_warmup=True,
-                      num_reserved_decode_tokens=RESERVED_DECODE_TOKENS)
+                      num_reserved_decode_tokens=RESERVED_DECODE_TOKENS,
+                      disaggregation_decode_enable_radix_cache=radix)
 
 
 def _init_rank(mode: str, rank: int, tp: int, store_port: int, bootstrap_port: int,
-               page_size: int):
+               page_size: int, radix: bool = False):
     """sglang's global parallel state for this rank, the way its own tests
     publish it, plus the gloo groups its queues all-reduce over."""
     import torch.distributed as dist
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
 
-    sa = _server_args(mode, tp, bootstrap_port, page_size)
+    sa = _server_args(mode, tp, bootstrap_port, page_size, radix)
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=0))
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=rank,
                             world_size=tp, timeout=datetime.timedelta(seconds=SIDE_TIMEOUT_S))
@@ -199,7 +231,7 @@ def _init_rank(mode: str, rank: int, tp: int, store_port: int, bootstrap_port: i
     return sa, tp_group, singles[rank]
 
 
-def _pools(sa, decode: bool, page_size: int):
+def _pools(sa, decode: bool, page_size: int, radix: bool = False):
     import torch
     from sglang.srt.disaggregation.decode import DecodeReqToTokenPool
     from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator
@@ -207,7 +239,8 @@ def _pools(sa, decode: bool, page_size: int):
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from sglang.srt.mem_cache.radix_cache import RadixCache
+    from sglang.srt.mem_cache.unified_cache.components import ComponentType
+    from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
     kv = MHATokenToKVPool(POOL_TOKENS, page_size, torch.float16, HEADS, HEAD_DIM, LAYERS,
                           "cpu", False, enable_alt_stream=False)
@@ -220,8 +253,11 @@ def _pools(sa, decode: bool, page_size: int):
         r2t = DecodeReqToTokenPool(64, MAX_CONTEXT, "cpu", False, pre_alloc_size=64)
     else:
         r2t = ReqToTokenPool(64, MAX_CONTEXT, "cpu", False)
-    tree = RadixCache(CacheInitParams(disable=True, req_to_token_pool=r2t,
-                                      token_to_kv_pool_allocator=alloc, page_size=page_size))
+    # the tree a scheduler builds for a dense model (mem_cache/registry.py,
+    # create_unified_radix_cache), disabled unless the decode enables it
+    tree = UnifiedRadixCache(CacheInitParams(disable=not radix, req_to_token_pool=r2t,
+                                             token_to_kv_pool_allocator=alloc, page_size=page_size,
+                                             tree_components=(ComponentType.FULL,)))
     n_meta = 128
     meta_alloc = ReqToMetadataIdxAllocator(n_meta)
     meta = MetadataBuffers(n_meta, hidden_size=16, hidden_states_dtype=torch.float32,
@@ -327,7 +363,7 @@ def _raised(result: dict, where: str) -> None:
 
 
 class DecodeRank:
-    def __init__(self, rank, tp, store_port, bootstrap_port, page_size):
+    def __init__(self, rank, tp, store_port, bootstrap_port, page_size, radix=False):
         from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeTransferQueue
         from sglang.srt.disaggregation.utils import TransferBackend
         from sglang.srt.runtime_context import get_disagg
@@ -335,10 +371,13 @@ class DecodeRank:
         from kvrecv.sglang import KVRecvReceiver
 
         self.rank, self.bootstrap_port, self.page_size = rank, bootstrap_port, page_size
-        sa, self.group, _ = _init_rank("decode", rank, tp, store_port, bootstrap_port, page_size)
+        sa, self.group, _ = _init_rank("decode", rank, tp, store_port, bootstrap_port, page_size,
+                                       radix)
         self.failures: Dict[str, list] = {}
+        self.pages: Dict[str, list] = {}
         _spy_failures(self.failures, KVRecvReceiver)
-        self.p = _pools(sa, True, page_size)
+        _spy_pages(self.pages, KVRecvReceiver, "send_metadata", with_prefix=True)
+        self.p = _pools(sa, True, page_size, radix)
         self.sched = _SchedulerStandIn(sa, self.p)
         self.tq = DecodeTransferQueue(self.p.meta_alloc, self.p.meta, self.sched, self.p.tree)
         self.pq = DecodePreallocQueue(
@@ -363,6 +402,34 @@ class DecodeRank:
                     return False
         return True
 
+    def _cache_prefix(self, spec: ReqSpec) -> None:
+        """An earlier request that shared the first spec.decode_cached tokens
+        of the prompt, finished on this decode rank: sglang's radix tree holds
+        their KV (this rank's pattern for the request) in pages of sglang's
+        allocator."""
+        import torch
+        from sglang.srt.mem_cache.base_prefix_cache import InsertParams
+        from sglang.srt.mem_cache.radix_cache import RadixKey
+
+        n = spec.decode_cached
+        loc = self.p.alloc.alloc(n).to(torch.int64)
+        pattern = kv_pattern(spec.room, self.rank, spec.input_len)[:, :, :n]
+        for layer in range(LAYERS):
+            self.p.kv.k_buffer[layer].view(torch.int16)[loc] = pattern[layer, 0]
+            self.p.kv.v_buffer[layer].view(torch.int16)[loc] = pattern[layer, 1]
+        key = RadixKey(token_ids=array.array("q", input_ids(spec)[:n]), extra_key=None)
+        self.p.tree.insert(InsertParams(key=key, value=loc))
+
+    def _empty_tree(self, result: dict) -> None:
+        """The radix tree gives back every page it caches; what it still
+        protects was never unlocked."""
+        from sglang.srt.mem_cache.base_prefix_cache import EvictParams
+
+        if self.p.tree.disable:
+            return
+        result["tree_protected"] = self.p.tree.protected_size()
+        self.p.tree.evict(EvictParams(num_tokens=self.p.tree.evictable_size()))
+
     def run(self, specs: List[ReqSpec]) -> dict:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
         from sglang.srt.mem_cache.common import release_kv_cache
@@ -370,8 +437,14 @@ class DecodeRank:
         timer, result, reqs = _Timer(), {"reqs": {}}, {}
         held_max = 0
         self.failures.clear()
+        self.pages.clear()
         deadline = time.monotonic() + SIDE_TIMEOUT_S
         try:
+            if any(s.decode_cached for s in specs):
+                _stale_rows(self.p.meta)
+            for spec in specs:
+                if spec.decode_cached:
+                    self._cache_prefix(spec)
             for spec in specs:
                 req = make_req(spec, self.bootstrap_port)
                 reqs[spec.rid] = req
@@ -409,7 +482,12 @@ class DecodeRank:
         result["streamed"] = list(self.sched.output_streamer.streamed)
         self.sched.output_streamer.streamed.clear()
         result["failures"] = dict(self.failures)
+        result["pages"] = dict(self.pages)
         result["held_max"] = held_max
+        try:
+            self._empty_tree(result)
+        except Exception:
+            _raised(result, "radix tree eviction")
         result["leaked_tokens"] = self.free_tokens - self.p.alloc.available_size()
         result["leaked_meta"] = self.p.meta.output_ids.shape[0] - self.p.meta_alloc.available_size()
         result["time_s"], result["calls"] = timer.s, timer.n
@@ -429,7 +507,10 @@ class PrefillRank:
         self.rank, self.bootstrap_port, self.page_size = rank, bootstrap_port, page_size
         sa, group, single = _init_rank("prefill", rank, tp, store_port, bootstrap_port, page_size)
         self.failures: Dict[str, list] = {}
+        self.pages: Dict[str, list] = {}
         _spy_failures(self.failures, KVRecvSender)
+        _spy_pages(self.pages, KVRecvSender, "init")
+        _spy_pages(self.pages, KVRecvSender, "send")
         self.p = _pools(sa, False, page_size)
         self.sched = _prefill_scheduler_class()(sa, self.p)
         self.sched.attn_tp_cpu_group = group
@@ -471,6 +552,9 @@ class PrefillRank:
 
         timer, result = _Timer(), {"reqs": {}}
         self.failures.clear()
+        self.pages.clear()
+        if any(s.decode_cached for s in specs):
+            _stale_rows(self.p.meta)
         by_rid = {s.rid: s for s in specs if not s.decode_only}
         reqs = {}
         ends: Dict[str, List[int]] = {}
@@ -526,6 +610,7 @@ class PrefillRank:
             result["reqs"][rid] = {"status": "aborted" if isinstance(fr, FINISH_ABORT) else "ok",
                                    "message": getattr(fr, "message", None)}
         result["failures"] = dict(self.failures)
+        result["pages"] = dict(self.pages)
         result["leaked_tokens"] = self.free_tokens - self.p.alloc.available_size()
         result["time_s"], result["calls"] = timer.s, timer.n
         return result
@@ -621,10 +706,10 @@ class Cluster:
         self.prefill: List[_Proc] = []
         self.decode: List[_Proc] = []
 
-    def _start(self, cls, env) -> List[_Proc]:
+    def _start(self, cls, env, *extra) -> List[_Proc]:
         store = free_port()
         procs = [_Proc(_rank_main, cls, dict(KVRECV_ENV, **(env or {})), r, self.tp, store,
-                       self.bootstrap_port, self.page_size, name=f"{cls.__name__}{r}")
+                       self.bootstrap_port, self.page_size, *extra, name=f"{cls.__name__}{r}")
                  for r in range(self.tp)]
         for p in procs:
             p.expect_ready()
@@ -635,10 +720,12 @@ class Cluster:
             p.close()
         self.prefill = self._start(PrefillRank, env)
 
-    def start_decode(self, env=None) -> None:
+    def start_decode(self, env=None, radix: bool = False) -> None:
+        """Decode ranks; radix: with sglang's decode radix cache
+        (--disaggregation-decode-enable-radix-cache)."""
         for p in self.decode:
             p.close()
-        self.decode = self._start(DecodeRank, env)
+        self.decode = self._start(DecodeRank, env, radix)
 
     def run(self, specs: List[ReqSpec], timeout: float = SIDE_TIMEOUT_S + 15) -> dict:
         """Hands the requests to every rank; each runs sglang's queue loop
@@ -732,7 +819,7 @@ class Driver:
 def main() -> None:
     """One JSON command per line on stdin, one JSON answer per line on the
     original stdout (fd 1 is pointed at stderr, where the ranks' logs go):
-    {"cmd": "start_prefill"|"start_decode", "env": {...}} -> {"ok": true};
+    {"cmd": "start_prefill"|"start_decode", "env": {...}[, "radix": true]} -> {"ok": true};
     {"cmd": "run", "specs": [ReqSpec fields...]} -> Cluster.run()'s report;
     {"cmd": "close"}.  Argument: the TP size (default 2)."""
     import json
@@ -754,7 +841,7 @@ def main() -> None:
                     cluster.start_prefill(msg.get("env"))
                     answer = {"ok": True}
                 elif cmd == "start_decode":
-                    cluster.start_decode(msg.get("env"))
+                    cluster.start_decode(msg.get("env"), msg.get("radix", False))
                     answer = {"ok": True}
                 elif cmd == "run":
                     answer = cluster.run([ReqSpec(**s) for s in msg["specs"]])

@@ -318,6 +318,50 @@ def test_unreachable_bootstrap_is_a_logged_false_not_an_exception(cluster):
     rv.clear()
 
 
+def test_abort_after_an_unreachable_bootstrap_names_the_cause(cluster):
+    """sglang gives up on a bootstrap server after its retries and aborts the
+    receiver, never init()ed: the failure names the abort and why the
+    manager could not learn the prefill."""
+    mgr = cluster.decode[0]
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    addr = f"127.0.0.1:{s.getsockname()[1]}"
+    s.close()
+    assert mgr.try_ensure_parallel_info(addr) is False
+    why = "ConnectionRefusedError: [Errno 111] Connection refused"
+    assert mgr.bootstrap_failure(addr) == why
+    rv = KVRecvReceiver(mgr=mgr, bootstrap_addr=addr, bootstrap_room=507)
+    rv.abort()
+    assert rv.poll() == KVPoll.Failed
+    got = _sglang_failure(rv)
+    assert got == ("KVBootstrapError", f"room 507: aborted by decode rank 0: could not learn the "
+                                       f"prefill at {addr}: {why}", False)
+    rv.clear()
+    # an abort before init() of a receiver whose prefill was learnt stays an abort
+    assert mgr.try_ensure_parallel_info(cluster.addr) is True
+    assert mgr.bootstrap_failure(cluster.addr) is None
+    rv = KVRecvReceiver(mgr=mgr, bootstrap_addr=cluster.addr, bootstrap_room=508)
+    rv.abort()
+    assert _sglang_failure(rv) == ("KVAbortedError", "room 508: aborted by decode rank 0", False)
+    rv.clear()
+
+
+def test_bootstrap_failures_kept_are_bounded(cluster):
+    """The addresses come from requests: only the latest 1024 failed ones
+    are kept, the oldest forgotten first."""
+    mgr = cluster.decode[0]
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    addrs = [f"127.0.{i // 250}.{i % 250 + 1}:{port}" for i in range(1030)]
+    for a in addrs:
+        assert mgr.try_ensure_parallel_info(a) is False
+    assert [mgr.bootstrap_failure(a) for a in addrs[:6]] == [None] * 6
+    assert mgr.bootstrap_failure(addrs[6]) == mgr.bootstrap_failure(addrs[-1]) == \
+        "ConnectionRefusedError: [Errno 111] Connection refused"
+
+
 def test_dp_rank_outside_the_prefill_fails_the_room(cluster):
     rv = KVRecvReceiver(mgr=cluster.decode[0], bootstrap_addr=cluster.addr, bootstrap_room=506)
     rv.init(1)
@@ -579,8 +623,9 @@ def test_sglang_prefill_abort_reaches_both_sides(sched):
 def test_sglang_unreachable_bootstrap_aborts_the_request(sched):
     """A request naming a bootstrap server nobody listens on: sglang's
     DecodePreallocQueue retries try_ensure_parallel_info, gives up, aborts
-    the receiver, and its handshake except-clause reports the abort (the
-    rank whose retries ran out first: the sibling's abort on the other)."""
+    the receiver, and its handshake except-clause gets KVBootstrapError with
+    the abort (the rank whose retries ran out first: the sibling's abort on
+    the other) and the refused connection behind it."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -589,8 +634,10 @@ def test_sglang_unreachable_bootstrap_aborts_the_request(sched):
     _check_clean(sched, out)
     head = "Decode handshake failed for request rank={} decode_req.req.rid='u1' " \
            "decode_req.req.bootstrap_room=1401 with exception KVTransferError(bootstrap_room=1401): "
-    got = _causes(out, "decode", 1401, "KVAbortedError",
-                  lambda o, t: t == f"room 1401: aborted by decode rank {o}")
+    got = _causes(out, "decode", 1401, "KVBootstrapError",
+                  lambda o, t: t == f"room 1401: aborted by decode rank {o}: could not learn the "
+                                    f"prefill at 127.0.0.1:{port}: ConnectionRefusedError: "
+                                    "[Errno 111] Connection refused")
     for rank, (_, text) in enumerate(got):
         assert _aborted(out, "decode", "u1", rank) == head.format(rank) + text
     assert f"Could not fetch prefill parallel info from 127.0.0.1:{port} after 15 attempts" \
@@ -651,3 +698,40 @@ def test_sglang_one_prefill_rank_aborts_every_rank_gets_the_cause(sched):
     assert out["decode"][1]["failures"] == {"1701": [["KVAbortedError", reason, False]]}
     for side in ("decode", "prefill"):
         assert out[side][0]["failures"] == {"1701": [["KVAbortedError", reason, True]]}, side
+
+
+@pytest.mark.timeout(180)
+def test_sglang_full_prefix_hit_through_the_decode_radix_cache(sched):
+    """sglang's decode radix cache (--disaggregation-decode-enable-radix-cache)
+    holds the whole prompt of h1: the decode promises decode_prefix_len =
+    len(prompt) with 0 pages, the prefill calls init(0, aux) at bootstrap and
+    sends a 0-page last chunk.  Every metadata row holds a stale 7 before the
+    run; the decode must read the 42 the prefill wrote at the last chunk.  In
+    the same batch h3's first 12 tokens are cached (18 pages move, in chunks
+    of 8 tokens, after the prefix) and h2 is not cached; both decode ranks
+    hold every token of each request byte for byte.  Nothing leaks: the tree
+    unlocked every page it lent, and gives all of them back."""
+    sched.call("start_decode", radix=True)
+    try:
+        specs = [ReqSpec("h1", 1801, 24, output_id=42, decode_cached=24),
+                 ReqSpec("h2", 1802, 10, output_id=43),
+                 ReqSpec("h3", 1803, 30, chunk=8, output_id=44, decode_cached=12)]
+        out = sched.run(specs)
+        _check_clean(sched, out)
+        for rank, r in enumerate(out["decode"]):
+            for rid, token in (("h1", 42), ("h2", 43), ("h3", 44)):
+                assert r["reqs"][rid] == {"status": "ok", "output_ids": [token],
+                                          "bytes_ok": True}, (rank, rid)
+            assert r["pages"] == {"1801": [["send_metadata", 0, 24]],
+                                  "1802": [["send_metadata", 10, 0]],
+                                  "1803": [["send_metadata", 18, 12]]}, rank
+            assert r["tree_protected"] == 0 and r["failures"] == {}, rank
+        for rank, r in enumerate(out["prefill"]):
+            assert all(r["reqs"][s.rid]["status"] == "ok" for s in specs) and r["failures"] == {}
+            # h3: chunks end at 8, 16, 24, 30; the first is inside the prefix
+            assert r["pages"] == {"1801": [["init", 0], ["send", 0]],
+                                  "1802": [["init", 10], ["send", 10]],
+                                  "1803": [["init", 18], ["send", 4], ["send", 8],
+                                           ["send", 6]]}, rank
+    finally:
+        sched.call("start_decode")
