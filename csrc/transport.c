@@ -65,6 +65,7 @@ struct kvr_tp_worker {
     ucp_address_t *address;
     size_t address_len;
     int efd;
+    int retired;              /* its peer is gone: never progressed again */
     struct kvr_tp_worker *prev, *next;
 };
 
@@ -252,7 +253,7 @@ static ucs_status_t kvr_tp_am_cb(void *arg, const void *header, size_t header_le
     kvr_tp_worker_t *w = arg;
     kvr_transport_t *tp = w->tp;
     kvr_tp_accept_t acc = {NULL, 0, NULL, NULL};
-    tp->cb.on_data(tp->cb.arg, header, header_length, length,
+    tp->cb.on_data(tp->cb.arg, w, header, header_length, length,
                    (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0, &acc);
     if (acc.iovcnt == 0) {
         /* Rejected: for rendezvous the sender's request completes with this
@@ -314,7 +315,7 @@ static void kvr_tp_ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
         return;
     }
     e->failed = 1;
-    e->tp->cb.on_ep_error(e->tp->cb.arg, e->ep_ctx, ucs_status_string(status));
+    e->tp->cb.on_ep_error(e->tp->cb.arg, e->ep_ctx, e, ucs_status_string(status));
 }
 
 /* ---- lifecycle ---- */
@@ -574,13 +575,21 @@ int kvr_tp_worker_create(kvr_transport_t *tp, kvr_tp_worker_t **w_p, char *err, 
     return 0;
 }
 
+void kvr_tp_worker_retire(kvr_tp_worker_t *w)
+{
+    if (!w->retired) {
+        w->retired = 1;
+        epoll_ctl(w->tp->epfd, EPOLL_CTL_DEL, w->efd, NULL);
+    }
+}
+
 void kvr_tp_worker_destroy(kvr_tp_worker_t *w)
 {
     if (w == NULL) {
         return;
     }
     kvr_transport_t *tp = w->tp;
-    epoll_ctl(tp->epfd, EPOLL_CTL_DEL, w->efd, NULL);
+    kvr_tp_worker_retire(w);
     if (w->prev != NULL) {
         w->prev->next = w->next;
     } else {
@@ -638,6 +647,9 @@ unsigned kvr_tp_progress(kvr_transport_t *tp)
      * retire workers but never destroy one (the engine's reaper does). */
     unsigned total = 0, n;
     for (kvr_tp_worker_t *w = tp->workers; w != NULL; w = w->next) {
+        if (w->retired) {
+            continue;
+        }
         for (int i = 0; i < 64 && (n = ucp_worker_progress(w->worker)) != 0; i++) {
             total += n;
         }
@@ -649,6 +661,9 @@ int kvr_tp_arm(kvr_transport_t *tp)
 {
     int busy = 0;
     for (kvr_tp_worker_t *w = tp->workers; w != NULL; w = w->next) {
+        if (w->retired) {
+            continue;
+        }
         busy |= ucp_worker_arm(w->worker) == UCS_ERR_BUSY;
     }
     /* tp->epfd is level-triggered: it stays readable while any armed
