@@ -5,6 +5,7 @@
 #include <errno.h>
 #include <sys/epoll.h>
 #include <unistd.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -640,18 +641,38 @@ int kvr_tp_fd(kvr_transport_t *tp)
     return tp->epfd;
 }
 
+static uint64_t kvr_tp_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* A progress round (or the time between two) this long means the process
+ * was suspended (SIGSTOP, a paused VM) or starved: kvr_tp_progress returns
+ * at once, so that the engine looks at its peers' silence again before
+ * taking more -- a peer it must now declare lost may have megabytes queued
+ * in the socket buffers for receives it accepted before. */
+#define KVR_TP_STALL_NS (20ull * 1000 * 1000)
+
 unsigned kvr_tp_progress(kvr_transport_t *tp)
 {
     /* Bounded, so the engine lock is released between rounds even under a
      * flood of completions (API calls wait for that lock).  Callbacks may
      * retire workers but never destroy one (the engine's reaper does). */
     unsigned total = 0, n;
+    uint64_t last = kvr_tp_now_ns();
     for (kvr_tp_worker_t *w = tp->workers; w != NULL; w = w->next) {
         if (w->retired) {
             continue;
         }
         for (int i = 0; i < 64 && (n = ucp_worker_progress(w->worker)) != 0; i++) {
             total += n;
+            uint64_t now = kvr_tp_now_ns();
+            if (now - last > KVR_TP_STALL_NS) {
+                return total;
+            }
+            last = now;
         }
     }
     return total;
