@@ -485,3 +485,34 @@ def test_decode_frozen_mid_transfer_of_a_large_room_takes_no_late_byte(
         s.clear()
     if trials == 0:
         pytest.skip("every trial's transfer finished before the decode could be frozen")
+
+
+@pytest.mark.parametrize("tls", sorted(FAIL_TLS))
+def test_decode_closes_with_receives_of_a_frozen_prefill_in_flight(fail_bs, fail_closer,
+                                                                    fail_spawn, monkeypatch, tls):
+    """close() on a decode whose rooms have receives in flight from a frozen
+    prefill: every room ends (ABORTED with the closing manager's reason, or
+    Success), the operations that never completed are freed after the
+    transport is destroyed, and debug and sanitizer builds check that no
+    room's count of operations goes below zero on the way."""
+    monkeypatch.setenv("UCX_TLS", FAIL_TLS[tls])
+    child = fail_spawn("prefill", fail_bs.address, seed=70, scale=BIG_SCALE)
+    d, dkv, daux = _decode(scale=BIG_SCALE)
+    plan = {7300 + i: list(range(8 * i, 8 * i + BIG_ROOM_PAGES)) for i in range(4)}
+    rooms = {rid: _open_receiver(d, fail_bs.address, rid, pg) for rid, pg in plan.items()}
+    for rid, pg in plan.items():
+        child.call("open_sender", room=rid, n=len(pg))
+    for rid, pg in plan.items():
+        child.call("send", room=rid, pages=pg)
+    total = len(plan) * BIG_ROOM_PAGES * peer_mod.page_bytes(scale=BIG_SCALE)
+    landed = _freeze_mid_transfer(child, lambda: d.stats()["bytes_moved"], total)
+    d.close()
+    for rid, r in rooms.items():
+        st = r.poll()
+        assert st in (KVPoll.Success, KVPoll.Failed), (rid, st, landed)
+        if st == KVPoll.Failed:
+            e = _exc(r)
+            assert type(e).__name__ == "KVAbortedError" and e.code == "ABORTED", (
+                rid, type(e), e.failure_reason)
+            assert e.failure_reason == f"room {rid}: decode manager rank 0 closed", e.failure_reason
+    child.kill()
