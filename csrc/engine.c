@@ -777,3 +777,20 @@ void kvr_engine_test_corrupt(kvr_engine_t *e, int mode)
     e->test_corrupt = mode;
     kvr_engine_unlock(e);
 }
+
+void kvr_engine_test_forge(kvr_engine_t *e, uint64_t tag, uint64_t epoch)
+{
+    kvr_engine_lock(e);
+    e->test_forge_tag = tag;
+    e->test_forge_epoch = epoch;
+    kvr_engine_unlock(e);
+}
+
+uint64_t kvr_engine_test_room_tag(kvr_engine_t *e, uint64_t room)
+{
+    kvr_engine_lock(e);
+    kvr_room_t *r = kvr_table_get(&e->rooms, room);
+    uint64_t tag = r != NULL ? (r->role == KVR_ROLE_PREFILL ? r->dst_tag : r->tag) : 0;
+    kvr_engine_unlock(e);
+    return tag;
+}

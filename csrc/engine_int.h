@@ -309,6 +309,8 @@ struct kvr_engine {
     kvr_room_t *slot_waiters;  /* prefill rooms waiting for a free slot */
 
     int test_corrupt;          /* KVR_TEST_CORRUPT_*: tests only (testhook.h) */
+    uint64_t test_forge_tag;   /* tests only: kvr_engine_test_forge */
+    uint64_t test_forge_epoch;
 
     /* Copied at creation: readable without the lock while close() frees
      * the transport and the control layer. */
