@@ -7,6 +7,7 @@ room.  Helpers and fixtures: tests/failtest.py."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -16,6 +17,7 @@ import time
 import numpy as np
 import pytest
 
+from child import JsonLineChild
 from peer_proc import peer_mod
 from kvrecv import (
     KVConfig,
@@ -516,3 +518,42 @@ def test_decode_closes_with_receives_of_a_frozen_prefill_in_flight(fail_bs, fail
                 rid, type(e), e.failure_reason)
             assert e.failure_reason == f"room {rid}: decode manager rank 0 closed", e.failure_reason
     child.kill()
+
+
+def test_many_decodes_dying_at_once_leave_no_worker_behind(fail_bs, fail_closer, monkeypatch):
+    """A prefill serves 40 decode peers (one process) that die with one
+    SIGKILL: every peer's endpoint and UCX worker is closed and destroyed
+    (the engine's lists of things to close grow as needed).  Before, past a
+    fixed 1024 entries, endpoints were dropped without being closed and
+    workers kept until the manager closed; the negative control was run with
+    that limit lowered to 4."""
+    monkeypatch.setenv("UCX_TLS", "tcp")
+    n = 40
+    p, _, _ = _prefill(fail_bs.address, seed=80, items=[64])
+    fail_closer(p)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+         os.environ.get("PYTHONPATH", "")]))
+    child = JsonLineChild([sys.executable, os.path.join(os.path.dirname(__file__), "many_decodes.py"),
+                           json.dumps({"bootstrap": fail_bs.address, "n": n})],
+                          env, None, "many decodes", 120)
+    fail_closer(child)
+    assert child.hello.get("ready"), child.hello
+    senders = {}
+    for i in range(n):
+        s = KVSender(p, fail_bs.address, 9000 + i)
+        s.init(1)
+        senders[i] = s
+    for s in senders.values():
+        st, el = _wait_state(s, (KVPoll.WaitingForInput, KVPoll.Failed), 30)
+        assert st == KVPoll.WaitingForInput, (st, el)
+        s.send(np.asarray([2], dtype=np.int32))  # the data creates each endpoint
+    for s in senders.values():
+        st, el = _wait_state(s, TERMINAL, 30)
+        assert st == KVPoll.Success, (st, el)
+    assert p.stats()["ucx_workers"] == n, p.stats()
+    child.kill()
+    _wait_until(lambda: p.stats()["ucx_workers"] == 0, 15,
+                f"the {n} dead decodes' workers destroyed (stats {p.stats()})")
+    for s in senders.values():
+        s.clear()
