@@ -600,7 +600,12 @@ void kvr_tp_worker_destroy(kvr_tp_worker_t *w)
         w->next->prev = w->prev;
     }
     tp->nworkers--;
+    /* Requests still in flight here (a dead peer's receives, which UCX
+     * 1.13 can neither complete nor cancel) go with the worker's pools;
+     * UCX warns of each. */
+    kvr_ucxlog_expect_unreturned(1);
     kvr_tp_worker_free(w);
+    kvr_ucxlog_expect_unreturned(0);
 }
 
 unsigned kvr_tp_nworkers(const kvr_transport_t *tp, uint64_t *created)
