@@ -12,13 +12,9 @@
 #include <ucp/api/ucp.h>
 #include <ucs/sys/string.h>
 
+#include "pagecopy.h"
 #include "ucxaddr.h"
 #include "ucxlog.h"
-
-#if defined(__x86_64__) && defined(__SSE2__)
-#include <emmintrin.h>
-#define KVR_TP_STREAM 1
-#endif
 
 #define KVR_AM_ID_DATA 7
 /* Freed bounce buffers kept for reuse (at most pack_max bytes of them, so
@@ -197,57 +193,6 @@ static void kvr_tp_recv_cb(void *request, ucs_status_t status, size_t length, vo
     ucp_request_free(request);
 }
 
-/* The pieces of an eager message of at most KVR_TP_SHM_EAGER_BYTES (a
- * small room's, over shared memory) that are at least KVR_TP_STREAM_MIN
- * long are copied with streaming (non-temporal) stores: KV pages land in a
- * large pool whose lines are not in the cache, and a plain copy first reads
- * every destination line in.  64 scattered 4 KiB pages, cold: 25-32 us
- * streamed against 36-48 us with memcpy (C loop, this 2-core host); the
- * 64-buffer one-page room over shared memory, spinning: p50 92-102 against
- * 96-140 us (one A/B script).  Larger messages (tcp's, up to 256 KiB) are
- * copied with memcpy: streamed, random 64 KiB pages over tcp moved about
- * 10 % slower (3.13 against 3.45 GB/s, medians of 10 rounds each). */
-#define KVR_TP_STREAM_MIN 1024
-
-static void kvr_tp_copy_out(void *dst, const void *src, size_t len, int stream)
-{
-#ifdef KVR_TP_STREAM
-    if (stream && len >= KVR_TP_STREAM_MIN) {
-        char *d = dst;
-        const char *s = src;
-        size_t head = (16 - ((uintptr_t)d & 15)) & 15;
-        memcpy(d, s, head);
-        d += head;
-        s += head;
-        len -= head;
-        for (; len >= 64; d += 64, s += 64, len -= 64) {
-            __m128i a = _mm_loadu_si128((const __m128i *)s);
-            __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
-            __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
-            __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
-            _mm_stream_si128((__m128i *)d, a);
-            _mm_stream_si128((__m128i *)(d + 16), b);
-            _mm_stream_si128((__m128i *)(d + 32), c);
-            _mm_stream_si128((__m128i *)(d + 48), e);
-        }
-        memcpy(d, s, len);
-        return;
-    }
-#else
-    (void)stream;
-#endif
-    memcpy(dst, src, len);
-}
-
-/* Orders streamed stores before what follows (the room's completion, which
- * another thread reads). */
-static void kvr_tp_copy_fence(void)
-{
-#ifdef KVR_TP_STREAM
-    _mm_sfence();
-#endif
-}
-
 static ucs_status_t kvr_tp_am_cb(void *arg, const void *header, size_t header_length,
                                  void *data, size_t length, const ucp_am_recv_param_t *param)
 {
@@ -267,11 +212,11 @@ static ucs_status_t kvr_tp_am_cb(void *arg, const void *header, size_t header_le
         const char *src = data;
         int stream = length <= KVR_TP_SHM_EAGER_BYTES;
         for (size_t i = 0; i < acc.iovcnt; i++) {
-            kvr_tp_copy_out(acc.iov[i].buf, src, acc.iov[i].len, stream);
+            kvr_page_copy(acc.iov[i].buf, src, acc.iov[i].len, stream);
             src += acc.iov[i].len;
         }
         if (stream) {
-            kvr_tp_copy_fence();
+            kvr_page_copy_fence();
         }
         tp->cb.on_recv_done(tp->cb.arg, acc.op, length, KVR_TP_OK, NULL);
         return UCS_OK;
