@@ -176,7 +176,7 @@ void kvr_peer_disconnect(kvr_engine_t *e, kvr_peer_t *p)
     p->conn = NULL;
     if (p->ep) {
         if (kvr_dead_push(&e->dead_eps, p->ep) != 0) {
-            kvr_tp_ep_close(p->ep, 1); /* out of memory: here, not never */
+            kvr_tp_ep_close(p->ep, 1); /* out of memory: now rather than never */
         }
         p->ep = NULL;
     }
