@@ -553,6 +553,26 @@ err_free:
     return rc;
 }
 
+/* Operations of room r that never completed, now that nothing can complete
+ * them (the transport is gone): freed with what they held, and the room
+ * drained by fiat.  Their references stay: kvr_engine_free frees the rooms
+ * left in e->tags. */
+static void kvr_ops_drop_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    KVR_ASSERT_LOCKED(e);
+    kvr_eroom_t *x = kvr_eroom(r);
+    while (x->ops != NULL) {
+        kvr_op_t *op = x->ops;
+        x->ops = op->next;
+        kvr_op_unstage(e, op);
+        free(op->base.bounce); /* a packed copy the transport never got back */
+        kvr_room_op_ended(r);
+        free(op);
+    }
+    KVR_ASSERT(r->inflight == 0 || r->drained_by_force);
+    kvr_room_abandon(r, KVR_ABORTED);
+}
+
 void kvr_engine_close(kvr_engine_t *e)
 {
     kvr_engine_lock(e);
@@ -576,22 +596,23 @@ void kvr_engine_close(kvr_engine_t *e)
         kvr_ctl_conn_close(e->ctl, e->bs_conn);
         e->bs_conn = NULL;
     }
-    /* Operations that never completed cannot complete any more: their rooms
-     * are drained by fiat now that the worker is going away. */
-    kvr_room_t *r;
-    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->tags, &it, NULL)) != NULL;) {
-        if (r) {
-            kvr_room_abandon(r, KVR_ABORTED);
-        }
-    }
     for (int i = 0; i < e->nsib_conns; i++) {
         kvr_ctl_conn_close(e->ctl, e->sib_conns[i]);
     }
     e->nsib_conns = 0;
-    kvr_ctl_destroy(e->ctl);
-    e->ctl = NULL;
+    /* The transport first: a completion UCX still delivers while its
+     * workers go finds its operation counted.  (The control layer after
+     * it: such a completion may queue a notice.) */
     kvr_tp_destroy(e->tp);
     e->tp = NULL;
+    kvr_ctl_destroy(e->ctl);
+    e->ctl = NULL;
+    kvr_room_t *r;
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->tags, &it, NULL)) != NULL;) {
+        if (r) {
+            kvr_ops_drop_locked(e, r);
+        }
+    }
     /* Drop the table's references; handles keep theirs. */
     for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
         if (r) {
@@ -615,6 +636,12 @@ void kvr_engine_close(kvr_engine_t *e)
         r = e->draining;
         e->draining = kvr_eroom(r)->drain_next;
         kvr_eroom(r)->draining = 0;
+        kvr_room_unref_locked(e, r);
+    }
+    while (e->slot_waiters) {
+        r = e->slot_waiters;
+        e->slot_waiters = kvr_eroom(r)->slot_next;
+        kvr_eroom(r)->slot_waiting = 0;
         kvr_room_unref_locked(e, r);
     }
     kvr_engine_unlock(e);
@@ -678,6 +705,7 @@ void kvr_engine_free(kvr_engine_t *e)
         free(o);
     }
     kvr_gpu_free(e);
+    kvr_dead_free(e);
     kvr_wbuf_free(&e->wbuf);
     kvr_registry_destroy(&e->registry);
     kvr_log_destroy(&e->log);
@@ -748,4 +776,21 @@ void kvr_engine_test_corrupt(kvr_engine_t *e, int mode)
     kvr_engine_lock(e);
     e->test_corrupt = mode;
     kvr_engine_unlock(e);
+}
+
+void kvr_engine_test_forge(kvr_engine_t *e, uint64_t tag, uint64_t epoch)
+{
+    kvr_engine_lock(e);
+    e->test_forge_tag = tag;
+    e->test_forge_epoch = epoch;
+    kvr_engine_unlock(e);
+}
+
+uint64_t kvr_engine_test_room_tag(kvr_engine_t *e, uint64_t room)
+{
+    kvr_engine_lock(e);
+    kvr_room_t *r = kvr_table_get(&e->rooms, room);
+    uint64_t tag = r != NULL ? (r->role == KVR_ROLE_PREFILL ? r->dst_tag : r->tag) : 0;
+    kvr_engine_unlock(e);
+    return tag;
 }

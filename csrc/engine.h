@@ -217,5 +217,12 @@ int kvr_handle_role(kvr_handle_t *h);
  * messages it posts from now on (KVR_TEST_CORRUPT_*, testhook.h; 0 turns
  * it off).  Any thread. */
 void kvr_engine_test_corrupt(kvr_engine_t *e, int mode);
+/* Tests only (testhook.h): the data messages this prefill posts name room
+ * tag `tag` and instance epoch `epoch` instead of their own (tag 0: their
+ * own again), as a peer that learnt another room's tag could. */
+void kvr_engine_test_forge(kvr_engine_t *e, uint64_t tag, uint64_t epoch);
+/* Tests only: the tag data messages of open room `room` carry (a prefill's:
+ * its decode's; 0 if none). */
+uint64_t kvr_engine_test_room_tag(kvr_engine_t *e, uint64_t room);
 
 #endif

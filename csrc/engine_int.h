@@ -68,7 +68,6 @@
 /* Peer states (peerstate.h): see the diagram in peer.c. */
 
 #define KVR_MS ((uint64_t)1000000)
-#define KVR_MAX_DEAD 1024
 #define KVR_MAX_PENDING_PAGES (16u << 20) /* held by pending requests: 64 MiB */
 #define KVR_SCAN_NS (5 * KVR_MS) /* period of the timer scans over all rooms */
 #define KVR_BUSY_POLL_NS (100 * 1000) /* socket polls of a busy engine loop */
@@ -76,6 +75,7 @@
 #define KVR_SHM_EAGER_ROOM_BYTES (512u << 10) /* rooms sent as eager messages over shm */
 #define KVR_POLL_PROGRESS_NS (10 * 1000) /* poll(): at most one UCX progress per */
 #define KVR_STAGE_NAP_NS (10 * 1000)  /* between polls of staging copies */
+#define KVR_EP_ERR_GRACE_NS (100 * KVR_MS) /* an endpoint error waits for a BYE (peer.c) */
 
 typedef struct kvr_peer {
     int kind;
@@ -102,8 +102,9 @@ typedef struct kvr_peer {
     uint64_t next_try_ns;
     uint64_t resolve_deadline_ns;
     uint32_t nrooms;            /* prefill: requests of this decode pending or bound */
-    int ep_err;                 /* an endpoint error seen off the engine thread */
-    kvr_tp_ep_t *ep_err_ep;     /* on this endpoint */
+    int ep_err;                 /* its endpoint failed; the engine thread fails it */
+    kvr_tp_ep_t *ep_err_ep;     /* that endpoint */
+    uint64_t ep_err_ns;         /* when */
     char ep_err_text[128];
     struct kvr_peer *next;
 } kvr_peer_t;
@@ -179,6 +180,13 @@ static inline kvr_eroom_t *kvr_eroom(kvr_room_t *r)
     return (kvr_eroom_t *)r;
 }
 
+/* Sockets, endpoints or workers to close outside callbacks
+ * (kvr_reap_locked); grows as needed. */
+typedef struct {
+    void **v;
+    size_t n, cap;
+} kvr_deadlist_t;
+
 /* A decode request that reached the prefill before its KVSender. */
 typedef struct {
     kvr_peer_t *peer;
@@ -247,7 +255,7 @@ struct kvr_engine {
     kvr_peer_t *peers;
     /* decode: poll() progressing UCX from the caller's thread */
     int off_thread;               /* set while it does (under the lock) */
-    int ep_err_pending;           /* a peer has ep_err set */
+    int ep_err_pending;           /* a peer has ep_err set (kvr_ep_errors_locked) */
     _Atomic uint64_t poll_progress_ns; /* when it last did */
 
     /* prefill registration with the bootstrap server */
@@ -265,12 +273,9 @@ struct kvr_engine {
     int sib_pending;
 
     /* closed outside callbacks by kvr_reap_locked */
-    kvr_ctl_conn_t *dead_conns[KVR_MAX_DEAD];
-    int ndead_conns;
-    kvr_tp_ep_t *dead_eps[KVR_MAX_DEAD];
-    int ndead_eps;
-    kvr_tp_worker_t *dead_workers[KVR_MAX_DEAD]; /* destroyed after dead_eps are closed */
-    int ndead_workers;
+    kvr_deadlist_t dead_conns;   /* kvr_ctl_conn_t */
+    kvr_deadlist_t dead_eps;     /* kvr_tp_ep_t */
+    kvr_deadlist_t dead_workers; /* kvr_tp_worker_t, destroyed after dead_eps are closed */
 
     kvr_log_t log;
     uint64_t next_scan_ns; /* next timer scan over the rooms */
@@ -304,6 +309,8 @@ struct kvr_engine {
     kvr_room_t *slot_waiters;  /* prefill rooms waiting for a free slot */
 
     int test_corrupt;          /* KVR_TEST_CORRUPT_*: tests only (testhook.h) */
+    uint64_t test_forge_tag;   /* tests only: kvr_engine_test_forge */
+    uint64_t test_forge_epoch;
 
     /* Copied at creation: readable without the lock while close() frees
      * the transport and the control layer. */
@@ -382,6 +389,8 @@ kvr_peer_t *kvr_peer_new(kvr_engine_t *e, int kind, const char *key);
 void kvr_peer_disconnect(kvr_engine_t *e, kvr_peer_t *p);
 int kvr_peer_worker(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen);
 void kvr_reap_locked(kvr_engine_t *e);
+/* Frees the dead lists themselves (kvr_engine_free, after the last reap). */
+void kvr_dead_free(kvr_engine_t *e);
 void kvr_tell_room_failed(kvr_engine_t *e, kvr_peer_t *p, kvr_room_t *r, int code);
 void kvr_peer_fail_locked(kvr_engine_t *e, kvr_peer_t *p, int code, const char *what);
 uint64_t kvr_peer_silence_limit_ns(const kvr_engine_t *e, const kvr_peer_t *p);
@@ -392,7 +401,7 @@ void kvr_bs_query(kvr_engine_t *e, kvr_ctl_conn_t *conn);
 void kvr_peer_hello(kvr_engine_t *e, kvr_peer_t *p);
 void kvr_peer_verify_locked(kvr_engine_t *e, kvr_peer_t *p);
 void kvr_peer_verified_locked(kvr_engine_t *e, kvr_peer_t *p, int found, uint64_t epoch);
-void kvr_on_ep_error(void *arg, void *ep_ctx, const char *status_text);
+void kvr_on_ep_error(void *arg, void *ep_ctx, kvr_tp_ep_t *ep, const char *status_text);
 void kvr_ep_errors_locked(kvr_engine_t *e);
 
 /* ------------------------------------------------------------------ */
@@ -461,8 +470,8 @@ void kvr_register_tick_locked(kvr_engine_t *e, uint64_t now);
  * kvr_tp_progress): it accepts a message into the room's pages, or rejects
  * it. */
 void kvr_send_done_locked(kvr_engine_t *e, kvr_room_t *r);
-void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, int rndv,
-                 kvr_tp_accept_t *acc);
+void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len, size_t len,
+                 int rndv, kvr_tp_accept_t *acc);
 void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r);
 void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void *data,
                      size_t len);

@@ -138,36 +138,57 @@ kvr_peer_t *kvr_peer_new(kvr_engine_t *e, int kind, const char *key)
     return p;
 }
 
+/* Puts x on a dead list; 0, or -1 if out of memory. */
+static int kvr_dead_push(kvr_deadlist_t *d, void *x)
+{
+    if (d->n == d->cap) {
+        size_t cap = d->cap ? 2 * d->cap : 16;
+        void **v = realloc(d->v, cap * sizeof(*v));
+        if (v == NULL) {
+            return -1;
+        }
+        d->v = v;
+        d->cap = cap;
+    }
+    d->v[d->n++] = x;
+    return 0;
+}
+
+/* Retires a control connection (closed at once only if memory ran out). */
+static void kvr_dead_conn(kvr_engine_t *e, kvr_ctl_conn_t *c)
+{
+    if (c != NULL && kvr_dead_push(&e->dead_conns, c) != 0) {
+        kvr_ctl_conn_close(e->ctl, c);
+    }
+}
+
 /* Queues the peer's sockets and endpoint for closing.  They are closed by
  * kvr_reap_locked, outside UCX progress and outside the socket poll, since
  * this may run inside a callback of either. */
 void kvr_peer_disconnect(kvr_engine_t *e, kvr_peer_t *p)
 {
-    kvr_ctl_conn_t *conns[3] = {p->bs_conn, p->conn, p->vconn};
+    kvr_dead_conn(e, p->bs_conn);
+    kvr_dead_conn(e, p->conn);
+    kvr_dead_conn(e, p->vconn);
     p->vconn = NULL;
     p->verifying = 0;
-    for (int i = 0; i < 3; i++) {
-        if (conns[i] && e->ndead_conns < KVR_MAX_DEAD) {
-            e->dead_conns[e->ndead_conns++] = conns[i];
-        } else if (conns[i]) {
-            kvr_ctl_conn_close(e->ctl, conns[i]); /* never in practice */
-        }
-    }
     p->bs_conn = NULL;
     p->conn = NULL;
     if (p->ep) {
-        if (e->ndead_eps < KVR_MAX_DEAD) {
-            e->dead_eps[e->ndead_eps++] = p->ep;
+        if (kvr_dead_push(&e->dead_eps, p->ep) != 0) {
+            kvr_tp_ep_close(p->ep, 1); /* out of memory: now rather than never */
         }
         p->ep = NULL;
     }
+    p->ep_err = 0; /* an error of the endpoint just retired */
     if (p->worker) {
         /* A connection to a peer never reuses a worker (a dead peer may
-         * have left its shared-memory FIFO stopped).  Past the list's end
-         * it stays until the manager closes. */
-        if (e->ndead_workers < KVR_MAX_DEAD) {
-            e->dead_workers[e->ndead_workers++] = p->worker;
-        }
+         * have left its shared-memory FIFO stopped).  From now on it is
+         * not progressed: nothing the peer left in flight lands after its
+         * rooms failed.  (Out of memory, it stays until the manager
+         * closes.) */
+        kvr_tp_worker_retire(p->worker);
+        (void)kvr_dead_push(&e->dead_workers, p->worker);
         p->worker = NULL;
     }
 }
@@ -184,15 +205,22 @@ int kvr_peer_worker(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen)
 void kvr_reap_locked(kvr_engine_t *e)
 {
     KVR_ASSERT_LOCKED(e);
-    while (e->ndead_conns > 0) {
-        kvr_ctl_conn_close(e->ctl, e->dead_conns[--e->ndead_conns]);
+    while (e->dead_conns.n > 0) {
+        kvr_ctl_conn_close(e->ctl, e->dead_conns.v[--e->dead_conns.n]);
     }
-    while (e->ndead_eps > 0) {
-        kvr_tp_ep_close(e->dead_eps[--e->ndead_eps], 1);
+    while (e->dead_eps.n > 0) {
+        kvr_tp_ep_close(e->dead_eps.v[--e->dead_eps.n], 1);
     }
-    while (e->ndead_workers > 0) {
-        kvr_tp_worker_destroy(e->dead_workers[--e->ndead_workers]);
+    while (e->dead_workers.n > 0) {
+        kvr_tp_worker_destroy(e->dead_workers.v[--e->dead_workers.n]);
     }
+}
+
+void kvr_dead_free(kvr_engine_t *e)
+{
+    free(e->dead_conns.v);
+    free(e->dead_eps.v);
+    free(e->dead_workers.v);
 }
 
 /* Decode: tells the prefill, over the control channel that still works,
@@ -359,10 +387,8 @@ void kvr_peer_verify_locked(kvr_engine_t *e, kvr_peer_t *p)
 void kvr_peer_verified_locked(kvr_engine_t *e, kvr_peer_t *p, int found, uint64_t epoch)
 {
     KVR_ASSERT_LOCKED(e);
-    if (p->vconn && e->ndead_conns < KVR_MAX_DEAD) {
-        e->dead_conns[e->ndead_conns++] = p->vconn;
-        p->vconn = NULL;
-    }
+    kvr_dead_conn(e, p->vconn);
+    p->vconn = NULL;
     p->verifying = 0;
     p->verified_ns = kvr_now_ns();
     if (found && epoch != p->epoch) {
@@ -391,36 +417,58 @@ void kvr_peer_verified_locked(kvr_engine_t *e, kvr_peer_t *p, int found, uint64_
     kvr_service_peer_rooms_locked(e, p);
 }
 
-void kvr_on_ep_error(void *arg, void *ep_ctx, const char *status_text)
+/* Endpoint ep of peer p failed.  Recorded for kvr_ep_errors_locked (on
+ * the engine thread: failing a peer touches its sockets, and this may run
+ * in poll()'s progress).  Only the peer's current endpoint speaks for it:
+ * one it replaced or retired (closed by the next reap) may still report
+ * the failure of the connection it had before. */
+void kvr_on_ep_error(void *arg, void *ep_ctx, kvr_tp_ep_t *ep, const char *status_text)
 {
     kvr_engine_t *e = arg;
     kvr_peer_t *p = ep_ctx;
-    if (e->off_thread) {
-        /* Failing a peer may touch its sockets: the engine thread does it
-         * (kvr_ep_errors_locked). */
-        p->ep_err = 1;
-        p->ep_err_ep = p->ep;
-        snprintf(p->ep_err_text, sizeof(p->ep_err_text), "%s", status_text);
-        e->ep_err_pending = 1;
+    if (ep != p->ep) {
+        kvr_log_write(&e->log, KVR_LOG_DEBUG, "%s rank %d: %s: error of an endpoint no longer in "
+                      "use ignored: %s", kvr_side(e), e->rank, p->name, status_text);
         return;
     }
-    char what[256];
-    snprintf(what, sizeof(what), "lost: %s", status_text);
-    kvr_peer_fail_locked(e, p, KVR_PEER_LOST, what);
+    if (p->ep_err) {
+        return; /* the first error names the cause */
+    }
+    p->ep_err = 1;
+    p->ep_err_ep = ep;
+    p->ep_err_ns = kvr_now_ns();
+    snprintf(p->ep_err_text, sizeof(p->ep_err_text), "%s", status_text);
+    e->ep_err_pending = 1;
 }
 
-/* Engine thread: the endpoint errors poll()'s progress left for it (only
- * those of endpoints the peers still use). */
+/*
+ * Engine thread: fails the peers whose current endpoint failed.  Not at
+ * once: a peer that closes its manager says BYE on the control channel,
+ * then closes its endpoints, and over tcp the endpoint error can overtake
+ * the BYE.  For KVR_EP_ERR_GRACE_NS the BYE may still come and fail the
+ * peer with its reason (the rooms then say the peer closed its manager,
+ * not "lost: Endpoint timeout"); a peer that died says nothing and fails
+ * with the endpoint's error after that.  Operations on the failed endpoint
+ * fail at once regardless (op.c).
+ */
 void kvr_ep_errors_locked(kvr_engine_t *e)
 {
     KVR_ASSERT_LOCKED(e);
+    uint64_t now = kvr_now_ns();
     e->ep_err_pending = 0;
     for (kvr_peer_t *p = e->peers; p; p = p->next) {
-        if (p->ep_err) {
+        if (!p->ep_err) {
+            continue;
+        }
+        if (p->ep == NULL || p->ep != p->ep_err_ep) {
+            p->ep_err = 0; /* the peer failed or reconnected meanwhile */
+        } else if (now - p->ep_err_ns < KVR_EP_ERR_GRACE_NS) {
+            e->ep_err_pending = 1;
+        } else {
             p->ep_err = 0;
-            if (p->ep != NULL && p->ep == p->ep_err_ep) {
-                kvr_on_ep_error(e, p, p->ep_err_text);
-            }
+            char what[256];
+            snprintf(what, sizeof(what), "lost: %s", p->ep_err_text);
+            kvr_peer_fail_locked(e, p, KVR_PEER_LOST, what);
         }
     }
 }

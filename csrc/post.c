@@ -42,6 +42,10 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
     if (e->test_corrupt != KVR_TEST_CORRUPT_NONE) {
         kvr_test_corrupt_header(&wire, e->test_corrupt, r->ndst, e->nkv);
     }
+    if (e->test_forge_tag != 0) {
+        wire.tag = e->test_forge_tag;
+        wire.epoch = e->test_forge_epoch;
+    }
     kvr_am_header_encode(op->hdr, &wire);
     e->stats.ops_posted++;
     if (slot != NULL) {

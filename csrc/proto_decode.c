@@ -24,8 +24,8 @@ void kvr_send_done_locked(kvr_engine_t *e, kvr_room_t *r)
 }
 
 /* Decode: a data message arrived; decide where (if anywhere) it lands. */
-void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, int rndv,
-                 kvr_tp_accept_t *acc)
+void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len, size_t len,
+                 int rndv, kvr_tp_accept_t *acc)
 {
     kvr_engine_t *e = arg;
     kvr_am_header_t h;
@@ -38,7 +38,10 @@ void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, int rnd
         why = "no such room";
         goto foreign;
     }
-    if (r->peer == NULL) {
+    if (r->peer == NULL || w != r->peer->worker) {
+        /* Each peer has its own worker: data for a room on any other one
+         * is not from the room's prefill (whatever epoch it names), and a
+         * sender that is not the room's prefill cannot fail it. */
         why = "sender is not the room's prefill";
         goto foreign;
     }

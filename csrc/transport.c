@@ -5,19 +5,16 @@
 #include <errno.h>
 #include <sys/epoll.h>
 #include <unistd.h>
+#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include <ucp/api/ucp.h>
 #include <ucs/sys/string.h>
 
+#include "pagecopy.h"
 #include "ucxaddr.h"
 #include "ucxlog.h"
-
-#if defined(__x86_64__) && defined(__SSE2__)
-#include <emmintrin.h>
-#define KVR_TP_STREAM 1
-#endif
 
 #define KVR_AM_ID_DATA 7
 /* Freed bounce buffers kept for reuse (at most pack_max bytes of them, so
@@ -65,6 +62,7 @@ struct kvr_tp_worker {
     ucp_address_t *address;
     size_t address_len;
     int efd;
+    int retired;              /* its peer is gone: never progressed again */
     struct kvr_tp_worker *prev, *next;
 };
 
@@ -195,64 +193,13 @@ static void kvr_tp_recv_cb(void *request, ucs_status_t status, size_t length, vo
     ucp_request_free(request);
 }
 
-/* The pieces of an eager message of at most KVR_TP_SHM_EAGER_BYTES (a
- * small room's, over shared memory) that are at least KVR_TP_STREAM_MIN
- * long are copied with streaming (non-temporal) stores: KV pages land in a
- * large pool whose lines are not in the cache, and a plain copy first reads
- * every destination line in.  64 scattered 4 KiB pages, cold: 25-32 us
- * streamed against 36-48 us with memcpy (C loop, this 2-core host); the
- * 64-buffer one-page room over shared memory, spinning: p50 92-102 against
- * 96-140 us (one A/B script).  Larger messages (tcp's, up to 256 KiB) are
- * copied with memcpy: streamed, random 64 KiB pages over tcp moved about
- * 10 % slower (3.13 against 3.45 GB/s, medians of 10 rounds each). */
-#define KVR_TP_STREAM_MIN 1024
-
-static void kvr_tp_copy_out(void *dst, const void *src, size_t len, int stream)
-{
-#ifdef KVR_TP_STREAM
-    if (stream && len >= KVR_TP_STREAM_MIN) {
-        char *d = dst;
-        const char *s = src;
-        size_t head = (16 - ((uintptr_t)d & 15)) & 15;
-        memcpy(d, s, head);
-        d += head;
-        s += head;
-        len -= head;
-        for (; len >= 64; d += 64, s += 64, len -= 64) {
-            __m128i a = _mm_loadu_si128((const __m128i *)s);
-            __m128i b = _mm_loadu_si128((const __m128i *)(s + 16));
-            __m128i c = _mm_loadu_si128((const __m128i *)(s + 32));
-            __m128i e = _mm_loadu_si128((const __m128i *)(s + 48));
-            _mm_stream_si128((__m128i *)d, a);
-            _mm_stream_si128((__m128i *)(d + 16), b);
-            _mm_stream_si128((__m128i *)(d + 32), c);
-            _mm_stream_si128((__m128i *)(d + 48), e);
-        }
-        memcpy(d, s, len);
-        return;
-    }
-#else
-    (void)stream;
-#endif
-    memcpy(dst, src, len);
-}
-
-/* Orders streamed stores before what follows (the room's completion, which
- * another thread reads). */
-static void kvr_tp_copy_fence(void)
-{
-#ifdef KVR_TP_STREAM
-    _mm_sfence();
-#endif
-}
-
 static ucs_status_t kvr_tp_am_cb(void *arg, const void *header, size_t header_length,
                                  void *data, size_t length, const ucp_am_recv_param_t *param)
 {
     kvr_tp_worker_t *w = arg;
     kvr_transport_t *tp = w->tp;
     kvr_tp_accept_t acc = {NULL, 0, NULL, NULL};
-    tp->cb.on_data(tp->cb.arg, header, header_length, length,
+    tp->cb.on_data(tp->cb.arg, w, header, header_length, length,
                    (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0, &acc);
     if (acc.iovcnt == 0) {
         /* Rejected: for rendezvous the sender's request completes with this
@@ -265,11 +212,11 @@ static ucs_status_t kvr_tp_am_cb(void *arg, const void *header, size_t header_le
         const char *src = data;
         int stream = length <= KVR_TP_SHM_EAGER_BYTES;
         for (size_t i = 0; i < acc.iovcnt; i++) {
-            kvr_tp_copy_out(acc.iov[i].buf, src, acc.iov[i].len, stream);
+            kvr_page_copy(acc.iov[i].buf, src, acc.iov[i].len, stream);
             src += acc.iov[i].len;
         }
         if (stream) {
-            kvr_tp_copy_fence();
+            kvr_page_copy_fence();
         }
         tp->cb.on_recv_done(tp->cb.arg, acc.op, length, KVR_TP_OK, NULL);
         return UCS_OK;
@@ -314,7 +261,7 @@ static void kvr_tp_ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
         return;
     }
     e->failed = 1;
-    e->tp->cb.on_ep_error(e->tp->cb.arg, e->ep_ctx, ucs_status_string(status));
+    e->tp->cb.on_ep_error(e->tp->cb.arg, e->ep_ctx, e, ucs_status_string(status));
 }
 
 /* ---- lifecycle ---- */
@@ -574,13 +521,21 @@ int kvr_tp_worker_create(kvr_transport_t *tp, kvr_tp_worker_t **w_p, char *err, 
     return 0;
 }
 
+void kvr_tp_worker_retire(kvr_tp_worker_t *w)
+{
+    if (!w->retired) {
+        w->retired = 1;
+        epoll_ctl(w->tp->epfd, EPOLL_CTL_DEL, w->efd, NULL);
+    }
+}
+
 void kvr_tp_worker_destroy(kvr_tp_worker_t *w)
 {
     if (w == NULL) {
         return;
     }
     kvr_transport_t *tp = w->tp;
-    epoll_ctl(tp->epfd, EPOLL_CTL_DEL, w->efd, NULL);
+    kvr_tp_worker_retire(w);
     if (w->prev != NULL) {
         w->prev->next = w->next;
     } else {
@@ -590,7 +545,12 @@ void kvr_tp_worker_destroy(kvr_tp_worker_t *w)
         w->next->prev = w->prev;
     }
     tp->nworkers--;
+    /* Requests still in flight here (a dead peer's receives, which UCX
+     * 1.13 can neither complete nor cancel) go with the worker's pools;
+     * UCX warns of each. */
+    kvr_ucxlog_expect_unreturned(1);
     kvr_tp_worker_free(w);
+    kvr_ucxlog_expect_unreturned(0);
 }
 
 unsigned kvr_tp_nworkers(const kvr_transport_t *tp, uint64_t *created)
@@ -631,15 +591,38 @@ int kvr_tp_fd(kvr_transport_t *tp)
     return tp->epfd;
 }
 
+static uint64_t kvr_tp_now_ns(void)
+{
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+/* A progress round (or the time between two) this long means the process
+ * was suspended (SIGSTOP, a paused VM) or starved: kvr_tp_progress returns
+ * at once, so that the engine looks at its peers' silence again before
+ * taking more -- a peer it must now declare lost may have megabytes queued
+ * in the socket buffers for receives it accepted before. */
+#define KVR_TP_STALL_NS (20ull * 1000 * 1000)
+
 unsigned kvr_tp_progress(kvr_transport_t *tp)
 {
     /* Bounded, so the engine lock is released between rounds even under a
      * flood of completions (API calls wait for that lock).  Callbacks may
      * retire workers but never destroy one (the engine's reaper does). */
     unsigned total = 0, n;
+    uint64_t last = kvr_tp_now_ns();
     for (kvr_tp_worker_t *w = tp->workers; w != NULL; w = w->next) {
+        if (w->retired) {
+            continue;
+        }
         for (int i = 0; i < 64 && (n = ucp_worker_progress(w->worker)) != 0; i++) {
             total += n;
+            uint64_t now = kvr_tp_now_ns();
+            if (now - last > KVR_TP_STALL_NS) {
+                return total;
+            }
+            last = now;
         }
     }
     return total;
@@ -649,6 +632,9 @@ int kvr_tp_arm(kvr_transport_t *tp)
 {
     int busy = 0;
     for (kvr_tp_worker_t *w = tp->workers; w != NULL; w = w->next) {
+        if (w->retired) {
+            continue;
+        }
         busy |= ucp_worker_arm(w->worker) == UCS_ERR_BUSY;
     }
     /* tp->epfd is level-triggered: it stays readable while any armed

@@ -75,18 +75,20 @@ typedef struct {
     /* A data message arrived: fill *acc.  rndv: the payload is still at the
      * sender (a rendezvous receive into acc's pieces follows); otherwise it
      * is here and is copied into the pieces with memcpy (host memory only).
+     * w: the worker it arrived on (only the room's peer's is the room's).
      * Called on the engine thread. */
-    void (*on_data)(void *arg, const void *hdr, size_t hdr_len, size_t len, int rndv,
-                    kvr_tp_accept_t *acc);
+    void (*on_data)(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len, size_t len,
+                    int rndv, kvr_tp_accept_t *acc);
     /* The payload of an accepted message landed (status 0) or failed. */
     void (*on_recv_done)(void *arg, kvr_tp_op_t *op, size_t len, int failed,
                          const char *status_text);
     /* A send completed (failed=0: local buffer reusable and, for rendezvous,
      * read by the peer) or failed with status_text. */
     void (*on_send_done)(void *arg, kvr_tp_op_t *op, int failed, const char *status_text);
-    /* An endpoint failed (peer gone).  After this, every operation on the
-     * endpoint completes with an error. */
-    void (*on_ep_error)(void *arg, void *ep_ctx, const char *status_text);
+    /* Endpoint ep failed (peer gone).  After this, every operation on the
+     * endpoint completes with an error.  ep may be one its owner has
+     * already replaced or retired (not yet closed). */
+    void (*on_ep_error)(void *arg, void *ep_ctx, kvr_tp_ep_t *ep, const char *status_text);
 } kvr_tp_callbacks_t;
 
 /*
@@ -106,9 +108,13 @@ void kvr_tp_destroy(kvr_transport_t *tp);
 
 /* Creates a worker (for one peer).  -1 with err on failure. */
 int kvr_tp_worker_create(kvr_transport_t *tp, kvr_tp_worker_t **w_p, char *err, size_t errlen);
+/* Takes a worker whose peer is gone out of kvr_tp_progress and kvr_tp_arm
+ * until it is destroyed: receives the dead peer left in flight must land
+ * no byte after its rooms failed. */
+void kvr_tp_worker_retire(kvr_tp_worker_t *w);
 /* Destroys a worker whose endpoints are closed: UCX requests still on it
- * (a receive from a peer that died) go with it, their callbacks never
- * called. */
+ * (a receive from a peer that died) are released with it, their callbacks
+ * never called. */
 void kvr_tp_worker_destroy(kvr_tp_worker_t *w);
 /* Workers alive; *created: workers created for peers so far (for stats). */
 unsigned kvr_tp_nworkers(const kvr_transport_t *tp, uint64_t *created);

@@ -14,6 +14,7 @@
 
 static pthread_once_t kvr_ucxlog_once = PTHREAD_ONCE_INIT;
 static __thread int kvr_ucxlog_refusal;
+static __thread int kvr_ucxlog_unreturned;
 
 static int kvr_ucxlog_level(ucs_log_level_t level)
 {
@@ -48,6 +49,10 @@ static ucs_log_func_rc_t kvr_ucxlog_handler(const char *file, unsigned line, con
     if (kvr_ucxlog_refusal && kvr_level == KVR_LOG_ERROR && level != UCS_LOG_LEVEL_FATAL) {
         kvr_level = KVR_LOG_DEBUG;
     }
+    if (kvr_ucxlog_unreturned && level == UCS_LOG_LEVEL_WARN &&
+        strstr(text, " was not returned to mpool ") != NULL) {
+        kvr_level = KVR_LOG_DEBUG;
+    }
     int taken = kvr_log_write_shared(kvr_level, "UCX: %s (%s:%u)", text, base ? base + 1 : file,
                                      line);
     return taken && level != UCS_LOG_LEVEL_FATAL ? UCS_LOG_FUNC_RC_STOP
@@ -67,6 +72,11 @@ void kvr_ucxlog_install(void)
 void kvr_ucxlog_expect_refusal(int on)
 {
     kvr_ucxlog_refusal = on;
+}
+
+void kvr_ucxlog_expect_unreturned(int on)
+{
+    kvr_ucxlog_unreturned = on;
 }
 
 /* The transports of ep's lanes ("sysv/memory, cma/memory"), from UCX's

@@ -24,6 +24,15 @@ void kvr_ucxlog_install(void);
 void kvr_ucxlog_expect_refusal(int on);
 
 /*
+ * On this thread, between kvr_ucxlog_expect_unreturned(1) and (0), UCX's
+ * "object ... was not returned to mpool" warnings are logged at DEBUG: the
+ * caller destroys the worker of a peer that died with UCX requests in
+ * flight that nothing can complete or cancel (UCX 1.13 cancels no active
+ * message receive), and the pools go with the worker, memory and all.
+ */
+void kvr_ucxlog_expect_unreturned(int on);
+
+/*
  * Logs at INFO which transports UCX chose for the endpoint ep (a ucp_ep_h)
  * and, from peer_errors (it was created with UCX's peer-failure handling),
  * how a dead peer is noticed.  The caller says it once per kind.

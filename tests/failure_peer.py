@@ -43,11 +43,26 @@ def source_buffers(seed: int, nbuf: int = NBUF, scale: int = 64):
     return kv, aux
 
 
-def canary_buffers(nbuf: int = NBUF, scale: int = 64):
-    """Decode buffers: every byte is CANARY until a transfer lands."""
-    kv = [np.full(PAGES * it, CANARY, dtype=np.uint8) for it in item_lens(nbuf, scale)]
+def canary_buffers(nbuf: int = NBUF, scale: int = 64, path=None):
+    """Decode buffers: every byte is CANARY until a transfer lands.  path:
+    the KV buffers, one after the other, in that file (kv_file)."""
+    if path is None:
+        kv = [np.full(PAGES * it, CANARY, dtype=np.uint8) for it in item_lens(nbuf, scale)]
+    else:
+        kv = kv_file(path, nbuf, scale)
+        for b in kv:
+            b.fill(CANARY)
     aux = [np.full(AUX_ROWS * AUX_ITEM, CANARY, dtype=np.uint8)]
     return kv, aux
+
+
+def kv_file(path, nbuf: int = NBUF, scale: int = 64) -> list:
+    """The KV buffers of a decode as views of a shared file mapping."""
+    lens = [PAGES * it for it in item_lens(nbuf, scale)]
+    m = np.memmap(path, dtype=np.uint8, mode="r+" if os.path.exists(path) else "w+",
+                  shape=(sum(lens),))
+    offs = np.cumsum([0] + lens)
+    return [m[offs[i]:offs[i + 1]] for i in range(nbuf)]
 
 
 def pages_equal(src_kv, dst_kv, src_pages, dst_pages) -> bool:
@@ -100,7 +115,7 @@ def main() -> int:
     if role == "prefill":
         kv, aux = source_buffers(int(spec.get("seed", 1)), scale=scale)
     else:
-        kv, aux = canary_buffers(scale=scale)
+        kv, aux = canary_buffers(scale=scale, path=spec.get("kv_path"))
     args = KVArgs.from_buffers(rank, kv, item_lens(scale=scale), aux, [AUX_ITEM])
     cfg = KVConfig(**spec.get("config", {}))
     mgr = KVManager(args, role, bootstrap_addr=bootstrap if role == "prefill" else None,

@@ -10,11 +10,14 @@ exact reason, with no byte outside the room's pages written."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 
 from kvrecv import KVPoll, KVProtocolError, KVReceiver, KVSender
-from kvtest import CANARY, Layout, Side, describe_failure, terminal, wait_for
+from kvtest import (CANARY, Expected, Layout, Side, describe_failure, terminal, wait_for,
+                    wait_until)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -104,3 +107,44 @@ def test_the_hook_is_off_by_default(res):
         s.clear()
     with pytest.raises(ValueError, match="no corruption mode 6"):
         prefill._core._test_corrupt_data(6)
+
+
+def test_data_for_a_room_from_another_prefills_connection_is_foreign(res, caplog):
+    """Prefill B sends its room's data under room A's tag and prefill A's
+    epoch (as a peer that learnt them could): it reaches the decode on the
+    UCX worker of B's connection, not A's, and is refused as foreign --
+    counted, logged, nothing written, room A neither failed (a stranger
+    cannot fail it) nor fed.  Room A then completes with A's own data."""
+    caplog.set_level(logging.WARNING, logger="kvrecv")
+    bs_a, bs_b = res.server(), res.server()
+    src_a, src_b, dst = Side(BIG, 0, seed=11), Side(BIG, 0, seed=12), Side(BIG, 0)
+    pa = res.manager(src_a, "prefill", bs_a.address)
+    pb = res.manager(src_b, "prefill", bs_b.address)
+    decode = res.manager(dst, "decode")
+    dst_b = [8, 9, 10, 11]
+    ra, rb = KVReceiver(decode, bs_a.address, 5), KVReceiver(decode, bs_b.address, 6)
+    for r, pages in ((ra, DST_PAGES), (rb, dst_b)):
+        r.init()
+        assert wait_for(r, (KVPoll.WaitingForInput, KVPoll.Failed)) == KVPoll.WaitingForInput
+        r.send_metadata(pages)
+    sa, sb = KVSender(pa, bs_a.address, 5), KVSender(pb, bs_b.address, 6)
+    sa.init(len(SRC_PAGES))
+    sb.init(len(SRC_PAGES))
+    assert wait_until(lambda: sa.poll() == sb.poll() == KVPoll.WaitingForInput)
+    tag = pa._core._test_room_tag(5)
+    assert tag != 0
+    pb._core._test_forge_data(tag, pa._core.epoch)
+    sb.send(SRC_PAGES)
+    assert wait_until(lambda: decode.stats()["data_foreign"] >= 1, 10), decode.stats()
+    assert wait_for(sb, terminal(), timeout=15) == KVPoll.Failed  # refused, then no ROOM_DONE
+    assert ra.poll() in (KVPoll.WaitingForInput, KVPoll.Transferring), describe_failure(ra)
+    assert all((buf == CANARY).all() for buf in dst.kv), "a foreign message was written"
+    assert wait_until(lambda: any(
+        "refused a data message" in m.getMessage()
+        and m.getMessage().endswith("sender is not the room's prefill")
+        for m in caplog.records), 5), caplog.text
+    sa.send(SRC_PAGES)
+    assert wait_for(ra, terminal(), timeout=15) == KVPoll.Success, describe_failure(ra)
+    want = Expected(dst)
+    want.apply(src_a, SRC_PAGES, DST_PAGES)
+    assert want.mismatches(dst) == []

@@ -611,7 +611,37 @@ static PyObject *kvr_manager_test_corrupt(PyObject *op, PyObject *arg)
     Py_RETURN_NONE;
 }
 
+/* _test_forge_data(tag, epoch): tests only (kvr_engine_test_forge). */
+static PyObject *kvr_manager_test_forge(PyObject *op, PyObject *args)
+{
+    kvr_py_manager_t *self = (kvr_py_manager_t *)op;
+    unsigned long long tag, epoch;
+    if (kvr_manager_check(self) < 0 || !PyArg_ParseTuple(args, "KK", &tag, &epoch)) {
+        return NULL;
+    }
+    kvr_engine_test_forge(self->engine, tag, epoch);
+    Py_RETURN_NONE;
+}
+
+/* _test_room_tag(room): tests only (kvr_engine_test_room_tag). */
+static PyObject *kvr_manager_test_room_tag(PyObject *op, PyObject *arg)
+{
+    kvr_py_manager_t *self = (kvr_py_manager_t *)op;
+    if (kvr_manager_check(self) < 0) {
+        return NULL;
+    }
+    unsigned long long room = PyLong_AsUnsignedLongLong(arg);
+    if (room == (unsigned long long)-1 && PyErr_Occurred()) {
+        return NULL;
+    }
+    return PyLong_FromUnsignedLongLong(kvr_engine_test_room_tag(self->engine, room));
+}
+
 static PyMethodDef kvr_manager_methods[] = {
+    {"_test_forge_data", kvr_manager_test_forge, METH_VARARGS,
+     "Tests only: the data messages this prefill posts name another room tag and epoch."},
+    {"_test_room_tag", kvr_manager_test_room_tag, METH_O,
+     "Tests only: the data tag of an open room (0 if none)."},
     {"_test_corrupt_data", kvr_manager_test_corrupt, METH_O,
      "Tests only: corrupt the headers of the data messages this prefill posts."},
     {"is_device", kvr_manager_is_device, METH_O,
