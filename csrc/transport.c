@@ -12,6 +12,7 @@
 #include <ucs/sys/string.h>
 
 #include "ucxaddr.h"
+#include "ucxtune.h"
 #include "ucxlog.h"
 
 #if defined(__x86_64__) && defined(__SSE2__)
@@ -27,52 +28,6 @@
  * packed message was in flight for KVR_TP_PACK_IDLE_NS. */
 #define KVR_TP_PACK_CACHE 512
 #define KVR_TP_PACK_IDLE_NS (1000ull * 1000 * 1000)
-
-/* UCX settings kvrecv changes from UCX's defaults, each only where UCX_TLS
- * lets UCX use its transports and no variable of the environment sets it
- * (env: the variables that do; theirs wins).
- *
- * tcp: with peer-failure handling UCX 1.13 selects no RMA lane over tcp, so
- * rendezvous data moves as active-message fragments of at most
- * UCX_TCP_TX_SEG_SIZE (default 8 KiB), each with its own header, send call
- * and receiver-side handling.  256 KiB fragments into 512 KiB receive
- * buffers move 16 MiB messages 1.3-1.7x faster here (ucx_perftest tag_bw
- * -e; kvrecv's 16 MiB rooms 3.4-3.6 -> 5.1-5.4 GB/s).
- *
- * Shared memory (posix, sysv): a large message crosses UCX's receive FIFO
- * in fragments of one segment (default 8256 bytes, 64 in the FIFO), both
- * processes copying at once; with the FIFO full the sender waits for the
- * receiver, and on a loaded host each such wait is a sleep and a wake-up.
- * 32 KiB segments in a FIFO of 256 took 4-5x less CPU per byte for 16 MiB
- * runs (0.12 against 0.59 s per 512 MiB) and 1.4-2.8x less for random
- * 4-64 KiB pages, and moved them 1.3-5x faster (A/B in one script,
- * benchmarks/README.md), for 8 MiB of shared memory per interface.  Below
- * KVR_TP_SHM_SEG_LIMIT (kvr_tp_check_env).
- *
- * ucp_config_modify() applies a name to every transport with a field of
- * that name: among UCX 1.13's transports only tcp has TX_SEG_SIZE and
- * RX_SEG_SIZE, only the mm ones (posix, sysv, xpmem) MM_SEG_SIZE and
- * MM_FIFO_SIZE (ucx_info -c).  docs/operations.md, Tuning. */
-enum { KVR_TP_TCP_TX_SEG, KVR_TP_TCP_RX_SEG, KVR_TP_MM_SEG, KVR_TP_MM_FIFO, KVR_TP_NTUNE };
-typedef struct {
-    const char *names[3];   /* UCX_TLS names of the transports */
-    const char *aliases[4]; /* UCX_TLS names that cover them all */
-} kvr_tp_tls_t;
-static const kvr_tp_tls_t kvr_tp_tcp_tls = {{"tcp"}, {NULL}};
-static const kvr_tp_tls_t kvr_tp_mm_tls = {{"posix", "sysv"}, {"sm", "shm", "mm"}};
-static const struct {
-    const kvr_tp_tls_t *tls; /* the transports it is for */
-    const char *env[3], *name, *value;
-} kvr_tp_ucx_defaults[KVR_TP_NTUNE] = {
-    [KVR_TP_TCP_TX_SEG] = {&kvr_tp_tcp_tls, {"UCX_TCP_TX_SEG_SIZE"}, "TX_SEG_SIZE", "256K"},
-    [KVR_TP_TCP_RX_SEG] = {&kvr_tp_tcp_tls, {"UCX_TCP_RX_SEG_SIZE"}, "RX_SEG_SIZE", "512K"},
-    [KVR_TP_MM_SEG] = {&kvr_tp_mm_tls,
-                       {"UCX_MM_SEG_SIZE", "UCX_POSIX_SEG_SIZE", "UCX_SYSV_SEG_SIZE"},
-                       "MM_SEG_SIZE", "32K"},
-    [KVR_TP_MM_FIFO] = {&kvr_tp_mm_tls,
-                        {"UCX_MM_FIFO_SIZE", "UCX_POSIX_FIFO_SIZE", "UCX_SYSV_FIFO_SIZE"},
-                        "MM_FIFO_SIZE", "256"},
-};
 
 /* kvr_tp_iov_t arrays are handed to UCX as they are. */
 _Static_assert(sizeof(kvr_tp_iov_t) == sizeof(ucp_dt_iov_t) &&
@@ -110,8 +65,8 @@ struct kvr_transport {
     unsigned eps_without_peer_errors;
     int said_lanes[2];        /* the INFO line on endpoints [without, with] peer errors was logged */
     char describe[256];
-    char tuned[192];                   /* UCX settings kvrecv changed (kvr_tp_tune) */
-    size_t tuned_bytes[KVR_TP_NTUNE];  /* their values in effect (0: not known) */
+    char tuned[192];                   /* UCX settings kvrecv changed (ucxtune.c) */
+    size_t tuned_bytes[KVR_TUNE_N];    /* their values in effect (0: not known) */
     size_t pack_max;                   /* most bytes of bounce buffers in flight */
     size_t pack_inflight;              /* bytes of bounce buffers in flight */
     uint64_t packed;                   /* messages sent packed */
@@ -347,67 +302,6 @@ static void kvr_tp_ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
 
 /* ---- lifecycle ---- */
 
-/* 1 if UCX_TLS lets UCX use one of the transports t: unset, "all", one of
- * them or an alias among the names, or a "^" list (all but those) that
- * names neither an alias nor every one of them. */
-static int kvr_tp_tls_has(const char *tls, const kvr_tp_tls_t *t)
-{
-    if (tls == NULL || *tls == '\0') {
-        return 1;
-    }
-    int exclude = tls[0] == '^';
-    unsigned all = 0, alias = 0, named = 0, every = 0;
-    for (const char *p = tls + exclude; *p;) {
-        size_t n = strcspn(p, ",");
-        all |= n == 3 && strncmp(p, "all", 3) == 0;
-        for (unsigned i = 0; i < 4 && t->aliases[i] != NULL; i++) {
-            alias |= strlen(t->aliases[i]) == n && strncmp(p, t->aliases[i], n) == 0;
-        }
-        for (unsigned i = 0; i < 3 && t->names[i] != NULL; i++) {
-            every |= 1u << i;
-            named |= (unsigned)(strlen(t->names[i]) == n && strncmp(p, t->names[i], n) == 0) << i;
-        }
-        p += n + (p[n] == ',');
-    }
-    return exclude ? !alias && named != every : named || alias || all;
-}
-
-/* Applies kvr_tp_ucx_defaults to tp's config, each where UCX may use its
- * transports (UCX warns about settings no transport in use has); names
- * what it changed in tp->tuned ("" if nothing) and records the values in
- * effect. */
-static void kvr_tp_tune(kvr_transport_t *tp, ucp_config_t *config, const char *tls)
-{
-    tp->tuned[0] = '\0';
-    if (!kvr_tp_tls_has(tls, &kvr_tp_tcp_tls)) {
-        tp->tuned_bytes[KVR_TP_TCP_RX_SEG] = SIZE_MAX; /* nothing arrives over tcp */
-    }
-    for (int i = 0; i < KVR_TP_NTUNE; i++) {
-        if (!kvr_tp_tls_has(tls, kvr_tp_ucx_defaults[i].tls)) {
-            continue;
-        }
-        const char *env = kvr_tp_ucx_defaults[i].env[0];
-        const char *set = NULL;
-        for (int k = 0; k < 3 && kvr_tp_ucx_defaults[i].env[k] != NULL && set == NULL; k++) {
-            set = getenv(kvr_tp_ucx_defaults[i].env[k]);
-        }
-        if (set == NULL) {
-            if (ucp_config_modify(config, kvr_tp_ucx_defaults[i].name,
-                                  kvr_tp_ucx_defaults[i].value) != UCS_OK) {
-                continue; /* UCX's default, whatever it is: not known */
-            }
-            set = kvr_tp_ucx_defaults[i].value;
-            size_t n = strlen(tp->tuned);
-            snprintf(tp->tuned + n, sizeof(tp->tuned) - n, "%s%s=%s", n ? " " : "", env, set);
-        }
-        size_t v = 0;
-        if (ucs_str_to_memunits(set, &v) != UCS_OK || v == UCS_MEMUNITS_AUTO) {
-            v = 0;
-        }
-        tp->tuned_bytes[i] = v;
-    }
-}
-
 static int kvr_tp_worker_new(kvr_transport_t *tp, kvr_tp_worker_t **w_p, char *err,
                              size_t errlen);
 static void kvr_tp_worker_free(kvr_tp_worker_t *w);
@@ -470,7 +364,7 @@ int kvr_tp_create(const kvr_tp_callbacks_t *cb, size_t pack_max, kvr_transport_t
         goto err_free;
     }
     const char *tls = getenv("UCX_TLS");
-    kvr_tp_tune(tp, config, tls);
+    kvr_ucxtune_apply(config, tls, tp->tuned, sizeof(tp->tuned), tp->tuned_bytes);
     ucp_params_t params;
     memset(&params, 0, sizeof(params));
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
@@ -786,17 +680,17 @@ void kvr_tp_pack_trim(kvr_transport_t *tp, uint64_t now_ns)
 
 size_t kvr_tp_tcp_tx_seg(const kvr_transport_t *tp)
 {
-    return tp->tuned_bytes[KVR_TP_TCP_TX_SEG];
+    return tp->tuned_bytes[KVR_TUNE_TCP_TX_SEG];
 }
 
 size_t kvr_tp_tcp_rx_seg(const kvr_transport_t *tp)
 {
-    return tp->tuned_bytes[KVR_TP_TCP_RX_SEG];
+    return tp->tuned_bytes[KVR_TUNE_TCP_RX_SEG];
 }
 
 void kvr_tp_shm_sizes(const kvr_transport_t *tp, uint32_t *seg, uint32_t *fifo)
 {
-    size_t s = tp->tuned_bytes[KVR_TP_MM_SEG], f = tp->tuned_bytes[KVR_TP_MM_FIFO];
+    size_t s = tp->tuned_bytes[KVR_TUNE_MM_SEG], f = tp->tuned_bytes[KVR_TUNE_MM_FIFO];
     *seg = s > UINT32_MAX ? UINT32_MAX : (uint32_t)s;
     *fifo = f > UINT32_MAX ? UINT32_MAX : (uint32_t)f;
 }
