@@ -250,6 +250,29 @@ def test_layout_mismatch(fail_bs, fail_closer, decode_items, words):
 # --------------------------------------------------------------------------
 
 
+def _room_refused_to_decode(p, child, addr, room):
+    """A room of 8 pages from prefill p to the decode in child, which the
+    prefill refused to connect: it fails with TRANSPORT on both sides, no
+    byte lands, the decode lives on.  Returns the sender and the decode's
+    failure (its reason for the caller to check)."""
+    pages = list(range(8))
+    s = KVSender(p, addr, room)
+    s.init(len(pages), aux_index=0)
+    s.send(np.asarray(pages, dtype=np.int32))
+    child.call("open_receiver", room=room, pages=pages, aux=0)
+    st = child.call("wait", room=room, states=[int(KVPoll.Failed), int(KVPoll.Success)])["state"]
+    assert st == KVPoll.Failed, st
+    f = child.call("failure", room=room)
+    assert (f["cls"], f["code"], f["room"]) == ("KVTransportError", "TRANSPORT", room), f
+    st, el = _wait_state(s, TERMINAL, 10)
+    assert st == KVPoll.Failed, (st, el)
+    e = _exc(s)
+    assert type(e) is KVTransportError and e.code == "TRANSPORT", (type(e), e.failure_reason)
+    assert child.call("stats")["bytes_moved"] == 0
+    assert child.alive()
+    return s, f
+
+
 @pytest.mark.timeout(90)
 def test_tcp_fragments_larger_than_the_decode_receives_are_refused(fail_bs, fail_closer,
                                                                      fail_spawn, monkeypatch):
@@ -267,25 +290,11 @@ def test_tcp_fragments_larger_than_the_decode_receives_are_refused(fail_bs, fail
     monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "8K")  # UCX's own defaults
     monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "64K")
     child = fail_spawn("decode", fail_bs.address, scale=scale)
-    pages = list(range(8))
-    s = KVSender(p, fail_bs.address, 61)
-    s.init(len(pages), aux_index=0)
-    s.send(np.asarray(pages, dtype=np.int32))
-    child.call("open_receiver", room=61, pages=pages, aux=0)
-    st = child.call("wait", room=61, states=[int(KVPoll.Failed), int(KVPoll.Success)])["state"]
-    assert st == KVPoll.Failed, st
-    f = child.call("failure", room=61)
-    assert (f["cls"], f["code"], f["room"]) == ("KVTransportError", "TRANSPORT", 61), f
+    s, f = _room_refused_to_decode(p, child, fail_bs.address, 61)
     for part in ("UCX tcp fragments of prefill rank 0", "up to 262144 bytes (UCX_TCP_TX_SEG_SIZE)",
                  "receives into 65536-byte buffers (UCX_TCP_RX_SEG_SIZE)",
                  "UCX would abort the decode"):
         assert part in f["reason"], f["reason"]
-    st, el = _wait_state(s, TERMINAL, 10)
-    assert st == KVPoll.Failed, (st, el)
-    e = _exc(s)
-    assert type(e) is KVTransportError and e.code == "TRANSPORT", (type(e), e.failure_reason)
-    assert child.call("stats")["bytes_moved"] == 0
-    assert child.alive()
 
     monkeypatch.delenv("UCX_TCP_TX_SEG_SIZE")
     monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "256K")  # fits: fragments of at most 256 KiB
@@ -311,25 +320,11 @@ def test_shared_memory_sizes_that_differ_are_refused(fail_bs, fail_closer, fail_
     monkeypatch.setenv("UCX_MM_SEG_SIZE", "8256")  # UCX's own defaults
     monkeypatch.setenv("UCX_MM_FIFO_SIZE", "64")
     child = fail_spawn("decode", fail_bs.address)
-    pages = list(range(8))
-    s = KVSender(p, fail_bs.address, 63)
-    s.init(len(pages), aux_index=0)
-    s.send(np.asarray(pages, dtype=np.int32))
-    child.call("open_receiver", room=63, pages=pages, aux=0)
-    st = child.call("wait", room=63, states=[int(KVPoll.Failed), int(KVPoll.Success)])["state"]
-    assert st == KVPoll.Failed, st
-    f = child.call("failure", room=63)
-    assert (f["cls"], f["code"], f["room"]) == ("KVTransportError", "TRANSPORT", 63), f
+    s, f = _room_refused_to_decode(p, child, fail_bs.address, 63)
     assert re.fullmatch(r"room 63: UCX shared-memory segments of prefill rank 0 \(tcp://\S+\) are "
                         r"32768 bytes in a FIFO of 256, decode rank 0 \(epoch [0-9a-f]{16}\)'s "
                         r"8256 in 64 \(UCX_MM_SEG_SIZE, UCX_MM_FIFO_SIZE\): UCX would stop or "
                         r"overrun between them; set the same on both", f["reason"]), f["reason"]
-    st, el = _wait_state(s, TERMINAL, 10)
-    assert st == KVPoll.Failed, (st, el)
-    e = _exc(s)
-    assert type(e) is KVTransportError and e.code == "TRANSPORT", (type(e), e.failure_reason)
-    assert child.call("stats")["bytes_moved"] == 0
-    assert child.alive()
 
     monkeypatch.delenv("UCX_MM_SEG_SIZE")
     monkeypatch.delenv("UCX_MM_FIFO_SIZE")
