@@ -72,7 +72,7 @@ def repeat_rows(res):
     median kv/NIXL round ratio, their worst (lowest) and the lowest and
     highest single-round ratio seen."""
     rows = {}
-    for i, run in enumerate(res.get("repeats") or []):
+    for run in res.get("repeats") or []:
         for label, pts in run["points"].items():
             for name, p in pts.items():
                 row = rows.setdefault((label, name), {"transport": label, "point": name,
