@@ -1,6 +1,7 @@
 """The kvrecv benchmark suite.
 
     python benchmarks/run.py [--quick] [--only tcp|shm] [--skip nixl,cref,perftest,...]
+                             [--repeat N]
 
 For UCX_TLS=tcp and for shared memory (UCX_TLS=posix,sysv,cma,self):
 
@@ -21,7 +22,10 @@ throughput point, kvrecv and NIXL take turns round by round (one round of
 kvrecv, one of NIXL, and again), so that their ratio compares rounds a
 fraction of a second apart on this shared machine; the other references of
 the point are measured right after; "best" ratios (best round against best
-round) are given beside the median ratios.
+round) are given beside the median ratios, and the kv/NIXL ratio of each
+pair of rounds as median and spread.  --repeat N runs the whole suite N
+times and reports, per point, each run's median kv/NIXL round ratio and
+the worst of them.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ import numpy as np  # noqa: E402
 
 import common as C  # noqa: E402
 from common import NIXL_SHM_TLS  # noqa: E402
-from report import dig, core_builds, evaluate, fmt, latency_runs, plot, summary_md  # noqa: E402,F401
+from report import (core_builds, dig, evaluate, fmt, latency_runs, plot,  # noqa: E402,F401
+                    repeat_record, summary_md)
 
 RESULTS = os.path.join(HERE, "results")
 BUILD = os.path.join(HERE, "build")
@@ -560,6 +565,49 @@ def run_transport(label, res, a, points, skip, exe, tmp, reps_pt):
         C.dump(a.out, res)
 
 
+def run_suite(a, points, skip, exe, tmp):
+    """One whole run of the suite (every transport, the references, memcpy);
+    the results dict without the targets."""
+    reps_pt = 5
+    t_start = time.monotonic()
+    res = {"quick": a.quick, "rounds": a.rounds, "machine": machine_info(), "transports": {},
+           "definitions": {
+               "GB/s": "1e9 bytes/s: KV bytes of a round / time from the prefill's first send() "
+                       "to the decode's last poll()==Success (CLOCK_MONOTONIC in both processes)",
+               "ops/room": "kvrecv: prefill manager.stats()['rma_ops_posted'] delta / rooms; "
+                           "NIXL: descriptors per room; C: ucp_put_nbx/ucp_get_nbx calls per room",
+               "CPU s/GB": "getrusage(RUSAGE_SELF) user+sys of each process (all threads) over a "
+                           "round / GB moved",
+               "msg": "bytes per data operation: pages*item for contiguous rooms, item for random",
+               "latency": "one-page room: t0 right before KVSender.send() in the prefill, t1 when "
+                          "KVReceiver.poll() first returns Success in the decode; "
+                          "time.monotonic_ns() (CLOCK_MONOTONIC, one clock for all processes)",
+               "ratio": "kvrecv median / reference median, both of the same point, measured "
+                        "back to back; ratio_best: best round / best round",
+               "kv/NIXL by round": "kvrecv's round / NIXL's round taken right after it, for "
+                                   "each pair; median and spread (report.round_ratios)",
+           },
+           "grid": {"throughput": points, "latency": [LAT_POINT, LAT_POINT_1],
+                    "poll": POLL_POINT, "scale": {"point": SCALE_POINT, "counts": SCALE_COUNTS}}}
+    if "nixl" not in skip:
+        nixl_probe(res)
+    for label in [a.only] if a.only else ["tcp", "shm"]:
+        try:
+            run_transport(label, res, a, points, skip, exe, tmp, reps_pt)
+        except Exception:  # noqa: BLE001
+            res["transports"].setdefault(label, {})["error"] = traceback.format_exc()
+            log(traceback.format_exc())
+    if "memcpy" not in skip:
+        res["memcpy"] = {}
+        for p in points:
+            res["memcpy"][C.point_name(p)] = memcpy_ref(p, a.rounds)
+        log("  memcpy GB/s (block / numpy pages): " + ", ".join(
+            f"{k} {v['memcpy_gbps']:.2f}/{v['numpy_pages_gbps']:.2f}" for k, v in res["memcpy"].items()))
+    res["loadavg_end"] = os.getloadavg()
+    res["wall_s"] = time.monotonic() - t_start
+    return res
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -568,6 +616,9 @@ def main():
     ap.add_argument("--skip", default="",
                     help="comma list of: kvrecv,scale,nixl,mooncake,cref,perftest,memcpy")
     ap.add_argument("--rounds", type=int, default=5, help="measured rounds per point (>= 5)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="run the whole suite N times; the summary adds each point's kv/NIXL "
+                         "ratio in every run and the worst of them (the tables show the last run)")
     ap.add_argument("--out", default=os.path.join(RESULTS, "results.json"))
     ap.add_argument("--report-only", action="store_true",
                     help="rebuild targets, summary.md and the plot from an existing --out file")
@@ -588,62 +639,38 @@ def main():
         log("ucx_perftest: not run: not installed (Debian: apt-get install ucx-utils)")
         skip.add("perftest")
     a.rounds = max(5, a.rounds)
+    a.repeat = max(1, a.repeat)
     a.lat_samples = 150 if a.quick else 300
-    reps_pt = 5
     a.out = os.path.abspath(a.out)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     tmp = tempfile.mkdtemp(prefix="kvrecv-bench-")
-    t_start = time.monotonic()
     points = throughput_points(a.quick)
-    res = {"quick": a.quick, "rounds": a.rounds, "machine": machine_info(), "transports": {},
-           "definitions": {
-               "GB/s": "1e9 bytes/s: KV bytes of a round / time from the prefill's first send() "
-                       "to the decode's last poll()==Success (CLOCK_MONOTONIC in both processes)",
-               "ops/room": "kvrecv: prefill manager.stats()['rma_ops_posted'] delta / rooms; "
-                           "NIXL: descriptors per room; C: ucp_put_nbx/ucp_get_nbx calls per room",
-               "CPU s/GB": "getrusage(RUSAGE_SELF) user+sys of each process (all threads) over a "
-                           "round / GB moved",
-               "msg": "bytes per data operation: pages*item for contiguous rooms, item for random",
-               "latency": "one-page room: t0 right before KVSender.send() in the prefill, t1 when "
-                          "KVReceiver.poll() first returns Success in the decode; "
-                          "time.monotonic_ns() (CLOCK_MONOTONIC, one clock for all processes)",
-               "ratio": "kvrecv median / reference median, both of the same point, measured "
-                        "back to back; ratio_best: best round / best round",
-           },
-           "grid": {"throughput": points, "latency": [LAT_POINT, LAT_POINT_1],
-                    "poll": POLL_POINT, "scale": {"point": SCALE_POINT, "counts": SCALE_COUNTS}}}
-    exe = None
+    exe, cref = None, {}
     if "cref" not in skip:
         try:
-            exe, res["c_ref_build"] = build_c_ref()
+            exe, cref["c_ref_build"] = build_c_ref()
         except Exception as e:  # noqa: BLE001
-            res["c_ref_build_error"] = str(e)
+            cref["c_ref_build_error"] = str(e)
             log(str(e))
-    if "nixl" not in skip:
-        nixl_probe(res)
     if "mooncake" not in skip:
         try:
             import mooncake.engine  # noqa: F401
         except ImportError as e:
             log(f"Mooncake: not run: {e} (pip install --no-deps mooncake-transfer-engine-non-cuda)")
             skip.add("mooncake")
-    for label in [a.only] if a.only else ["tcp", "shm"]:
-        try:
-            run_transport(label, res, a, points, skip, exe, tmp, reps_pt)
-        except Exception:  # noqa: BLE001
-            res["transports"].setdefault(label, {})["error"] = traceback.format_exc()
-            log(traceback.format_exc())
-    if "memcpy" not in skip:
-        res["memcpy"] = {}
-        for p in points:
-            res["memcpy"][C.point_name(p)] = memcpy_ref(p, a.rounds)
-        log("  memcpy GB/s (block / numpy pages): " + ", ".join(
-            f"{k} {v['memcpy_gbps']:.2f}/{v['numpy_pages_gbps']:.2f}" for k, v in res["memcpy"].items()))
-    res["loadavg_end"] = os.getloadavg()
-    res["wall_s"] = time.monotonic() - t_start
-    res["core_builds"] = core_builds(res)
-    res["targets"] = evaluate(res)
-    C.dump(a.out, res)
+    repeats, builds = [], []
+    for i in range(a.repeat):
+        if a.repeat > 1:
+            log(f"=== suite run {i + 1} of {a.repeat}")
+        res = run_suite(a, points, skip, exe, tmp)
+        res.update(cref)
+        repeats.append(repeat_record(res))
+        builds.extend(b for b in core_builds(res) if b not in builds)
+        if a.repeat > 1:
+            res["repeats"] = repeats
+        res["core_builds"] = builds
+        res["targets"] = evaluate(res)
+        C.dump(a.out, res)
     md = summary_md(res)
     with open(os.path.join(os.path.dirname(a.out), "summary.md"), "w") as f:
         f.write(md)
@@ -654,7 +681,7 @@ def main():
     shutil.rmtree(tmp, ignore_errors=True)
     log("")
     log(md)
-    log(f"suite wall time {res['wall_s']:.0f} s; results in {a.out}")
+    log(f"suite wall time {res['wall_s']:.0f} s (the last of {a.repeat} runs); results in {a.out}")
 
 
 if __name__ == "__main__":

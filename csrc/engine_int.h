@@ -362,6 +362,9 @@ void kvr_room_unref_locked(kvr_engine_t *e, kvr_room_t *r);
 /* Frees the room and what the engine kept with it; its references are gone. */
 void kvr_eroom_free(kvr_room_t *r);
 void kvr_work_push_locked(kvr_engine_t *e, kvr_room_t *r);
+/* Takes r off the work list if it is its head (an API call did its work
+ * already); 1 if it did. */
+int kvr_work_drop_head_locked(kvr_engine_t *e, kvr_room_t *r);
 /* Puts r at the head of the list *head, linked through *next, unless *on
  * says it is there already; the list holds a reference to each room. */
 void kvr_room_list_push(kvr_room_t **head, kvr_room_t *r, int *on, kvr_room_t **next);

@@ -352,6 +352,8 @@ void kvr_peer_hello(kvr_engine_t *e, kvr_peer_t *p)
     kvr_msg_t m = kvr_msg_hello(KVR_MSG_HELLO, (uint32_t)e->rank, &layout, addr, (uint32_t)alen);
     size_t rx = kvr_tp_tcp_rx_seg(e->tp);
     m.tcp_rx_seg = rx > UINT32_MAX ? UINT32_MAX : (uint32_t)rx;
+    kvr_tp_shm_sizes(e->tp, &m.shm_seg, &m.shm_fifo);
+    m.has_shm = 1;
     kvr_send_ctrl_to_peer(e, p, &m);
 }
 

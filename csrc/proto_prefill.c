@@ -226,6 +226,21 @@ static void kvr_on_hello_locked(kvr_engine_t *e, const void *ident, size_t ident
         kvr_hello_reject_locked(e, p, KVR_TRANSPORT, reason);
         return;
     }
+    /* A decode that does not say (an older build) uses UCX's defaults. */
+    uint32_t seg, fifo;
+    kvr_tp_shm_sizes(e->tp, &seg, &fifo);
+    uint32_t dseg = m->has_shm ? m->shm_seg : KVR_TP_SHM_SEG_UCX_DEFAULT;
+    uint32_t dfifo = m->has_shm ? m->shm_fifo : KVR_TP_SHM_FIFO_UCX_DEFAULT;
+    if (seg && fifo && dseg && dfifo && (seg != dseg || fifo != dfifo)) {
+        snprintf(reason, sizeof(reason),
+                 "UCX shared-memory segments of prefill rank %d (%s) are %" PRIu32
+                 " bytes in a FIFO of %" PRIu32 ", %s's %" PRIu32 " in %" PRIu32
+                 " (UCX_MM_SEG_SIZE, UCX_MM_FIFO_SIZE): UCX would stop or overrun "
+                 "between them; set the same on both",
+                 e->rank, kvr_ctl_endpoint(e->ctl), seg, fifo, p->name, dseg, dfifo);
+        kvr_hello_reject_locked(e, p, KVR_TRANSPORT, reason);
+        return;
+    }
     /* The endpoint is created on the first data sent to this decode: a
      * decode that never receives costs no connection (and UCX 1.13's tcp
      * transport mishandles connections refused by a worker that is gone). */

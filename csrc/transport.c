@@ -14,6 +14,7 @@
 
 #include "pagecopy.h"
 #include "ucxaddr.h"
+#include "ucxtune.h"
 #include "ucxlog.h"
 
 #define KVR_AM_ID_DATA 7
@@ -24,24 +25,6 @@
  * packed message was in flight for KVR_TP_PACK_IDLE_NS. */
 #define KVR_TP_PACK_CACHE 512
 #define KVR_TP_PACK_IDLE_NS (1000ull * 1000 * 1000)
-
-/* UCX settings kvrecv changes from UCX's defaults, each only where the
- * environment does not set it (its variable wins).  With peer-failure
- * handling UCX 1.13 selects no RMA lane over tcp, so rendezvous data moves
- * as active-message fragments of at most UCX_TCP_TX_SEG_SIZE (default 8 KiB),
- * each with its own header, send call and receiver-side handling.  256 KiB
- * fragments into 512 KiB receive buffers move 16 MiB messages 1.3-1.7x
- * faster here (ucx_perftest tag_bw -e; kvrecv's 16 MiB rooms 3.4-3.6 ->
- * 5.1-5.4 GB/s; docs/operations.md, Tuning).  ucp_config_modify() applies
- * a name to every transport with a field of that name: among UCX 1.13's
- * transports only tcp has TX_SEG_SIZE and RX_SEG_SIZE (ucx_info -c). */
-enum { KVR_TP_TCP_TX_SEG, KVR_TP_TCP_RX_SEG, KVR_TP_NTUNE };
-static const struct {
-    const char *env, *name, *value;
-} kvr_tp_ucx_defaults[KVR_TP_NTUNE] = {
-    [KVR_TP_TCP_TX_SEG] = {"UCX_TCP_TX_SEG_SIZE", "TX_SEG_SIZE", "256K"},
-    [KVR_TP_TCP_RX_SEG] = {"UCX_TCP_RX_SEG_SIZE", "RX_SEG_SIZE", "512K"},
-};
 
 /* kvr_tp_iov_t arrays are handed to UCX as they are. */
 _Static_assert(sizeof(kvr_tp_iov_t) == sizeof(ucp_dt_iov_t) &&
@@ -80,8 +63,8 @@ struct kvr_transport {
     unsigned eps_without_peer_errors;
     int said_lanes[2];        /* the INFO line on endpoints [without, with] peer errors was logged */
     char describe[256];
-    char tuned[128];                   /* UCX settings kvrecv changed (kvr_tp_tune) */
-    size_t tuned_bytes[KVR_TP_NTUNE];  /* their values in effect, bytes (0: not known) */
+    char tuned[192];                   /* UCX settings kvrecv changed (ucxtune.c) */
+    size_t tuned_bytes[KVR_TUNE_N];    /* their values in effect (0: not known) */
     size_t pack_max;                   /* most bytes of bounce buffers in flight */
     size_t pack_inflight;              /* bytes of bounce buffers in flight */
     uint64_t packed;                   /* messages sent packed */
@@ -266,54 +249,6 @@ static void kvr_tp_ep_err_cb(void *arg, ucp_ep_h ep, ucs_status_t status)
 
 /* ---- lifecycle ---- */
 
-/* 1 if UCX_TLS lets UCX use tcp: unset, "all" or "tcp" among the names,
- * or a "^" list (all but those) without "tcp". */
-static int kvr_tp_tls_has_tcp(const char *tls)
-{
-    if (tls == NULL || *tls == '\0') {
-        return 1;
-    }
-    int exclude = tls[0] == '^';
-    int tcp = 0, all = 0;
-    for (const char *p = tls + exclude; *p;) {
-        size_t n = strcspn(p, ",");
-        tcp |= n == 3 && strncmp(p, "tcp", 3) == 0;
-        all |= n == 3 && strncmp(p, "all", 3) == 0;
-        p += n + (p[n] == ',');
-    }
-    return exclude ? !tcp : tcp || all;
-}
-
-/* Applies kvr_tp_ucx_defaults to tp's config where UCX may use tcp (UCX
- * warns about settings no transport in use has); names what it changed in
- * tp->tuned ("" if nothing) and records the values in effect. */
-static void kvr_tp_tune(kvr_transport_t *tp, ucp_config_t *config, const char *tls)
-{
-    tp->tuned[0] = '\0';
-    if (!kvr_tp_tls_has_tcp(tls)) {
-        tp->tuned_bytes[KVR_TP_TCP_RX_SEG] = SIZE_MAX; /* nothing arrives over tcp */
-        return;
-    }
-    for (int i = 0; i < KVR_TP_NTUNE; i++) {
-        const char *env = kvr_tp_ucx_defaults[i].env;
-        const char *set = getenv(env);
-        if (set == NULL) {
-            if (ucp_config_modify(config, kvr_tp_ucx_defaults[i].name,
-                                  kvr_tp_ucx_defaults[i].value) != UCS_OK) {
-                continue; /* UCX's default, whatever it is: not known */
-            }
-            set = kvr_tp_ucx_defaults[i].value;
-            size_t n = strlen(tp->tuned);
-            snprintf(tp->tuned + n, sizeof(tp->tuned) - n, "%s%s=%s", n ? " " : "", env, set);
-        }
-        size_t v = 0;
-        if (ucs_str_to_memunits(set, &v) != UCS_OK || v == UCS_MEMUNITS_AUTO) {
-            v = 0;
-        }
-        tp->tuned_bytes[i] = v;
-    }
-}
-
 static int kvr_tp_worker_new(kvr_transport_t *tp, kvr_tp_worker_t **w_p, char *err,
                              size_t errlen);
 static void kvr_tp_worker_free(kvr_tp_worker_t *w);
@@ -376,7 +311,7 @@ int kvr_tp_create(const kvr_tp_callbacks_t *cb, size_t pack_max, kvr_transport_t
         goto err_free;
     }
     const char *tls = getenv("UCX_TLS");
-    kvr_tp_tune(tp, config, tls);
+    kvr_ucxtune_apply(config, tls, tp->tuned, sizeof(tp->tuned), tp->tuned_bytes);
     ucp_params_t params;
     memset(&params, 0, sizeof(params));
     params.field_mask = UCP_PARAM_FIELD_FEATURES | UCP_PARAM_FIELD_MT_WORKERS_SHARED;
@@ -731,12 +666,19 @@ void kvr_tp_pack_trim(kvr_transport_t *tp, uint64_t now_ns)
 
 size_t kvr_tp_tcp_tx_seg(const kvr_transport_t *tp)
 {
-    return tp->tuned_bytes[KVR_TP_TCP_TX_SEG];
+    return tp->tuned_bytes[KVR_TUNE_TCP_TX_SEG];
 }
 
 size_t kvr_tp_tcp_rx_seg(const kvr_transport_t *tp)
 {
-    return tp->tuned_bytes[KVR_TP_TCP_RX_SEG];
+    return tp->tuned_bytes[KVR_TUNE_TCP_RX_SEG];
+}
+
+void kvr_tp_shm_sizes(const kvr_transport_t *tp, uint32_t *seg, uint32_t *fifo)
+{
+    size_t s = tp->tuned_bytes[KVR_TUNE_MM_SEG], f = tp->tuned_bytes[KVR_TUNE_MM_FIFO];
+    *seg = s > UINT32_MAX ? UINT32_MAX : (uint32_t)s;
+    *fifo = f > UINT32_MAX ? UINT32_MAX : (uint32_t)f;
 }
 
 const char *kvr_tp_describe(kvr_transport_t *tp)

@@ -213,6 +213,21 @@ size_t kvr_tp_tcp_rx_seg(const kvr_transport_t *tp);
  * (an older build) receives into. */
 #define KVR_TP_TCP_RX_SEG_UCX_DEFAULT (64u << 10)
 
+/*
+ * This context's UCX shared-memory (posix/sysv) segment size in bytes and
+ * receive FIFO length, as set by the environment or by kvrecv; both 0 where
+ * UCX_TLS leaves those transports out, 0 where not known.  UCX 1.13 does
+ * not exchange them: a sender with a shorter FIFO than its receiver stops
+ * for good (measured), one with larger segments writes past the
+ * receiver's.  So the decode says its sizes and the prefill refuses a
+ * decode whose differ from its own.
+ */
+void kvr_tp_shm_sizes(const kvr_transport_t *tp, uint32_t *seg, uint32_t *fifo);
+/* UCX's own defaults: what a decode that does not say (an older build)
+ * uses. */
+#define KVR_TP_SHM_SEG_UCX_DEFAULT 8256u
+#define KVR_TP_SHM_FIFO_UCX_DEFAULT 64u
+
 /* Transports in use, comma separated (for stats and logs). */
 const char *kvr_tp_describe(kvr_transport_t *tp);
 

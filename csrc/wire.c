@@ -134,6 +134,10 @@ int kvr_wire_encode(kvr_wbuf_t *b, const kvr_msg_t *m)
         kvr_wbuf_put(b, m->addr, m->addr_len);
         if (m->type == KVR_MSG_HELLO && m->tcp_rx_seg) {
             kvr_put_u32(b, m->tcp_rx_seg);
+            if (m->has_shm) {
+                kvr_put_u32(b, m->shm_seg);
+                kvr_put_u32(b, m->shm_fifo);
+            }
         }
         break;
     case KVR_MSG_HELLO_REJECT:
@@ -302,6 +306,11 @@ int kvr_wire_decode(const void *buf, size_t len, kvr_msg_t *m, const char **why)
             m->tcp_rx_seg = (uint32_t)kvr_rd_int(&r, 4, "truncated tcp receive size");
             if (m->tcp_rx_seg == 0) {
                 r.why = "explicit zero tcp receive size";
+            }
+            if (!r.why && r.left >= 8) { /* the optional shared-memory sizes */
+                m->has_shm = 1;
+                m->shm_seg = (uint32_t)kvr_rd_int(&r, 4, "truncated shared-memory segment");
+                m->shm_fifo = (uint32_t)kvr_rd_int(&r, 4, "truncated shared-memory FIFO");
             }
         }
         break;

@@ -75,6 +75,12 @@ typedef struct {
      * known, UINT32_MAX: no tcp); on the wire only when > 0, like
      * prefix_len. */
     uint32_t tcp_rx_seg;
+    /* HELLO: the decode's UCX shared-memory segment size in bytes and
+     * receive FIFO length (0: no posix/sysv transport, or not known); on
+     * the wire after a tcp_rx_seg when has_shm (set by the sender, and by
+     * the decoder when they were there). */
+    uint32_t shm_seg, shm_fifo;
+    uint8_t has_shm;
     uint8_t found;
     uint64_t peer_epoch;
     uint16_t code;

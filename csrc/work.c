@@ -54,6 +54,19 @@ void kvr_work_push_locked(kvr_engine_t *e, kvr_room_t *r)
     kvr_room_list_push(&e->work_head, r, &kvr_eroom(r)->on_work, &kvr_eroom(r)->work_next);
 }
 
+int kvr_work_drop_head_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    KVR_ASSERT_LOCKED(e);
+    if (e->work_head != r) {
+        return 0;
+    }
+    e->work_head = kvr_eroom(r)->work_next;
+    kvr_eroom(r)->on_work = 0;
+    kvr_eroom(r)->work_next = NULL;
+    kvr_room_unref_locked(e, r);
+    return 1;
+}
+
 /*
  * Records the root cause for room r (first wins) and starts failing it.
  * notify: tell the peer.  Returns 1 if this was the first failure.

@@ -15,6 +15,7 @@ measured value is in every assertion message.
 from __future__ import annotations
 
 import pickle
+import re
 import time
 
 import numpy as np
@@ -249,6 +250,29 @@ def test_layout_mismatch(fail_bs, fail_closer, decode_items, words):
 # --------------------------------------------------------------------------
 
 
+def _room_refused_to_decode(p, child, addr, room):
+    """A room of 8 pages from prefill p to the decode in child, which the
+    prefill refused to connect: it fails with TRANSPORT on both sides, no
+    byte lands, the decode lives on.  Returns the sender and the decode's
+    failure (its reason for the caller to check)."""
+    pages = list(range(8))
+    s = KVSender(p, addr, room)
+    s.init(len(pages), aux_index=0)
+    s.send(np.asarray(pages, dtype=np.int32))
+    child.call("open_receiver", room=room, pages=pages, aux=0)
+    st = child.call("wait", room=room, states=[int(KVPoll.Failed), int(KVPoll.Success)])["state"]
+    assert st == KVPoll.Failed, st
+    f = child.call("failure", room=room)
+    assert (f["cls"], f["code"], f["room"]) == ("KVTransportError", "TRANSPORT", room), f
+    st, el = _wait_state(s, TERMINAL, 10)
+    assert st == KVPoll.Failed, (st, el)
+    e = _exc(s)
+    assert type(e) is KVTransportError and e.code == "TRANSPORT", (type(e), e.failure_reason)
+    assert child.call("stats")["bytes_moved"] == 0
+    assert child.alive()
+    return s, f
+
+
 @pytest.mark.timeout(90)
 def test_tcp_fragments_larger_than_the_decode_receives_are_refused(fail_bs, fail_closer,
                                                                      fail_spawn, monkeypatch):
@@ -266,31 +290,47 @@ def test_tcp_fragments_larger_than_the_decode_receives_are_refused(fail_bs, fail
     monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "8K")  # UCX's own defaults
     monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "64K")
     child = fail_spawn("decode", fail_bs.address, scale=scale)
-    pages = list(range(8))
-    s = KVSender(p, fail_bs.address, 61)
-    s.init(len(pages), aux_index=0)
-    s.send(np.asarray(pages, dtype=np.int32))
-    child.call("open_receiver", room=61, pages=pages, aux=0)
-    st = child.call("wait", room=61, states=[int(KVPoll.Failed), int(KVPoll.Success)])["state"]
-    assert st == KVPoll.Failed, st
-    f = child.call("failure", room=61)
-    assert (f["cls"], f["code"], f["room"]) == ("KVTransportError", "TRANSPORT", 61), f
+    s, f = _room_refused_to_decode(p, child, fail_bs.address, 61)
     for part in ("UCX tcp fragments of prefill rank 0", "up to 262144 bytes (UCX_TCP_TX_SEG_SIZE)",
                  "receives into 65536-byte buffers (UCX_TCP_RX_SEG_SIZE)",
                  "UCX would abort the decode"):
         assert part in f["reason"], f["reason"]
-    st, el = _wait_state(s, TERMINAL, 10)
-    assert st == KVPoll.Failed, (st, el)
-    e = _exc(s)
-    assert type(e) is KVTransportError and e.code == "TRANSPORT", (type(e), e.failure_reason)
-    assert child.call("stats")["bytes_moved"] == 0
-    assert child.alive()
 
     monkeypatch.delenv("UCX_TCP_TX_SEG_SIZE")
     monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "256K")  # fits: fragments of at most 256 KiB
     d2, dkv2, daux2 = _decode(scale=scale)
     fail_closer(d2)
     _check_new_room_in_process(p, pkv, paux, d2, dkv2, daux2, fail_bs.address, 62, [8, 9, 10, 11], 1)
+    s.clear()
+
+
+@pytest.mark.timeout(90)
+def test_shared_memory_sizes_that_differ_are_refused(fail_bs, fail_closer, fail_spawn,
+                                                     monkeypatch):
+    """UCX 1.13 does not exchange its shared-memory segment size and FIFO
+    length: a prefill at kvrecv's (32 KiB x 256) and a decode at UCX's own
+    (8256 bytes x 64) left every room Transferring for good (measured).  The
+    decode says its sizes in its HELLO and the prefill refuses it: the
+    rooms fail with TRANSPORT naming both, on both sides, no byte lands, and
+    the prefill still serves a decode at its sizes."""
+    monkeypatch.setenv("UCX_TLS", "posix,sysv,cma,self")
+    p, pkv, paux = _prefill(fail_bs.address, seed=24)
+    fail_closer(p)
+    assert "kvrecv sets UCX_MM_SEG_SIZE=32K UCX_MM_FIFO_SIZE=256" in p.transport, p.transport
+    monkeypatch.setenv("UCX_MM_SEG_SIZE", "8256")  # UCX's own defaults
+    monkeypatch.setenv("UCX_MM_FIFO_SIZE", "64")
+    child = fail_spawn("decode", fail_bs.address)
+    s, f = _room_refused_to_decode(p, child, fail_bs.address, 63)
+    assert re.fullmatch(r"room 63: UCX shared-memory segments of prefill rank 0 \(tcp://\S+\) are "
+                        r"32768 bytes in a FIFO of 256, decode rank 0 \(epoch [0-9a-f]{16}\)'s "
+                        r"8256 in 64 \(UCX_MM_SEG_SIZE, UCX_MM_FIFO_SIZE\): UCX would stop or "
+                        r"overrun between them; set the same on both", f["reason"]), f["reason"]
+
+    monkeypatch.delenv("UCX_MM_SEG_SIZE")
+    monkeypatch.delenv("UCX_MM_FIFO_SIZE")
+    d2, dkv2, daux2 = _decode()
+    fail_closer(d2)
+    _check_new_room_in_process(p, pkv, paux, d2, dkv2, daux2, fail_bs.address, 64, [8, 9, 10, 11], 1)
     s.clear()
 
 

@@ -294,22 +294,41 @@ def test_tcp_fragment_sizes_only_where_ucx_may_use_tcp(res, bootstrap, monkeypat
     monkeypatch.setenv("UCX_TLS", "posix,sysv,cma,self")
     dst = Side(SEG, rank=0)
     decode = res.manager(dst, "decode")
-    assert "kvrecv sets" not in decode.transport, decode.transport
+    assert TUNED not in decode.transport and "TCP" not in decode.transport, decode.transport
     plans = make_plans(np.random.default_rng(23), SEG, room0=98)
     _transfer_from_children([child], [decode], [dst], addr, SEG, plans)
     err = capfd.readouterr().err
     assert "invalid configurations" not in err, err
 
 
-@pytest.mark.parametrize("tls, tuned", [("tcp", True), ("all", True), ("^posix", True),
-                                       ("sm,tcp,self", True), ("^tcp", False),
-                                       ("posix,sysv,cma,self", False), ("sm,self", False)])
-def test_tcp_fragment_sizes_follow_ucx_tls(res, monkeypatch, tls, tuned):
+@pytest.mark.parametrize("tls, tuned, shm", [
+    ("tcp", True, False), ("all", True, True), ("^posix", True, True), ("^posix,sysv", True, False),
+    ("^sm", True, False), ("sm,tcp,self", True, True), ("^tcp", False, True),
+    ("posix,sysv,cma,self", False, True), ("sm,self", False, True), ("sysv,self", False, True)])
+def test_tcp_fragment_sizes_follow_ucx_tls(res, monkeypatch, tls, tuned, shm):
     """kvrecv sets its tcp fragment sizes exactly where UCX_TLS lets UCX
-    use tcp (a "^" list excludes what it names)."""
+    use tcp, its shared-memory segment sizes where it lets UCX use posix or
+    sysv (a "^" list excludes what it names; sm names both)."""
     monkeypatch.setenv("UCX_TLS", tls)
     m = res.manager(Side(SMALL, rank=0), "decode")
     assert (TUNED in m.transport) is tuned, m.transport
+    assert (SHM_TUNED in m.transport) is shm, m.transport
+
+
+SHM_TUNED = "UCX_MM_SEG_SIZE=32K UCX_MM_FIFO_SIZE=256"
+
+
+def test_shm_sizes_set_by_the_environment_win(res, monkeypatch):
+    """kvrecv sets UCX's shared-memory segment and FIFO sizes (32 KiB x 256)
+    only where no variable of the environment sets them: UCX_MM_* or a
+    transport's own UCX_POSIX_* / UCX_SYSV_*."""
+    monkeypatch.setenv("UCX_TLS", "posix,sysv,cma,self")
+    monkeypatch.setenv("UCX_SYSV_FIFO_SIZE", "128")
+    m = res.manager(Side(SMALL, rank=0), "decode")
+    assert m.transport.endswith(", kvrecv sets UCX_MM_SEG_SIZE=32K"), m.transport
+    monkeypatch.setenv("UCX_MM_SEG_SIZE", "16K")
+    m = res.manager(Side(SMALL, rank=1), "decode")
+    assert "kvrecv sets" not in m.transport, m.transport
 
 
 @pytest.mark.timeout(90)

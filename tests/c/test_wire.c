@@ -737,6 +737,44 @@ TEST_IMPL(wire_hello_tcp_rx_seg)
     ASSERT_EQ(d.tcp_rx_seg, 0);
 }
 
+/* A HELLO's shared-memory sizes follow its tcp receive size: 8 bytes,
+ * zeros allowed (no such transport); fewer are trailing bytes. */
+TEST_IMPL(wire_hello_shm_sizes)
+{
+    kvr_msg_t m = sample(KVR_MSG_HELLO), d;
+    m.tcp_rx_seg = 512u << 10;
+    kvr_wbuf_t b0, b;
+    kvr_wbuf_init(&b0);
+    kvr_wbuf_init(&b);
+    const char *why = NULL;
+    ASSERT_EQ(kvr_wire_encode(&b0, &m), 0);
+    ASSERT_EQ(decode_exact(b0.data, b0.len, &d, &why), 0);
+    ASSERT_EQ(d.has_shm, 0);
+    m.has_shm = 1;
+    m.shm_seg = 32u << 10;
+    m.shm_fifo = 256;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    ASSERT_EQ(b.len, b0.len + 8);
+    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
+    ASSERT_EQ(d.has_shm, 1);
+    ASSERT_EQ(d.shm_seg, 32u << 10);
+    ASSERT_EQ(d.shm_fifo, 256);
+    ASSERT_U64_EQ(d.tcp_rx_seg, 512u << 10);
+    for (size_t cut = 1; cut < 8; cut++) {
+        ASSERT_EQ(decode_exact(b.data, b0.len + cut, &d, &why), -1);
+        ASSERT(why != NULL && strcmp(why, "trailing bytes") == 0);
+    }
+    kvr_wbuf_free(&b);
+    kvr_wbuf_init(&b);
+    m.shm_seg = 0;
+    m.shm_fifo = 0;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
+    ASSERT(d.has_shm == 1 && d.shm_seg == 0 && d.shm_fifo == 0);
+    kvr_wbuf_free(&b);
+    kvr_wbuf_free(&b0);
+}
+
 /* The constructors set what their type carries; it survives the wire. */
 TEST_IMPL(wire_constructors)
 {
