@@ -47,6 +47,18 @@ void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r)
         kvr_rejected_fail_locked(e, r);
         return;
     }
+    const kvr_plan_cursor_t *c = &kvr_eroom(r)->post;
+    if (!r->inited || c->posted < r->total_pages || (r->dst_aux >= 0 && !c->aux_done)) {
+        /* The decode cannot hold bytes this side never sent: it lies, or
+         * it is talking about another room. */
+        kvr_room_failf_locked(e, r, KVR_PROTOCOL, 1,
+                              "%s reported every byte landed before the prefill sent them "
+                              "(%u of %u pages%s posted)",
+                              r->peer ? r->peer->name : "the decode", c->posted,
+                              r->total_pages,
+                              r->dst_aux >= 0 && !c->aux_done ? ", the aux row not" : "");
+        return;
+    }
     if (kvr_room_succeed(r)) {
         kvr_room_succeeded_locked(e, r);
     }
