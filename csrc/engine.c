@@ -481,6 +481,7 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
              p->bootstrap_addr ? p->bootstrap_addr : "");
     kvr_table_init(&e->rooms);
     kvr_table_init(&e->tags);
+    kvr_table_init(&e->peer_index);
     kvr_heap_init(&e->deadlines);
     kvr_table_init(&e->pending);
     kvr_wbuf_init(&e->wbuf);
@@ -658,6 +659,7 @@ void kvr_engine_free(kvr_engine_t *e)
     }
     kvr_table_destroy(&e->tags);
     kvr_table_destroy(&e->rooms);
+    kvr_table_destroy(&e->peer_index);
     while (e->peers) {
         kvr_peer_t *p = e->peers;
         e->peers = p->next;

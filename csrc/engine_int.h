@@ -105,7 +105,8 @@ typedef struct kvr_peer {
     int ep_err;                 /* an endpoint error seen off the engine thread */
     kvr_tp_ep_t *ep_err_ep;     /* on this endpoint */
     char ep_err_text[128];
-    struct kvr_peer *next;
+    struct kvr_peer *next;      /* e->peers */
+    struct kvr_peer *hnext;     /* same hash of (kind, key) in e->peer_index */
 } kvr_peer_t;
 
 /* Every change of a peer's state goes through here. */
@@ -245,6 +246,7 @@ struct kvr_engine {
     kvr_room_t *draining;   /* failing rooms with operations in flight */
     kvr_heap_t deadlines;   /* open rooms by their next deadline (timer.c) */
     kvr_peer_t *peers;
+    kvr_table_t peer_index; /* hash of (kind, key) -> peers with it, through hnext */
     /* decode: poll() progressing UCX from the caller's thread */
     int off_thread;               /* set while it does (under the lock) */
     int ep_err_pending;           /* a peer has ep_err set */
@@ -377,8 +379,13 @@ void kvr_send_ctrl_to_peer(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m);
 void kvr_send_conn_locked(kvr_engine_t *e, kvr_ctl_conn_t *conn, const kvr_msg_t *m);
 void kvr_fill_layout(kvr_engine_t *e, kvr_wire_layout_t *l);
 int kvr_layout_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *why, size_t n);
+/* The peer of that kind and key, or NULL: a lookup in e->peer_index, which
+ * follows every peer's key (kvr_peer_new, kvr_peer_rekey). */
 kvr_peer_t *kvr_peer_find(kvr_engine_t *e, int kind, const char *key);
 kvr_peer_t *kvr_peer_new(kvr_engine_t *e, int kind, const char *key);
+/* Gives peer p a new key (a recycled decode peer); -1 if memory ran out
+ * (p then has no key and is found by no lookup). */
+int kvr_peer_rekey(kvr_engine_t *e, kvr_peer_t *p, const char *key);
 void kvr_peer_disconnect(kvr_engine_t *e, kvr_peer_t *p);
 int kvr_peer_worker(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen);
 void kvr_reap_locked(kvr_engine_t *e);

@@ -165,14 +165,17 @@ static kvr_peer_t *kvr_decode_peer_recycle(kvr_engine_t *e, const char *key)
         if (!used) {
             kvr_peer_disconnect(e, p);
             free(p->worker_addr);
-            kvr_peer_t *next = p->next;
+            kvr_peer_t *next = p->next, *hnext = p->hnext;
+            char old[sizeof(p->key)];
+            memcpy(old, p->key, sizeof(old));
             memset(p, 0, sizeof(*p));
             p->next = next;
+            p->hnext = hnext;
+            p->state = KVR_PEER_FAILED;
             p->kind = KVR_PEER_IS_DECODE;
             p->remote_rank = -1;
-            snprintf(p->key, sizeof(p->key), "%s", key);
-            snprintf(p->name, sizeof(p->name), "%s", key);
-            return p;
+            memcpy(p->key, old, sizeof(old)); /* where the index has it */
+            return kvr_peer_rekey(e, p, key) == 0 ? p : NULL;
         }
     }
     return NULL;
