@@ -1,6 +1,7 @@
 #include "control.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -232,8 +233,9 @@ static int64_t kvr_zmq_cap(int64_t max_msg)
 }
 
 int kvr_ctl_create(const char *host, int port, int64_t max_msg, const void *secret,
-                   size_t secret_len, uint64_t self_epoch, const kvr_ctl_callbacks_t *cb,
-                   kvr_ctl_t **ctl_p, char *err, size_t errlen)
+                   size_t secret_len, uint64_t self_epoch, uint32_t hb_ivl_ms, uint32_t hb_timeout_ms,
+                   const kvr_ctl_callbacks_t *cb, kvr_ctl_t **ctl_p, char *err,
+                   size_t errlen)
 {
     kvr_ctl_t *ctl = calloc(1, sizeof(*ctl));
     if (ctl == NULL) {
@@ -259,12 +261,16 @@ int kvr_ctl_create(const char *host, int port, int64_t max_msg, const void *secr
     kvr_ctl_common_opts(ctl->router);
     int one = 1;
     zmq_setsockopt(ctl->router, ZMQ_ROUTER_MANDATORY, &one, sizeof(one));
-    /* A peer reconnects with the same routing id (its epoch and rank).  When
-     * its old connection vanished without a FIN reaching us (a dead link, a
-     * blackholed port), that connection still holds the id here; without
-     * handover the new one would be ignored until the old one times out,
-     * and every handshake meanwhile would go unanswered. */
-    zmq_setsockopt(ctl->router, ZMQ_ROUTER_HANDOVER, &one, sizeof(one));
+    /* No ZMQ_ROUTER_HANDOVER: with it any connection that names a live
+     * peer's routing id would take the id over, and every reply meant for
+     * that peer.  A peer reconnects with the same routing id (its epoch and
+     * rank); when its old connection vanished without a FIN reaching us (a
+     * dead link, a blackholed port), the ZMTP heartbeat closes that
+     * connection within hb_timeout_ms and the new one is heard. */
+    int hb[2] = {hb_ivl_ms > INT_MAX ? INT_MAX : (int)hb_ivl_ms,
+                 hb_timeout_ms > INT_MAX ? INT_MAX : (int)hb_timeout_ms};
+    zmq_setsockopt(ctl->router, ZMQ_HEARTBEAT_IVL, &hb[0], sizeof(hb[0]));
+    zmq_setsockopt(ctl->router, ZMQ_HEARTBEAT_TIMEOUT, &hb[1], sizeof(hb[1]));
     int64_t cap = kvr_zmq_cap(max_msg);
     zmq_setsockopt(ctl->router, ZMQ_MAXMSGSIZE, &cap, sizeof(cap));
     if (kvr_ctl_bind(ctl->router, host, port, ctl->endpoint, sizeof(ctl->endpoint), err,

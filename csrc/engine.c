@@ -443,7 +443,7 @@ static int kvr_engine_open_ctl(kvr_engine_t *e, char *err, size_t errlen)
                           : 65536;
     max_msg += e->cfg.secret_len ? KVR_AUTH_TRAILER_LEN : 0;
     if (kvr_ctl_create(e->host, e->cfg.ctrl_port, max_msg, e->cfg.secret, e->cfg.secret_len,
-                       e->epoch, &ccb, &e->ctl, err, errlen) != 0) {
+                       e->epoch, e->cfg.heartbeat_interval_ms, e->cfg.heartbeat_timeout_ms, &ccb, &e->ctl, err, errlen) != 0) {
         return KVR_ESYSTEM;
     }
     if (e->mode == KVR_MODE_PREFILL) {

@@ -119,6 +119,19 @@ static kvr_peer_t *kvr_decode_peer_by_ident(kvr_engine_t *e, const void *ident, 
     return kvr_peer_find(e, KVR_PEER_IS_DECODE, key);
 }
 
+/* Prefill: the requests decode peer p has pending will not be bound to it
+ * (the timers drop them). */
+static void kvr_pending_release(kvr_engine_t *e, kvr_peer_t *p)
+{
+    kvr_pending_t *pd;
+    for (kvr_table_iter_t it = {0}; (pd = kvr_table_next(&e->pending, &it, NULL)) != NULL;) {
+        if (pd->peer == p) {
+            p->nrooms--;
+            pd->peer = NULL;
+        }
+    }
+}
+
 /*
  * Prefill: refuses a decode rank's HELLO with code and reason: tells the
  * decode, logs, and releases the rooms the decode already asked for through
@@ -131,13 +144,7 @@ static void kvr_hello_reject_locked(kvr_engine_t *e, kvr_peer_t *p, int code, co
     kvr_send_ctrl_to_peer(e, p, &reply);
     kvr_log_write(&e->log, KVR_LOG_WARNING, "%s", reason);
     kvr_peer_set_state(p, KVR_PEER_FAILED);
-    kvr_pending_t *pd;
-    for (kvr_table_iter_t it = {0}; (pd = kvr_table_next(&e->pending, &it, NULL)) != NULL;) {
-        if (pd && pd->peer == p) {
-            p->nrooms--;
-            pd->peer = NULL;
-        }
-    }
+    kvr_pending_release(e, p);
 }
 
 /*
@@ -181,6 +188,32 @@ static kvr_peer_t *kvr_decode_peer_recycle(kvr_engine_t *e, const char *key)
     return NULL;
 }
 
+/*
+ * Prefill: a HELLO under the routing id of live decode peer p, from another
+ * instance (epoch): p keeps the id, its rooms and its worker; the sender is
+ * refused.  A decode's routing id names its own epoch, so only a decode
+ * whose previous instance died (then p is silent or failed) or a sender
+ * posing as p asks this.
+ */
+static void kvr_hello_taken_locked(kvr_engine_t *e, kvr_peer_t *p, const void *ident,
+                                   size_t ident_len, const kvr_msg_t *m)
+{
+    KVR_ASSERT_LOCKED(e);
+    char reason[512];
+    snprintf(reason, sizeof(reason),
+             "prefill rank %d (%s) refused decode rank %u (epoch %016" PRIx64
+             "): its routing id belongs to %s, which is alive (heard %" PRIu64 " ms ago)",
+             e->rank, kvr_ctl_endpoint(e->ctl), m->rank, m->epoch, p->name,
+             (kvr_now_ns() - p->last_heard_ns) / KVR_MS);
+    e->stats.ctrl_dropped++;
+    kvr_warn_limited(e, &e->refuse_log, "%s", reason);
+    kvr_msg_t reply = kvr_msg_text(KVR_MSG_HELLO_REJECT, (uint32_t)e->rank, KVR_REFUSED, reason);
+    reply.epoch = e->epoch;
+    if (kvr_wire_encode(&e->wbuf, &reply) == 0) {
+        kvr_ctl_send_router(e->ctl, ident, ident_len, e->wbuf.data, e->wbuf.len);
+    }
+}
+
 /* Prefill: HELLO from a decode rank. */
 static void kvr_on_hello_locked(kvr_engine_t *e, const void *ident, size_t ident_len,
                                 const kvr_msg_t *m)
@@ -189,6 +222,22 @@ static void kvr_on_hello_locked(kvr_engine_t *e, const void *ident, size_t ident
     char key[2 * KVR_IDENT_MAX + 1], why[256], err[256] = "";
     kvr_ident_key(ident, ident_len, key);
     kvr_peer_t *p = kvr_peer_find(e, KVR_PEER_IS_DECODE, key);
+    if (p != NULL && p->epoch != m->epoch && p->state == KVR_PEER_READY &&
+        !kvr_peer_silent(e, p, kvr_now_ns())) {
+        kvr_hello_taken_locked(e, p, ident, ident_len, m);
+        return;
+    }
+    if (p != NULL && p->epoch != m->epoch && p->state == KVR_PEER_READY) {
+        /* The silent instance is gone: its rooms fail before the new one
+         * takes the id. */
+        char what[96];
+        snprintf(what, sizeof(what), "restarted: epoch %016" PRIx64 " says HELLO under its routing id",
+                 m->epoch);
+        kvr_peer_fail_locked(e, p, KVR_PEER_RESTARTED, what);
+    }
+    if (p != NULL && p->epoch != m->epoch) {
+        kvr_pending_release(e, p); /* the old instance's */
+    }
     if (p == NULL) {
         p = kvr_decode_peer_recycle(e, key);
     }

@@ -375,6 +375,7 @@ def describe_failure(room) -> str:
 # --------------------------------------------------------------------------
 
 ZMQ_DEALER = 5
+ZMQ_ROUTING_ID = 5
 ZMQ_SNDMORE = 2
 ZMQ_LINGER = 17
 ZMQ_RCVTIMEO = 27
@@ -410,7 +411,8 @@ def _libzmq():
 class Dealer:
     """A DEALER connected to endpoint ("tcp://host:port")."""
 
-    def __init__(self, endpoint: str, recv_timeout_ms: int = 5000, bind: bool = False):
+    def __init__(self, endpoint: str, recv_timeout_ms: int = 5000, bind: bool = False,
+                 routing_id: Optional[bytes] = None):
         z = _libzmq()
         self._z = z
         self.ctx = z.zmq_ctx_new()
@@ -420,6 +422,9 @@ class Dealer:
         for opt, val in ((ZMQ_LINGER, 0), (ZMQ_RCVTIMEO, recv_timeout_ms), (ZMQ_SNDTIMEO, 5000)):
             v = ctypes.c_int(val)
             assert z.zmq_setsockopt(self.sock, opt, ctypes.byref(v), ctypes.sizeof(v)) == 0
+        if routing_id is not None:
+            rid = ctypes.create_string_buffer(routing_id, len(routing_id))
+            assert z.zmq_setsockopt(self.sock, ZMQ_ROUTING_ID, rid, len(routing_id)) == 0
         if bind:
             # A DEALER that others connect to (DEALER-DEALER: no routing ids).
             assert z.zmq_bind(self.sock, endpoint.encode()) == 0, f"zmq_bind({endpoint}) failed"

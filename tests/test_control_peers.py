@@ -16,17 +16,20 @@ from kvtest import (
     MSG_BS_REGISTER_OK,
     MSG_HELLO,
     MSG_HELLO_OK,
+    MSG_HELLO_REJECT,
     MSG_ROOM_DONE,
     SMALL,
     Side,
     header,
     parse_header,
+    ping,
     room_req,
     terminal,
     wait_for,
     wait_until,
     wire_str,
 )
+from kvtest import describe_failure
 from test_peer_input import fail_reason
 from test_security import recv_type
 
@@ -92,3 +95,78 @@ def test_room_done_before_the_data_was_sent_is_protocol(res, given):
     room, tag, code, reason = fail_reason(d.recv())
     assert (room, tag, code, reason) == (42, 111, 9, want)
     assert prefill.stats()["rooms_succeeded"] == 0
+
+
+def decode_ident(mgr) -> bytes:
+    """A decode manager's routing id on the prefills' ROUTERs: epoch, rank."""
+    return struct.pack("<QI", mgr._core.epoch, 0)
+
+
+def hello_reject(msg: bytes):
+    assert parse_header(msg)[2] == MSG_HELLO_REJECT, parse_header(msg)
+    rank, code = struct.unpack_from("<IH", msg, 16)
+    (n,) = struct.unpack_from("<H", msg, 22)
+    return code, msg[24:24 + n].decode()
+
+
+def test_a_connection_reusing_a_live_decodes_routing_id_cannot_take_it_over(res):
+    """A second connection names a live decode's routing id and says HELLO
+    as another instance with a worker of its own, between the decode's
+    HELLO and its request: it hears nothing, and the decode's room still
+    arrives byte-exact."""
+    bs = res.server()
+    src, dst = Side(SMALL, 0, seed=3), Side(SMALL, 0)
+    prefill = res.manager(src, "prefill", bs.address)
+    decode = res.manager(dst, "decode")
+    r = KVReceiver(decode, bs.address, 7)
+    r.init()
+    assert wait_for(r, (KVPoll.WaitingForInput, KVPoll.Failed)) == KVPoll.WaitingForInput
+    hello_msg, _ = real_decode_hello(res)
+    thief = res.dealer(prefill.endpoint, recv_timeout_ms=1000, routing_id=decode_ident(decode))
+    thief.send(with_epoch(hello_msg, 0x666))
+    assert thief.recv() is None  # no HELLO_OK, no reply at all
+    thief.send(ping(epoch=0x666))
+    assert thief.recv() is None
+    want = dst.snapshot()
+    dst_pages, src_pages = [5, 9, 10], [1, 2, 30]
+    want.apply(src, src_pages, dst_pages, 3, 4)
+    r.send_metadata(dst_pages, 4)
+    s = KVSender(prefill, bs.address, 7)
+    s.init(3, 3)
+    s.send(src_pages)
+    assert wait_for(r, terminal()) == KVPoll.Success, describe_failure(r)
+    assert wait_for(s, terminal()) == KVPoll.Success, describe_failure(s)
+    want.check(dst)
+
+
+def test_a_hello_under_a_live_peers_routing_id_is_refused_until_it_died(res):
+    """Decode instance A (epoch 5) holds a routing id and has a request
+    pending; its connection closes without a word.  Instance B (epoch 6)
+    says HELLO under the same id while A is alive: HELLO_REJECT naming A,
+    and A's request stays.  Once A is silent past the heartbeat timeout, B's
+    HELLO is accepted (a restarted decode reclaims its id) and A's request
+    is gone."""
+    bs = res.server()
+    prefill = res.manager(Side(SMALL, 0, seed=1), "prefill", bs.address,
+                          heartbeat_interval_ms=100, heartbeat_timeout_ms=2000)
+    hello_msg, _ = real_decode_hello(res)
+    rid = b"\x01decode-x"
+    a = decode_at(res, prefill, hello_msg, 5, routing_id=rid)
+    a.send(room_req(42, 111, -1, [1, 2], epoch=5))
+    assert wait_until(lambda: prefill.stats()["pending_requests"] == 1)
+    a.close()
+    b = res.dealer(prefill.endpoint, recv_timeout_ms=5000, routing_id=rid)
+    b.send(with_epoch(hello_msg, 6))
+    code, reason = hello_reject(b.recv())
+    assert code == 10  # REFUSED
+    assert reason.startswith(
+        f"prefill rank 0 ({prefill.endpoint}) refused decode rank 0 (epoch 0000000000000006): "
+        "its routing id belongs to decode rank 0 (epoch 0000000000000005), which is alive "
+        "(heard "), reason
+    assert prefill.stats()["pending_requests"] == 1
+    # A is declared lost after 2 s of silence: its request goes with it.
+    assert wait_until(lambda: prefill.stats()["pending_requests"] == 0, 10), prefill.stats()
+    b.send(with_epoch(hello_msg, 6))
+    assert parse_header(recv_type(b, MSG_HELLO_OK))[2] == MSG_HELLO_OK
+    b.send(room_req(43, 112, -1, [1, 2], epoch=6))
+    assert wait_until(lambda: prefill.stats()["pending_requests"] == 1)
