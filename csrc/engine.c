@@ -669,16 +669,7 @@ void kvr_engine_free(kvr_engine_t *e)
     if (e->wake_fd >= 0) {
         close(e->wake_fd);
     }
-    for (int i = 0; i < e->nsib; i++) {
-        free(e->sib_eps[i]);
-    }
-    free(e->sib_eps);
-    free(e->sib_conns);
-    while (e->sib_out) {
-        kvr_sib_out_t *o = e->sib_out;
-        e->sib_out = o->next;
-        free(o);
-    }
+    kvr_siblings_free(e);
     kvr_gpu_free(e);
     kvr_wbuf_free(&e->wbuf);
     kvr_registry_destroy(&e->registry);

@@ -118,6 +118,7 @@ typedef struct {
                                      others came eagerly) */
     uint64_t ucx_workers;         /* UCX workers alive: one per connected peer */
     uint64_t ucx_workers_created; /* UCX workers created: one per connection to a peer */
+    uint64_t sib_fail_refused;    /* SIB_FAIL messages not from a configured sibling (dropped) */
     uint64_t failures_by_code[KVR_STATUS_LAST];
     /* Per succeeded room (KVR_HIST_LATENCY, ns): decode, from sending the
      * request to the prefill to the last byte landed; prefill, from the

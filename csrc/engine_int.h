@@ -197,6 +197,27 @@ typedef struct {
     uint64_t held;
 } kvr_ratelog_t;
 
+/* Who answers at a configured sibling endpoint (its PONG on the
+ * connection we opened there): a SIB_FAIL is taken only from that
+ * instance.  One per e->sib_conns[i]. */
+typedef struct {
+    uint64_t epoch; /* 0: not answered yet */
+    uint32_t rank;
+    int answered;   /* since the last round of PINGs */
+} kvr_sib_id_t;
+
+/* A SIB_FAIL from an instance not known as a sibling yet, held until the
+ * siblings answered (a sibling's first message may beat its PONG). */
+typedef struct kvr_sib_held {
+    uint64_t room;
+    uint64_t epoch;
+    unsigned char ident[KVR_IDENT_MAX];
+    size_t ident_len;
+    uint64_t arrived_ns;
+    kvr_failure_t f;
+    struct kvr_sib_held *next;
+} kvr_sib_held_t;
+
 /* A root cause waiting to be published to the siblings. */
 typedef struct kvr_sib_out {
     uint64_t room;
@@ -262,7 +283,11 @@ struct kvr_engine {
     int nsib;
     int sib_dirty;
     kvr_ctl_conn_t **sib_conns;
+    kvr_sib_id_t *sib_ids;  /* who answered on each */
     int nsib_conns;
+    uint64_t sib_ping_ns;   /* the last round of PINGs to them */
+    kvr_sib_held_t *sib_held; /* oldest first */
+    int nsib_held;
     kvr_sib_out_t *sib_out; /* failures to publish */
     int sib_pending;
 
@@ -282,6 +307,7 @@ struct kvr_engine {
     kvr_ratelog_t size_log;    /* oversized */
     kvr_ratelog_t data_log;    /* foreign data messages */
     kvr_ratelog_t refuse_log;  /* refused requests */
+    kvr_ratelog_t sib_log;     /* SIB_FAIL from no sibling */
     char reg_auth_error[KVR_WIRE_MAX_STR + 1]; /* prefill: why the bootstrap server refused us */
 
     uint64_t tag_pool[64]; /* random room tags, drawn in batches */
@@ -406,7 +432,14 @@ void kvr_ep_errors_locked(kvr_engine_t *e);
 /* sibling.c: engine thread                                            */
 /* ------------------------------------------------------------------ */
 void kvr_siblings_locked(kvr_engine_t *e);
-void kvr_on_sib_fail_locked(kvr_engine_t *e, const kvr_msg_t *m);
+/* A SIB_FAIL on our ROUTER from routing id ident. */
+void kvr_on_sib_fail_locked(kvr_engine_t *e, const void *ident, size_t ident_len,
+                            const kvr_msg_t *m);
+/* 1 if conn is one of our connections to the siblings; the message on it
+ * is then handled. */
+int kvr_on_sib_conn_msg_locked(kvr_engine_t *e, kvr_ctl_conn_t *conn, const kvr_msg_t *m);
+/* Frees what the engine keeps about its siblings (kvr_engine_free). */
+void kvr_siblings_free(kvr_engine_t *e);
 
 /* ------------------------------------------------------------------ */
 /* op.c: operations in flight                                          */

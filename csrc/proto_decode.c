@@ -344,6 +344,9 @@ void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void
         kvr_on_auth_reject_locked(e, conn, p, &m);
         return;
     }
+    if (p == NULL && kvr_on_sib_conn_msg_locked(e, conn, &m)) {
+        return;
+    }
     if (e->mode == KVR_MODE_PREFILL) {
         kvr_on_registered_locked(e, &m); /* our registration with the bootstrap server */
         return;

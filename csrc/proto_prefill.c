@@ -608,7 +608,20 @@ void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, const voi
             e->stats.ctrl_dropped++;
             return;
         }
-        kvr_on_sib_fail_locked(e, &m);
+        kvr_on_sib_fail_locked(e, ident, ident_len, &m);
+        return;
+    }
+    kvr_peer_t *p = kvr_decode_peer_by_ident(e, ident, ident_len);
+    if (m.type == KVR_MSG_PING) {
+        /* Decode ranks' heartbeats, and siblings asking who we are. */
+        kvr_msg_t pong = kvr_msg_rank(KVR_MSG_PONG, (uint32_t)e->rank);
+        pong.epoch = e->epoch;
+        if (p) {
+            p->last_heard_ns = kvr_now_ns();
+        }
+        if (kvr_wire_encode(&e->wbuf, &pong) == 0) {
+            kvr_ctl_send_router(e->ctl, ident, ident_len, e->wbuf.data, e->wbuf.len);
+        }
         return;
     }
     if (e->mode != KVR_MODE_PREFILL) {
@@ -621,18 +634,6 @@ void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, const voi
             return;
         }
         kvr_on_hello_locked(e, ident, ident_len, &m);
-        return;
-    }
-    kvr_peer_t *p = kvr_decode_peer_by_ident(e, ident, ident_len);
-    if (m.type == KVR_MSG_PING) {
-        kvr_msg_t pong = kvr_msg_rank(KVR_MSG_PONG, (uint32_t)e->rank);
-        pong.epoch = e->epoch;
-        if (p) {
-            p->last_heard_ns = kvr_now_ns();
-        }
-        if (kvr_wire_encode(&e->wbuf, &pong) == 0) {
-            kvr_ctl_send_router(e->ctl, ident, ident_len, e->wbuf.data, e->wbuf.len);
-        }
         return;
     }
     if (p != NULL && p->epoch == m.epoch && p->state == KVR_PEER_FAILED &&

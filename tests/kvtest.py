@@ -556,6 +556,58 @@ def hello(rank: int, layout: Layout, worker_addr: bytes, tcp_rx_seg: int = 512 <
             + (struct.pack("<I", tcp_rx_seg) if tcp_rx_seg else b""))
 
 
+def sib_fail(room: int, code: int, origin: int, reason: bytes, peer: bytes = b"",
+             **hk) -> bytes:
+    return (header(MSG_SIB_FAIL, **hk) + struct.pack("<QQHi", room, 0, code, origin)
+            + wire_str(reason) + wire_str(peer))
+
+
+class FakeSibling:
+    """A sibling rank of a manager, on raw sockets: it listens at the
+    endpoint the manager is told about (a bound DEALER), answers the
+    manager's PINGs there with PONG (its epoch and rank), and sends to the
+    manager's ROUTER under its routing id (epoch, rank), as a real sibling
+    does.  With key, everything it sends is sealed."""
+
+    def __init__(self, res, epoch: int, rank: int = 1, key: Optional[bytes] = None):
+        self.res, self.epoch, self.rank, self.key, self.seq = res, epoch, rank, key, 0
+        self.listen = res.dealer("tcp://127.0.0.1:*", bind=True, recv_timeout_ms=5000)
+        self.endpoint = self.listen.endpoint
+        self.out = None
+
+    def _sealed(self, msg: bytes) -> bytes:
+        if self.key is None:
+            return msg
+        self.seq += 1
+        return seal(msg, self.key, self.seq)
+
+    def attach(self, mgr) -> None:
+        """Becomes mgr's only sibling and answers its first PING."""
+        mgr.set_siblings([self.endpoint])
+        self.answer()
+        self.out = self.res.dealer(mgr.endpoint,
+                                   routing_id=struct.pack("<QI", self.epoch, self.rank))
+
+    def answer(self) -> None:
+        """Answers the manager's next PING on the sibling endpoint (what it
+        sent before, its own SIB_FAILs, is skipped)."""
+        while True:
+            m = self.listen.recv()
+            assert m is not None, "no PING from the manager"
+            if self.key is not None:
+                m = unseal(m, self.key)[0]
+            if parse_header(m)[2] == MSG_PING:
+                break
+        self.listen.send(self._sealed(header(MSG_PONG, epoch=self.epoch)
+                                      + struct.pack("<I", self.rank)))
+
+    def send(self, msg: bytes) -> None:
+        self.out.send(self._sealed(msg))
+
+    def fail(self, room: int, code: int, reason: bytes, peer: bytes = b"") -> None:
+        self.send(sib_fail(room, code, self.rank, reason, peer, epoch=self.epoch))
+
+
 # --------------------------------------------------------------------------
 # A prefill rank in a child process
 # --------------------------------------------------------------------------

@@ -10,8 +10,10 @@ import struct
 
 import pytest
 
-from kvrecv import KVPoll, KVProtocolError, KVReceiver, KVSender
+from kvrecv import BootstrapServer, KVPoll, KVProtocolError, KVReceiver, KVSender, KVTransferError
 from kvtest import (
+    SECRET,
+    FakeSibling,
     MSG_BS_REGISTER,
     MSG_BS_REGISTER_OK,
     MSG_HELLO,
@@ -170,3 +172,42 @@ def test_a_hello_under_a_live_peers_routing_id_is_refused_until_it_died(res):
     assert parse_header(recv_type(b, MSG_HELLO_OK))[2] == MSG_HELLO_OK
     b.send(room_req(43, 112, -1, [1, 2], epoch=6))
     assert wait_until(lambda: prefill.stats()["pending_requests"] == 1)
+
+
+@pytest.mark.parametrize("key", [None, SECRET], ids=["plain", "secret"])
+def test_sib_fail_is_taken_only_from_a_configured_sibling(res, key):
+    """A SIB_FAIL for an open room from a connection that is not the
+    configured sibling -- its own epoch, or the sibling's epoch under
+    another routing id (with a secret: sealed, so it authenticated, but not
+    as the sibling) -- is refused, counted and logged, and the room stays
+    open; the sibling's own SIB_FAIL fails it with the sibling's reason."""
+    bs = BootstrapServer("127.0.0.1", 0, secret=key)
+    res._servers.append(bs)
+    cfg = {} if key is None else {"secret": key}
+    decode = res.manager(Side(SMALL, 0), "decode", **cfg)
+    sib = FakeSibling(res, 0x51B, key=key)
+    sib.attach(decode)
+    r = KVReceiver(decode, bs.address, 7)
+    r.init()
+    for epoch, rid in ((0x666, b"\x00stranger"), (0x51B, b"\x00stranger2")):
+        stranger = FakeSibling(res, epoch, key=key)
+        stranger.out = res.dealer(decode.endpoint, routing_id=rid)
+        # Sealed messages are fresh per sender epoch: one that poses under
+        # the sibling's epoch goes on from the sibling's sequence numbers.
+        stranger.seq = sib.seq if epoch == sib.epoch else 0
+        refused = decode.stats()["sib_fail_refused"]
+        stranger.fail(7, 6, b"room 7: forged")
+        if epoch == sib.epoch:
+            sib.seq = stranger.seq
+        assert not wait_until(lambda: r.poll() == KVPoll.Failed, 0.5), r.failure_exception()
+        sib.answer()  # the round of PINGs the unknown sender started
+        assert wait_until(lambda: decode.stats()["sib_fail_refused"] == refused + 1, 10), \
+            decode.stats()
+        assert r.poll() != KVPoll.Failed
+    sib.fail(7, 6, b"room 7: the sibling's cause")
+    assert wait_for(r, terminal()) == KVPoll.Failed
+    with pytest.raises(KVTransferError) as ei:
+        r.failure_exception()
+    assert ei.value.failure_reason == "room 7: the sibling's cause"
+    assert ei.value.is_from_another_rank
+    assert decode.stats()["sib_fail_refused"] == 2

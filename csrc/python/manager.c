@@ -435,6 +435,7 @@ static PyObject *kvr_manager_stats(PyObject *op, PyObject *unused)
         kvr_dict_set_u64(d, "data_rendezvous", s.data_rendezvous) < 0 ||
         kvr_dict_set_u64(d, "ucx_workers", s.ucx_workers) < 0 ||
         kvr_dict_set_u64(d, "ucx_workers_created", s.ucx_workers_created) < 0 ||
+        kvr_dict_set_u64(d, "sib_fail_refused", s.sib_fail_refused) < 0 ||
         kvr_dict_set_u64(d, "staged_ops", s.staged_ops) < 0 ||
         kvr_dict_set_u64(d, "staged_bytes", s.staged_bytes) < 0 ||
         kvr_dict_set_u64(d, "staging_overflow", s.staging_overflow) < 0 ||
