@@ -65,13 +65,17 @@ typedef struct {
  * with the same id is not heard meanwhile.  The ROUTER sends ZMTP
  * heartbeats every hb_ivl_ms and closes a connection silent for
  * hb_timeout_ms, so that a connection whose link died without a FIN gives
- * its id back to the peer's next connection.  Returns 0, or -1 with err
- * filled.
+ * its id back to the peer's next connection.  What ZMQ queues for the
+ * engine from one connection (ROUTER or DEALER) stays under queue_bytes:
+ * past it ZMQ stops reading that connection (its sender's queue fills, and
+ * a non-blocking send there fails).  Returns 0, or -1 with err filled.
  */
 int kvr_ctl_create(const char *host, int port, int64_t max_msg, const void *secret,
-                   size_t secret_len, uint64_t self_epoch, uint32_t hb_ivl_ms, uint32_t hb_timeout_ms,
-                   const kvr_ctl_callbacks_t *cb, kvr_ctl_t **ctl_p, char *err,
-                   size_t errlen);
+                   size_t secret_len, uint64_t self_epoch, uint32_t hb_ivl_ms,
+                   uint32_t hb_timeout_ms, uint64_t queue_bytes, const kvr_ctl_callbacks_t *cb,
+                   kvr_ctl_t **ctl_p, char *err, size_t errlen);
+/* Messages ZMQ queues per connection of the ROUTER (at most). */
+int kvr_ctl_router_queue(const kvr_ctl_t *ctl);
 void kvr_ctl_destroy(kvr_ctl_t *ctl);
 /* "tcp://host:port" of the bound ROUTER. */
 const char *kvr_ctl_endpoint(kvr_ctl_t *ctl);
@@ -98,10 +102,11 @@ int kvr_ctl_poll(kvr_ctl_t *ctl, const int *fds, int nfds, int *fd_ready, long t
 
 /* Bootstrap service: a ROUTER on its own thread where prefill ranks register
  * (rank -> epoch, endpoint) and decode ranks look them up.  With
- * secret_len > 0 it authenticates every message as the managers do. */
+ * secret_len > 0 it authenticates every message as the managers do;
+ * queue_bytes bounds its queues as kvr_ctl_create's. */
 typedef struct kvr_bootstrap kvr_bootstrap_t;
 int kvr_bootstrap_start(const char *host, int port, const void *secret, size_t secret_len,
-                        kvr_bootstrap_t **bs_p, char *err, size_t errlen);
+                        uint64_t queue_bytes, kvr_bootstrap_t **bs_p, char *err, size_t errlen);
 int kvr_bootstrap_port(kvr_bootstrap_t *bs);
 typedef struct {
     uint64_t registered;   /* prefill instances registered */

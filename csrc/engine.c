@@ -83,6 +83,7 @@ void kvr_config_default(kvr_config_t *cfg)
     cfg->pack_bytes = (uint64_t)256 << 20;
     cfg->max_rooms_per_peer = 16384;
     cfg->max_peers = 64;
+    cfg->ctrl_queue_bytes = (uint64_t)64 << 20;
     cfg->poll_progress = 1;
     cfg->secret_len = 0;
     cfg->staging_slots = 8;
@@ -436,14 +437,16 @@ static int kvr_engine_open_ctl(kvr_engine_t *e, char *err, size_t errlen)
     kvr_ctl_callbacks_t ccb = {e, kvr_on_router_msg_entry, kvr_on_conn_msg_entry,
                                kvr_on_refused_entry};
     /* What our ROUTER may legitimately receive: on a prefill, a ROOM_REQ of
-     * the most pages a room can have; on a decode, only a sibling's
-     * SIB_FAIL (two strings of at most 1 KiB). */
-    int64_t max_msg = e->mode == KVR_MODE_PREFILL
-                          ? KVR_WIRE_HEADER_LEN + 28 + (int64_t)KVR_WIRE_MAX_PAGES * 4
-                          : 65536;
+     * the pages this prefill registered (one for more is refused anyway);
+     * on a decode, only a sibling's SIB_FAIL (two strings of at most 1 KiB)
+     * and its PING.  The bound of the queues follows from it. */
+    int64_t pages = e->min_pages < KVR_WIRE_MAX_PAGES ? e->min_pages : KVR_WIRE_MAX_PAGES;
+    int64_t max_msg = e->mode == KVR_MODE_PREFILL ? KVR_WIRE_HEADER_LEN + 28 + pages * 4 : 0;
+    max_msg = max_msg > KVR_CTL_SMALL_MAX_MSG ? max_msg : KVR_CTL_SMALL_MAX_MSG;
     max_msg += e->cfg.secret_len ? KVR_AUTH_TRAILER_LEN : 0;
     if (kvr_ctl_create(e->host, e->cfg.ctrl_port, max_msg, e->cfg.secret, e->cfg.secret_len,
-                       e->epoch, e->cfg.heartbeat_interval_ms, e->cfg.heartbeat_timeout_ms, &ccb, &e->ctl, err, errlen) != 0) {
+                       e->epoch, e->cfg.heartbeat_interval_ms, e->cfg.heartbeat_timeout_ms,
+                       e->cfg.ctrl_queue_bytes, &ccb, &e->ctl, err, errlen) != 0) {
         return KVR_ESYSTEM;
     }
     if (e->mode == KVR_MODE_PREFILL) {

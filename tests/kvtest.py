@@ -376,6 +376,8 @@ def describe_failure(room) -> str:
 
 ZMQ_DEALER = 5
 ZMQ_ROUTING_ID = 5
+ZMQ_SNDHWM = 23
+ZMQ_DONTWAIT = 1
 ZMQ_SNDMORE = 2
 ZMQ_LINGER = 17
 ZMQ_RCVTIMEO = 27
@@ -412,14 +414,15 @@ class Dealer:
     """A DEALER connected to endpoint ("tcp://host:port")."""
 
     def __init__(self, endpoint: str, recv_timeout_ms: int = 5000, bind: bool = False,
-                 routing_id: Optional[bytes] = None):
+                 routing_id: Optional[bytes] = None, sndhwm: int = 1000):
         z = _libzmq()
         self._z = z
         self.ctx = z.zmq_ctx_new()
         assert self.ctx, "zmq_ctx_new failed"
         self.sock = z.zmq_socket(self.ctx, ZMQ_DEALER)
         assert self.sock, "zmq_socket failed"
-        for opt, val in ((ZMQ_LINGER, 0), (ZMQ_RCVTIMEO, recv_timeout_ms), (ZMQ_SNDTIMEO, 5000)):
+        for opt, val in ((ZMQ_LINGER, 0), (ZMQ_RCVTIMEO, recv_timeout_ms), (ZMQ_SNDTIMEO, 5000),
+                         (ZMQ_SNDHWM, sndhwm)):
             v = ctypes.c_int(val)
             assert z.zmq_setsockopt(self.sock, opt, ctypes.byref(v), ctypes.sizeof(v)) == 0
         if routing_id is not None:
@@ -441,6 +444,10 @@ class Dealer:
         buf = ctypes.create_string_buffer(data, max(len(data), 1))
         n = self._z.zmq_send(self.sock, buf, len(data), ZMQ_SNDMORE if more else 0)
         assert n == len(data), f"zmq_send returned {n}"
+
+    def try_send(self, buf) -> bool:
+        """Sends buf (a ctypes buffer) unless the queue is full."""
+        return self._z.zmq_send(self.sock, buf, len(buf), ZMQ_DONTWAIT) == len(buf)
 
     def send_multipart(self, frames: Sequence[bytes]) -> None:
         for i, f in enumerate(frames):

@@ -6,13 +6,16 @@ managers are real."""
 
 from __future__ import annotations
 
+import ctypes
 import struct
+import time
 
 import pytest
 
 from kvrecv import BootstrapServer, KVPoll, KVProtocolError, KVReceiver, KVSender, KVTransferError
 from kvtest import (
     SECRET,
+    Layout,
     FakeSibling,
     MSG_BS_REGISTER,
     MSG_BS_REGISTER_OK,
@@ -211,3 +214,48 @@ def test_sib_fail_is_taken_only_from_a_configured_sibling(res, key):
     assert ei.value.failure_reason == "room 7: the sibling's cause"
     assert ei.value.is_from_another_rank
     assert decode.stats()["sib_fail_refused"] == 2
+
+
+def _rss(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_a_flood_of_the_largest_requests_stays_within_the_queue_bound(res):
+    """A sender without the secret floods a prefill (in a child process)
+    with room requests of the largest size its socket takes (4 MiB: it
+    registered 2^20 pages), each of which costs the engine an HMAC before
+    it is refused.  ZMQ queues at most ctrl_queue_bytes of them for the
+    engine: the child's memory grows by less than that plus one message in
+    reading, and every message is still handled (refused, counted) once
+    the engine catches up."""
+    layout = Layout((4,), 1 << 20)
+    bs = BootstrapServer("127.0.0.1", 0, secret=SECRET)
+    res._servers.append(bs)
+    queue = 32 << 20
+    child = res.child_prefill(layout, 0, None, bs.address,
+                              config={"secret": SECRET.decode(), "ctrl_queue_bytes": queue})
+    pid = child.proc.pid
+    msg = bytearray(room_req(1, 1, -1, [0] * (1 << 20), epoch=0x777))
+    msg[7] |= 0x80  # sealed, with a tag that does not verify
+    msg += b"\x00" * 40
+    buf = ctypes.create_string_buffer(bytes(msg), len(msg))
+    flood = res.dealer(child.endpoint, sndhwm=1)
+    base = _rss(pid)
+    peak, sent, t0 = base, 0, time.monotonic()
+    while sent < 100 and time.monotonic() - t0 < 60:
+        if flood.try_send(buf):
+            sent += 1
+        else:
+            time.sleep(0.002)
+        peak = max(peak, _rss(pid))
+    assert sent == 100, f"only {sent} sent in 60 s"
+    assert wait_until(lambda: child.call("stats")["auth_rejected"] == sent, 60), \
+        child.call("stats")
+    grew = peak - base
+    print(f"flood of {sent} x {len(msg)} bytes: the prefill grew by {grew >> 20} MiB "
+          f"(ctrl_queue_bytes {queue >> 20} MiB)")
+    assert grew < queue + 2 * len(msg) + (16 << 20), grew

@@ -69,6 +69,7 @@ fail:
     X(pack_bytes, (uint64_t)1 << 40, 0)                                                       \
     X(max_rooms_per_peer, UINT32_MAX, 0)                                                      \
     X(max_peers, UINT32_MAX, 0)                                                               \
+    X(ctrl_queue_bytes, (uint64_t)1 << 40, 0)                                                 \
     X(staging_slots, 65536, 0)                                                                \
     X(staging_slot_bytes, 1u << 30, 0)                                                        \
     X(force_staging, 1, 1)                                                                    \
