@@ -222,21 +222,21 @@ static void kvr_on_hello_locked(kvr_engine_t *e, const void *ident, size_t ident
     char key[2 * KVR_IDENT_MAX + 1], why[256], err[256] = "";
     kvr_ident_key(ident, ident_len, key);
     kvr_peer_t *p = kvr_peer_find(e, KVR_PEER_IS_DECODE, key);
-    if (p != NULL && p->epoch != m->epoch && p->state == KVR_PEER_READY &&
-        !kvr_peer_silent(e, p, kvr_now_ns())) {
-        kvr_hello_taken_locked(e, p, ident, ident_len, m);
-        return;
-    }
-    if (p != NULL && p->epoch != m->epoch && p->state == KVR_PEER_READY) {
-        /* The silent instance is gone: its rooms fail before the new one
-         * takes the id. */
-        char what[96];
-        snprintf(what, sizeof(what), "restarted: epoch %016" PRIx64 " says HELLO under its routing id",
-                 m->epoch);
-        kvr_peer_fail_locked(e, p, KVR_PEER_RESTARTED, what);
-    }
     if (p != NULL && p->epoch != m->epoch) {
-        kvr_pending_release(e, p); /* the old instance's */
+        /* Another instance under this routing id: refused while the one
+         * that holds it is alive; once it is silent or failed, its rooms
+         * and requests go before the new one takes the id. */
+        if (p->state == KVR_PEER_READY && !kvr_peer_silent(e, p, kvr_now_ns())) {
+            kvr_hello_taken_locked(e, p, ident, ident_len, m);
+            return;
+        }
+        if (p->state == KVR_PEER_READY) {
+            char what[96];
+            snprintf(what, sizeof(what),
+                     "restarted: epoch %016" PRIx64 " says HELLO under its routing id", m->epoch);
+            kvr_peer_fail_locked(e, p, KVR_PEER_RESTARTED, what);
+        }
+        kvr_pending_release(e, p);
     }
     if (p == NULL) {
         p = kvr_decode_peer_recycle(e, key);
@@ -616,8 +616,8 @@ void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, const voi
         /* Decode ranks' heartbeats, and siblings asking who we are. */
         kvr_msg_t pong = kvr_msg_rank(KVR_MSG_PONG, (uint32_t)e->rank);
         pong.epoch = e->epoch;
-        if (p) {
-            p->last_heard_ns = kvr_now_ns();
+        if (p && p->epoch == m.epoch) {
+            p->last_heard_ns = kvr_now_ns(); /* not kept alive by another instance */
         }
         if (kvr_wire_encode(&e->wbuf, &pong) == 0) {
             kvr_ctl_send_router(e->ctl, ident, ident_len, e->wbuf.data, e->wbuf.len);

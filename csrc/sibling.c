@@ -19,7 +19,7 @@
 #include <string.h>
 
 /* SIB_FAILs held at most; past it the oldest is refused. */
-#define KVR_SIB_HELD_MAX 64
+#define KVR_SIB_HELD_MAX 1024
 
 static void kvr_sib_ping_locked(kvr_engine_t *e)
 {
