@@ -51,7 +51,6 @@ struct kvr_ctl {
     zmq_msg_t frames[2];
     int64_t max_msg;
     uint64_t queue_bytes;
-    int router_hwm;
     kvr_sealer_t sealer;
 };
 
@@ -256,7 +255,6 @@ int kvr_ctl_create(const char *host, int port, int64_t max_msg, const void *secr
     ctl->cb = *cb;
     ctl->max_msg = max_msg;
     ctl->queue_bytes = queue_bytes;
-    ctl->router_hwm = kvr_ctl_hwm(queue_bytes, kvr_zmq_cap(max_msg));
     if (kvr_sealer_init(&ctl->sealer, secret, secret_len, self_epoch, err, errlen) != 0) {
         free(ctl);
         return -1;
@@ -271,15 +269,18 @@ int kvr_ctl_create(const char *host, int port, int64_t max_msg, const void *secr
         snprintf(err, errlen, "zmq_socket: %s", zmq_strerror(zmq_errno()));
         goto err_term;
     }
-    kvr_ctl_common_opts(ctl->router, ctl->router_hwm);
+    kvr_ctl_common_opts(ctl->router, kvr_ctl_hwm(queue_bytes, kvr_zmq_cap(max_msg)));
     int one = 1;
     zmq_setsockopt(ctl->router, ZMQ_ROUTER_MANDATORY, &one, sizeof(one));
     /* No ZMQ_ROUTER_HANDOVER: with it any connection that names a live
-     * peer's routing id would take the id over, and every reply meant for
-     * that peer.  A peer reconnects with the same routing id (its epoch and
-     * rank); when its old connection vanished without a FIN reaching us (a
-     * dead link, a blackholed port), the ZMTP heartbeat closes that
-     * connection within hb_timeout_ms and the new one is heard. */
+     * peer's routing id takes the id over, and libzmq (4.3) renames the
+     * peer's own connection, whose messages then come from an id nobody
+     * knows.  Without it a connection naming an id already held is not
+     * heard (libzmq takes its first message for its routing id) until the
+     * holder is gone: a peer whose link died without a FIN reaching us
+     * reconnects with the same id (its epoch and rank), so the ZMTP
+     * heartbeat closes a connection silent for hb_timeout_ms, and the
+     * decode says HELLO again on a fresh connection until it is answered. */
     int hb[2] = {hb_ivl_ms > INT_MAX ? INT_MAX : (int)hb_ivl_ms,
                  hb_timeout_ms > INT_MAX ? INT_MAX : (int)hb_timeout_ms};
     zmq_setsockopt(ctl->router, ZMQ_HEARTBEAT_IVL, &hb[0], sizeof(hb[0]));
@@ -328,10 +329,6 @@ const char *kvr_ctl_endpoint(kvr_ctl_t *ctl)
     return ctl->endpoint;
 }
 
-int kvr_ctl_router_queue(const kvr_ctl_t *ctl)
-{
-    return ctl->router_hwm;
-}
 
 int kvr_ctl_connect(kvr_ctl_t *ctl, const char *endpoint, const void *ident, size_t ident_len,
                     void *conn_ctx, kvr_ctl_conn_t **conn_p, char *err, size_t errlen)

@@ -86,6 +86,7 @@ typedef struct kvr_peer {
     char name[160];             /* "host:port" for reasons and logs */
     kvr_ctl_conn_t *bs_conn;    /* decode: to the bootstrap server */
     kvr_ctl_conn_t *conn;       /* decode: to the prefill's ROUTER */
+    char conn_ep[KVR_WIRE_MAX_STR + 1]; /* decode: the ROUTER's endpoint */
     unsigned char ident[KVR_IDENT_MAX];
     size_t ident_len;           /* prefill: the decode's routing id */
     kvr_tp_worker_t *worker;    /* our UCX worker for this peer (see transport.h) */
@@ -504,6 +505,10 @@ void kvr_send_done_locked(kvr_engine_t *e, kvr_room_t *r);
 void kvr_on_data(void *arg, const void *hdr, size_t hdr_len, size_t len, int rndv,
                  kvr_tp_accept_t *acc);
 void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r);
+/* Decode: (re)connects to prefill peer p's ROUTER at p->conn_ep and says
+ * HELLO; a HELLO unanswered for heartbeat_timeout_ms is said again on a
+ * fresh connection (timer.c). */
+void kvr_decode_hello_locked(kvr_engine_t *e, kvr_peer_t *p);
 void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void *data,
                      size_t len);
 

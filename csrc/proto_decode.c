@@ -243,20 +243,12 @@ static void kvr_on_bs_reply_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
     if (!m->found) {
         return; /* not registered yet: the timer asks again */
     }
-    char endpoint[KVR_WIRE_MAX_STR + 1];
-    memcpy(endpoint, m->str, m->str_len);
-    endpoint[m->str_len] = '\0';
-    unsigned char ident[KVR_ENGINE_IDENT_LEN];
-    kvr_engine_ident(e, ident);
+    memcpy(p->conn_ep, m->str, m->str_len);
+    p->conn_ep[m->str_len] = '\0';
     kvr_peer_disconnect(e, p); /* retires the bootstrap connection */
     p->epoch = m->peer_epoch;
     snprintf(p->name, sizeof(p->name), "prefill rank %d at %.120s", e->rank,
-             strncmp(endpoint, "tcp://", 6) == 0 ? endpoint + 6 : endpoint);
-    if (kvr_ctl_connect(e->ctl, endpoint, ident, sizeof(ident), p, &p->conn, err,
-                        sizeof(err)) != 0) {
-        kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, err);
-        return;
-    }
+             strncmp(p->conn_ep, "tcp://", 6) == 0 ? p->conn_ep + 6 : p->conn_ep);
     if (kvr_peer_worker(e, p, err, sizeof(err)) != 0) {
         char what[400];
         snprintf(what, sizeof(what), "cannot be reached: %s", err);
@@ -264,7 +256,28 @@ static void kvr_on_bs_reply_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
         return;
     }
     kvr_peer_set_state(p, KVR_PEER_CONNECTING);
+    kvr_decode_hello_locked(e, p);
+}
+
+void kvr_decode_hello_locked(kvr_engine_t *e, kvr_peer_t *p)
+{
+    KVR_ASSERT_LOCKED(e);
+    char err[256];
+    unsigned char ident[KVR_ENGINE_IDENT_LEN];
+    kvr_engine_ident(e, ident);
+    if (p->conn != NULL && e->ndead_conns < KVR_MAX_DEAD) {
+        /* The prefill may not hear this one: its ROUTER still holds our
+         * routing id for a connection of ours that died unseen. */
+        e->dead_conns[e->ndead_conns++] = p->conn;
+        p->conn = NULL;
+    }
+    if (p->conn == NULL && kvr_ctl_connect(e->ctl, p->conn_ep, ident, sizeof(ident), p,
+                                           &p->conn, err, sizeof(err)) != 0) {
+        kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, err);
+        return;
+    }
     kvr_peer_hello(e, p);
+    p->next_try_ns = kvr_now_ns() + e->cfg.heartbeat_timeout_ms * KVR_MS;
 }
 
 /* Decode: the prefill accepted our HELLO: check its layout, connect our

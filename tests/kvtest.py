@@ -569,6 +569,17 @@ def sib_fail(room: int, code: int, origin: int, reason: bytes, peer: bytes = b""
             + wire_str(reason) + wire_str(peer))
 
 
+def relay_for_rank0(res, bootstrap_address: str, epoch: int) -> "Dealer":
+    """A bound DEALER registered with the bootstrap server as prefill rank 0
+    (instance epoch): a decode resolving rank 0 sends it its HELLO."""
+    relay = res.dealer("tcp://127.0.0.1:*", bind=True, recv_timeout_ms=5000)
+    reg = res.dealer("tcp://" + bootstrap_address)
+    reg.send(header(MSG_BS_REGISTER, epoch=epoch) + struct.pack("<I", 0)
+             + wire_str(relay.endpoint.encode()))
+    assert parse_header(reg.recv())[2] == MSG_BS_REGISTER_OK
+    return relay
+
+
 class FakeSibling:
     """A sibling rank of a manager, on raw sockets: it listens at the
     endpoint the manager is told about (a bound DEALER), answers the

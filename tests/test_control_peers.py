@@ -12,30 +12,35 @@ import time
 
 import pytest
 
-from kvrecv import BootstrapServer, KVPoll, KVProtocolError, KVReceiver, KVSender, KVTransferError
+from kvrecv import (
+    BootstrapServer,
+    KVPoll,
+    KVProtocolError,
+    KVReceiver,
+    KVSender,
+    KVTransferError,
+)
 from kvtest import (
-    SECRET,
-    Layout,
-    FakeSibling,
-    MSG_BS_REGISTER,
-    MSG_BS_REGISTER_OK,
     MSG_HELLO,
     MSG_HELLO_OK,
-    MSG_HELLO_REJECT,
+    MSG_PONG,
     MSG_ROOM_DONE,
+    SECRET,
     SMALL,
+    FakeSibling,
+    Layout,
     Side,
+    describe_failure,
     header,
     parse_header,
     ping,
+    relay_for_rank0,
     room_req,
     terminal,
     wait_for,
     wait_until,
-    wire_str,
 )
-from kvtest import describe_failure
-from test_peer_input import fail_reason
+from test_peer_input import fail_reason, hello_reject
 from test_security import recv_type
 
 pytestmark = pytest.mark.timeout(90)
@@ -51,11 +56,7 @@ def real_decode_hello(res, relay_epoch: int = 0x7777):
     bootstrap server of its own.  Returns (hello bytes, the decode)."""
     bs = res.server()
     decode = res.manager(Side(SMALL, 0), "decode")
-    relay = res.dealer("tcp://127.0.0.1:*", bind=True, recv_timeout_ms=5000)
-    reg = res.dealer("tcp://" + bs.address)
-    reg.send(header(MSG_BS_REGISTER, epoch=relay_epoch) + struct.pack("<I", 0)
-             + wire_str(relay.endpoint.encode()))
-    assert parse_header(reg.recv())[2] == MSG_BS_REGISTER_OK
+    relay = relay_for_rank0(res, bs.address, relay_epoch)
     r = KVReceiver(decode, bs.address, 1)
     r.init()
     return recv_type(relay, MSG_HELLO), decode
@@ -107,18 +108,11 @@ def decode_ident(mgr) -> bytes:
     return struct.pack("<QI", mgr._core.epoch, 0)
 
 
-def hello_reject(msg: bytes):
-    assert parse_header(msg)[2] == MSG_HELLO_REJECT, parse_header(msg)
-    rank, code = struct.unpack_from("<IH", msg, 16)
-    (n,) = struct.unpack_from("<H", msg, 22)
-    return code, msg[24:24 + n].decode()
-
-
 def test_a_connection_reusing_a_live_decodes_routing_id_cannot_take_it_over(res):
     """A second connection names a live decode's routing id and says HELLO
     as another instance with a worker of its own, between the decode's
-    HELLO and its request: it hears nothing, and the decode's room still
-    arrives byte-exact."""
+    HELLO and its request: it is not heard at all (not even its PING), and
+    the decode's room still arrives byte-exact."""
     bs = res.server()
     src, dst = Side(SMALL, 0, seed=3), Side(SMALL, 0)
     prefill = res.manager(src, "prefill", bs.address)
@@ -129,7 +123,7 @@ def test_a_connection_reusing_a_live_decodes_routing_id_cannot_take_it_over(res)
     hello_msg, _ = real_decode_hello(res)
     thief = res.dealer(prefill.endpoint, recv_timeout_ms=1000, routing_id=decode_ident(decode))
     thief.send(with_epoch(hello_msg, 0x666))
-    assert thief.recv() is None  # no HELLO_OK, no reply at all
+    assert thief.recv() is None  # no HELLO_OK, no HELLO_REJECT: not heard
     thief.send(ping(epoch=0x666))
     assert thief.recv() is None
     want = dst.snapshot()
@@ -259,3 +253,33 @@ def test_a_flood_of_the_largest_requests_stays_within_the_queue_bound(res):
     print(f"flood of {sent} x {len(msg)} bytes: the prefill grew by {grew >> 20} MiB "
           f"(ctrl_queue_bytes {queue >> 20} MiB)")
     assert grew < queue + 2 * len(msg) + (16 << 20), grew
+
+
+def test_a_decode_whose_routing_id_is_still_held_says_hello_again(res):
+    """The prefill's ROUTER still holds the decode's routing id for a
+    connection the decode no longer has (its link died without a FIN): the
+    decode's HELLO on its new connection is not heard.  Once that stale
+    connection is gone, the decode's next HELLO, on a fresh connection
+    after heartbeat_timeout_ms, is answered and its room arrives
+    byte-exact."""
+    bs = res.server()
+    src, dst = Side(SMALL, 0, seed=4), Side(SMALL, 0)
+    prefill = res.manager(src, "prefill", bs.address)
+    decode = res.manager(dst, "decode", heartbeat_timeout_ms=1000)
+    stale = res.dealer(prefill.endpoint, routing_id=decode_ident(decode))
+    stale.send(ping(epoch=decode._core.epoch))
+    assert parse_header(stale.recv())[2] == MSG_PONG
+    r = KVReceiver(decode, bs.address, 7)
+    r.init()
+    assert not wait_until(lambda: r.poll() != KVPoll.Bootstrapping, 0.5)
+    stale.close()
+    assert wait_for(r, (KVPoll.WaitingForInput, KVPoll.Failed), 10) == KVPoll.WaitingForInput, \
+        describe_failure(r)
+    want = dst.snapshot()
+    want.apply(src, [1, 2], [3, 4])
+    r.send_metadata([3, 4])
+    s = KVSender(prefill, bs.address, 7)
+    s.init(2)
+    s.send([1, 2])
+    assert wait_for(r, terminal()) == KVPoll.Success, describe_failure(r)
+    want.check(dst)
