@@ -414,6 +414,9 @@ kvr_peer_t *kvr_peer_new(kvr_engine_t *e, int kind, const char *key);
  * (p then has no key and is found by no lookup). */
 int kvr_peer_rekey(kvr_engine_t *e, kvr_peer_t *p, const char *key);
 void kvr_peer_disconnect(kvr_engine_t *e, kvr_peer_t *p);
+/* Retires only p's connection to the prefill's ROUTER (kvr_reap_locked
+ * closes it); p->conn is NULL after, unless the dead list is full. */
+void kvr_peer_retire_conn(kvr_engine_t *e, kvr_peer_t *p);
 int kvr_peer_worker(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen);
 void kvr_reap_locked(kvr_engine_t *e);
 void kvr_tell_room_failed(kvr_engine_t *e, kvr_peer_t *p, kvr_room_t *r, int code);

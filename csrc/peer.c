@@ -234,6 +234,14 @@ void kvr_peer_disconnect(kvr_engine_t *e, kvr_peer_t *p)
     }
 }
 
+void kvr_peer_retire_conn(kvr_engine_t *e, kvr_peer_t *p)
+{
+    if (p->conn != NULL && e->ndead_conns < KVR_MAX_DEAD) {
+        e->dead_conns[e->ndead_conns++] = p->conn;
+        p->conn = NULL;
+    }
+}
+
 /* The peer's UCX worker, created for a new connection.  0, or -1 with err. */
 int kvr_peer_worker(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen)
 {

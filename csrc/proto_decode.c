@@ -265,12 +265,9 @@ void kvr_decode_hello_locked(kvr_engine_t *e, kvr_peer_t *p)
     char err[256];
     unsigned char ident[KVR_ENGINE_IDENT_LEN];
     kvr_engine_ident(e, ident);
-    if (p->conn != NULL && e->ndead_conns < KVR_MAX_DEAD) {
-        /* The prefill may not hear this one: its ROUTER still holds our
-         * routing id for a connection of ours that died unseen. */
-        e->dead_conns[e->ndead_conns++] = p->conn;
-        p->conn = NULL;
-    }
+    /* The prefill may not hear the connection we have: its ROUTER may still
+     * hold our routing id for one of ours that died unseen. */
+    kvr_peer_retire_conn(e, p);
     if (p->conn == NULL && kvr_ctl_connect(e->ctl, p->conn_ep, ident, sizeof(ident), p,
                                            &p->conn, err, sizeof(err)) != 0) {
         kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, err);
