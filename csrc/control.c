@@ -329,7 +329,6 @@ const char *kvr_ctl_endpoint(kvr_ctl_t *ctl)
     return ctl->endpoint;
 }
 
-
 int kvr_ctl_connect(kvr_ctl_t *ctl, const char *endpoint, const void *ident, size_t ident_len,
                     void *conn_ctx, kvr_ctl_conn_t **conn_p, char *err, size_t errlen)
 {
