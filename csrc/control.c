@@ -1,6 +1,7 @@
 #include "control.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <poll.h>
 #include <pthread.h>
 #include <stdatomic.h>
@@ -49,6 +50,7 @@ struct kvr_ctl {
     int nitems_cap;
     zmq_msg_t frames[2];
     int64_t max_msg;
+    uint64_t queue_bytes;
     kvr_sealer_t sealer;
 };
 
@@ -196,12 +198,21 @@ static const char *kvr_peer_address(zmq_msg_t *msg)
     return a ? a : "";
 }
 
-static void kvr_ctl_common_opts(void *sock)
+/* ZMQ counts its queues in messages: the most messages of up to cap bytes
+ * that stay within queue_bytes (at least one). */
+static int kvr_ctl_hwm(uint64_t queue_bytes, int64_t cap)
+{
+    uint64_t n = queue_bytes / (uint64_t)cap;
+    return n < 1 ? 1 : n > 1000000 ? 1000000 : (int)n;
+}
+
+/* rcvhwm: messages received and not yet read, per connection. */
+static void kvr_ctl_common_opts(void *sock, int rcvhwm)
 {
     int linger = 0, hwm = 1000000, ivl = 100, ivl_max = 1000;
     zmq_setsockopt(sock, ZMQ_LINGER, &linger, sizeof(linger));
     zmq_setsockopt(sock, ZMQ_SNDHWM, &hwm, sizeof(hwm));
-    zmq_setsockopt(sock, ZMQ_RCVHWM, &hwm, sizeof(hwm));
+    zmq_setsockopt(sock, ZMQ_RCVHWM, &rcvhwm, sizeof(rcvhwm));
     zmq_setsockopt(sock, ZMQ_RECONNECT_IVL, &ivl, sizeof(ivl));
     zmq_setsockopt(sock, ZMQ_RECONNECT_IVL_MAX, &ivl_max, sizeof(ivl_max));
 }
@@ -232,7 +243,8 @@ static int64_t kvr_zmq_cap(int64_t max_msg)
 }
 
 int kvr_ctl_create(const char *host, int port, int64_t max_msg, const void *secret,
-                   size_t secret_len, uint64_t self_epoch, const kvr_ctl_callbacks_t *cb,
+                   size_t secret_len, uint64_t self_epoch, uint32_t hb_ivl_ms,
+                   uint32_t hb_timeout_ms, uint64_t queue_bytes, const kvr_ctl_callbacks_t *cb,
                    kvr_ctl_t **ctl_p, char *err, size_t errlen)
 {
     kvr_ctl_t *ctl = calloc(1, sizeof(*ctl));
@@ -242,6 +254,7 @@ int kvr_ctl_create(const char *host, int port, int64_t max_msg, const void *secr
     }
     ctl->cb = *cb;
     ctl->max_msg = max_msg;
+    ctl->queue_bytes = queue_bytes;
     if (kvr_sealer_init(&ctl->sealer, secret, secret_len, self_epoch, err, errlen) != 0) {
         free(ctl);
         return -1;
@@ -256,15 +269,22 @@ int kvr_ctl_create(const char *host, int port, int64_t max_msg, const void *secr
         snprintf(err, errlen, "zmq_socket: %s", zmq_strerror(zmq_errno()));
         goto err_term;
     }
-    kvr_ctl_common_opts(ctl->router);
+    kvr_ctl_common_opts(ctl->router, kvr_ctl_hwm(queue_bytes, kvr_zmq_cap(max_msg)));
     int one = 1;
     zmq_setsockopt(ctl->router, ZMQ_ROUTER_MANDATORY, &one, sizeof(one));
-    /* A peer reconnects with the same routing id (its epoch and rank).  When
-     * its old connection vanished without a FIN reaching us (a dead link, a
-     * blackholed port), that connection still holds the id here; without
-     * handover the new one would be ignored until the old one times out,
-     * and every handshake meanwhile would go unanswered. */
-    zmq_setsockopt(ctl->router, ZMQ_ROUTER_HANDOVER, &one, sizeof(one));
+    /* No ZMQ_ROUTER_HANDOVER: with it any connection that names a live
+     * peer's routing id takes the id over, and libzmq (4.3) renames the
+     * peer's own connection, whose messages then come from an id nobody
+     * knows.  Without it a connection naming an id already held is not
+     * heard (libzmq takes its first message for its routing id) until the
+     * holder is gone: a peer whose link died without a FIN reaching us
+     * reconnects with the same id (its epoch and rank), so the ZMTP
+     * heartbeat closes a connection silent for hb_timeout_ms, and the
+     * decode says HELLO again on a fresh connection until it is answered. */
+    int hb[2] = {hb_ivl_ms > INT_MAX ? INT_MAX : (int)hb_ivl_ms,
+                 hb_timeout_ms > INT_MAX ? INT_MAX : (int)hb_timeout_ms};
+    zmq_setsockopt(ctl->router, ZMQ_HEARTBEAT_IVL, &hb[0], sizeof(hb[0]));
+    zmq_setsockopt(ctl->router, ZMQ_HEARTBEAT_TIMEOUT, &hb[1], sizeof(hb[1]));
     int64_t cap = kvr_zmq_cap(max_msg);
     zmq_setsockopt(ctl->router, ZMQ_MAXMSGSIZE, &cap, sizeof(cap));
     if (kvr_ctl_bind(ctl->router, host, port, ctl->endpoint, sizeof(ctl->endpoint), err,
@@ -323,8 +343,8 @@ int kvr_ctl_connect(kvr_ctl_t *ctl, const char *endpoint, const void *ident, siz
         free(c);
         return -1;
     }
-    kvr_ctl_common_opts(c->sock);
     int64_t cap = kvr_zmq_cap(KVR_CTL_CONN_MAX_MSG);
+    kvr_ctl_common_opts(c->sock, kvr_ctl_hwm(ctl->queue_bytes, cap));
     zmq_setsockopt(c->sock, ZMQ_MAXMSGSIZE, &cap, sizeof(cap));
     if (ident_len > 0) {
         zmq_setsockopt(c->sock, ZMQ_ROUTING_ID, ident, ident_len);
@@ -624,7 +644,7 @@ static void *kvr_bs_main(void *arg)
 }
 
 int kvr_bootstrap_start(const char *host, int port, const void *secret, size_t secret_len,
-                        kvr_bootstrap_t **bs_p, char *err, size_t errlen)
+                        uint64_t queue_bytes, kvr_bootstrap_t **bs_p, char *err, size_t errlen)
 {
     char endpoint[128];
     kvr_bootstrap_t *bs = calloc(1, sizeof(*bs));
@@ -659,8 +679,8 @@ int kvr_bootstrap_start(const char *host, int port, const void *secret, size_t s
         snprintf(err, errlen, "zmq_socket: %s", zmq_strerror(zmq_errno()));
         goto err_term;
     }
-    kvr_ctl_common_opts(bs->router);
     int64_t max_msg = (1 << 16) + KVR_AUTH_TRAILER_LEN;
+    kvr_ctl_common_opts(bs->router, kvr_ctl_hwm(queue_bytes, max_msg));
     zmq_setsockopt(bs->router, ZMQ_MAXMSGSIZE, &max_msg, sizeof(max_msg));
     if (kvr_ctl_bind(bs->router, host, port, endpoint, sizeof(endpoint), err, errlen) != 0) {
         goto err_close_sock;

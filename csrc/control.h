@@ -60,10 +60,18 @@ typedef struct {
  * (KVR_CTL_REFUSED_OVERSIZED) unread, and ZMQ cuts the connection of a
  * sender of more than twice that.  With secret_len > 0 every message sent is
  * sealed and every message received must verify (auth.h); self_epoch is the
- * epoch our own messages carry.  Returns 0, or -1 with err filled.
+ * epoch our own messages carry.  A routing id belongs to the connection
+ * that holds it as long as that lives: another one naming it is not heard
+ * meanwhile.  The ROUTER sends ZMTP heartbeats every hb_ivl_ms and closes a
+ * connection silent for hb_timeout_ms, so that one whose link died without
+ * a FIN lets go of its id.  What ZMQ queues for the engine from one
+ * connection (ROUTER or DEALER) stays under queue_bytes: past it ZMQ stops
+ * reading that connection (its sender's queue fills, and a non-blocking
+ * send there fails).  Returns 0, or -1 with err filled.
  */
 int kvr_ctl_create(const char *host, int port, int64_t max_msg, const void *secret,
-                   size_t secret_len, uint64_t self_epoch, const kvr_ctl_callbacks_t *cb,
+                   size_t secret_len, uint64_t self_epoch, uint32_t hb_ivl_ms,
+                   uint32_t hb_timeout_ms, uint64_t queue_bytes, const kvr_ctl_callbacks_t *cb,
                    kvr_ctl_t **ctl_p, char *err, size_t errlen);
 void kvr_ctl_destroy(kvr_ctl_t *ctl);
 /* "tcp://host:port" of the bound ROUTER. */
@@ -91,10 +99,11 @@ int kvr_ctl_poll(kvr_ctl_t *ctl, const int *fds, int nfds, int *fd_ready, long t
 
 /* Bootstrap service: a ROUTER on its own thread where prefill ranks register
  * (rank -> epoch, endpoint) and decode ranks look them up.  With
- * secret_len > 0 it authenticates every message as the managers do. */
+ * secret_len > 0 it authenticates every message as the managers do;
+ * queue_bytes bounds its queues as kvr_ctl_create's. */
 typedef struct kvr_bootstrap kvr_bootstrap_t;
 int kvr_bootstrap_start(const char *host, int port, const void *secret, size_t secret_len,
-                        kvr_bootstrap_t **bs_p, char *err, size_t errlen);
+                        uint64_t queue_bytes, kvr_bootstrap_t **bs_p, char *err, size_t errlen);
 int kvr_bootstrap_port(kvr_bootstrap_t *bs);
 typedef struct {
     uint64_t registered;   /* prefill instances registered */

@@ -83,6 +83,7 @@ void kvr_config_default(kvr_config_t *cfg)
     cfg->pack_bytes = (uint64_t)256 << 20;
     cfg->max_rooms_per_peer = 16384;
     cfg->max_peers = 64;
+    cfg->ctrl_queue_bytes = (uint64_t)64 << 20;
     cfg->poll_progress = 1;
     cfg->secret_len = 0;
     cfg->staging_slots = 8;
@@ -436,14 +437,16 @@ static int kvr_engine_open_ctl(kvr_engine_t *e, char *err, size_t errlen)
     kvr_ctl_callbacks_t ccb = {e, kvr_on_router_msg_entry, kvr_on_conn_msg_entry,
                                kvr_on_refused_entry};
     /* What our ROUTER may legitimately receive: on a prefill, a ROOM_REQ of
-     * the most pages a room can have; on a decode, only a sibling's
-     * SIB_FAIL (two strings of at most 1 KiB). */
-    int64_t max_msg = e->mode == KVR_MODE_PREFILL
-                          ? KVR_WIRE_HEADER_LEN + 28 + (int64_t)KVR_WIRE_MAX_PAGES * 4
-                          : 65536;
+     * the pages this prefill registered (one for more is refused anyway);
+     * on a decode, only a sibling's SIB_FAIL (two strings of at most 1 KiB)
+     * and its PING.  The bound of the queues follows from it. */
+    int64_t pages = e->min_pages < KVR_WIRE_MAX_PAGES ? e->min_pages : KVR_WIRE_MAX_PAGES;
+    int64_t max_msg = e->mode == KVR_MODE_PREFILL ? KVR_WIRE_HEADER_LEN + 28 + pages * 4 : 0;
+    max_msg = max_msg > KVR_CTL_SMALL_MAX_MSG ? max_msg : KVR_CTL_SMALL_MAX_MSG;
     max_msg += e->cfg.secret_len ? KVR_AUTH_TRAILER_LEN : 0;
     if (kvr_ctl_create(e->host, e->cfg.ctrl_port, max_msg, e->cfg.secret, e->cfg.secret_len,
-                       e->epoch, &ccb, &e->ctl, err, errlen) != 0) {
+                       e->epoch, e->cfg.heartbeat_interval_ms, e->cfg.heartbeat_timeout_ms,
+                       e->cfg.ctrl_queue_bytes, &ccb, &e->ctl, err, errlen) != 0) {
         return KVR_ESYSTEM;
     }
     if (e->mode == KVR_MODE_PREFILL) {
@@ -481,6 +484,7 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
              p->bootstrap_addr ? p->bootstrap_addr : "");
     kvr_table_init(&e->rooms);
     kvr_table_init(&e->tags);
+    kvr_table_init(&e->peer_index);
     kvr_heap_init(&e->deadlines);
     kvr_table_init(&e->pending);
     kvr_wbuf_init(&e->wbuf);
@@ -685,6 +689,7 @@ void kvr_engine_free(kvr_engine_t *e)
     }
     kvr_table_destroy(&e->tags);
     kvr_table_destroy(&e->rooms);
+    kvr_table_destroy(&e->peer_index);
     while (e->peers) {
         kvr_peer_t *p = e->peers;
         e->peers = p->next;
@@ -694,16 +699,7 @@ void kvr_engine_free(kvr_engine_t *e)
     if (e->wake_fd >= 0) {
         close(e->wake_fd);
     }
-    for (int i = 0; i < e->nsib; i++) {
-        free(e->sib_eps[i]);
-    }
-    free(e->sib_eps);
-    free(e->sib_conns);
-    while (e->sib_out) {
-        kvr_sib_out_t *o = e->sib_out;
-        e->sib_out = o->next;
-        free(o);
-    }
+    kvr_siblings_free(e);
     kvr_gpu_free(e);
     kvr_dead_free(e);
     kvr_wbuf_free(&e->wbuf);

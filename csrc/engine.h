@@ -48,6 +48,7 @@ typedef struct {
     uint64_t pack_bytes;            /* most bytes of packed scattered messages in flight (tcp) */
     uint32_t max_rooms_per_peer;    /* prefill: rooms one decode may have pending or bound */
     uint32_t max_peers;             /* prefill: decode ranks connected at once (a UCX worker each) */
+    uint64_t ctrl_queue_bytes;      /* control messages queued per connection for the engine */
     /* Shared secret authenticating every control message (auth.h); none if
      * secret_len is 0. */
     unsigned char secret[KVR_AUTH_SECRET_MAX];
@@ -118,6 +119,7 @@ typedef struct {
                                      others came eagerly) */
     uint64_t ucx_workers;         /* UCX workers alive: one per connected peer */
     uint64_t ucx_workers_created; /* UCX workers created: one per connection to a peer */
+    uint64_t sib_fail_refused;    /* SIB_FAIL messages not from a configured sibling (dropped) */
     uint64_t failures_by_code[KVR_STATUS_LAST];
     /* Per succeeded room (KVR_HIST_LATENCY, ns): decode, from sending the
      * request to the prefill to the last byte landed; prefill, from the

@@ -86,6 +86,7 @@ typedef struct kvr_peer {
     char name[160];             /* "host:port" for reasons and logs */
     kvr_ctl_conn_t *bs_conn;    /* decode: to the bootstrap server */
     kvr_ctl_conn_t *conn;       /* decode: to the prefill's ROUTER */
+    char conn_ep[KVR_WIRE_MAX_STR + 1]; /* decode: the ROUTER's endpoint */
     unsigned char ident[KVR_IDENT_MAX];
     size_t ident_len;           /* prefill: the decode's routing id */
     kvr_tp_worker_t *worker;    /* our UCX worker for this peer (see transport.h) */
@@ -106,7 +107,8 @@ typedef struct kvr_peer {
     kvr_tp_ep_t *ep_err_ep;     /* that endpoint */
     uint64_t ep_err_ns;         /* when */
     char ep_err_text[128];
-    struct kvr_peer *next;
+    struct kvr_peer *next;      /* e->peers */
+    struct kvr_peer *hnext;     /* same hash of (kind, key) in e->peer_index */
 } kvr_peer_t;
 
 /* Every change of a peer's state goes through here. */
@@ -204,6 +206,27 @@ typedef struct {
     uint64_t held;
 } kvr_ratelog_t;
 
+/* Who answers at a configured sibling endpoint (its PONG on the
+ * connection we opened there): a SIB_FAIL is taken only from that
+ * instance.  One per e->sib_conns[i]. */
+typedef struct {
+    uint64_t epoch; /* 0: not answered yet */
+    uint32_t rank;
+    int answered;   /* since the last round of PINGs */
+} kvr_sib_id_t;
+
+/* A SIB_FAIL from an instance not known as a sibling yet, held until the
+ * siblings answered (a sibling's first message may beat its PONG). */
+typedef struct kvr_sib_held {
+    uint64_t room;
+    uint64_t epoch;
+    unsigned char ident[KVR_IDENT_MAX];
+    size_t ident_len;
+    uint64_t arrived_ns;
+    kvr_failure_t f;
+    struct kvr_sib_held *next;
+} kvr_sib_held_t;
+
 /* A root cause waiting to be published to the siblings. */
 typedef struct kvr_sib_out {
     uint64_t room;
@@ -253,6 +276,7 @@ struct kvr_engine {
     kvr_room_t *draining;   /* failing rooms with operations in flight */
     kvr_heap_t deadlines;   /* open rooms by their next deadline (timer.c) */
     kvr_peer_t *peers;
+    kvr_table_t peer_index; /* hash of (kind, key) -> peers with it, through hnext */
     /* decode: poll() progressing UCX from the caller's thread */
     int off_thread;               /* set while it does (under the lock) */
     int ep_err_pending;           /* a peer has ep_err set (kvr_ep_errors_locked) */
@@ -268,7 +292,11 @@ struct kvr_engine {
     int nsib;
     int sib_dirty;
     kvr_ctl_conn_t **sib_conns;
+    kvr_sib_id_t *sib_ids;  /* who answered on each */
     int nsib_conns;
+    uint64_t sib_ping_ns;   /* the last round of PINGs to them */
+    kvr_sib_held_t *sib_held; /* oldest first */
+    int nsib_held;
     kvr_sib_out_t *sib_out; /* failures to publish */
     int sib_pending;
 
@@ -285,6 +313,7 @@ struct kvr_engine {
     kvr_ratelog_t size_log;    /* oversized */
     kvr_ratelog_t data_log;    /* foreign data messages */
     kvr_ratelog_t refuse_log;  /* refused requests */
+    kvr_ratelog_t sib_log;     /* SIB_FAIL from no sibling */
     char reg_auth_error[KVR_WIRE_MAX_STR + 1]; /* prefill: why the bootstrap server refused us */
 
     uint64_t tag_pool[64]; /* random room tags, drawn in batches */
@@ -387,9 +416,17 @@ void kvr_send_ctrl_to_peer(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m);
 void kvr_send_conn_locked(kvr_engine_t *e, kvr_ctl_conn_t *conn, const kvr_msg_t *m);
 void kvr_fill_layout(kvr_engine_t *e, kvr_wire_layout_t *l);
 int kvr_layout_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *why, size_t n);
+/* The peer of that kind and key, or NULL: a lookup in e->peer_index, which
+ * follows every peer's key (kvr_peer_new, kvr_peer_rekey). */
 kvr_peer_t *kvr_peer_find(kvr_engine_t *e, int kind, const char *key);
 kvr_peer_t *kvr_peer_new(kvr_engine_t *e, int kind, const char *key);
+/* Gives peer p a new key (a recycled decode peer); -1 if memory ran out
+ * (p then has no key and is found by no lookup). */
+int kvr_peer_rekey(kvr_engine_t *e, kvr_peer_t *p, const char *key);
 void kvr_peer_disconnect(kvr_engine_t *e, kvr_peer_t *p);
+/* Retires only p's connection to the prefill's ROUTER (kvr_reap_locked
+ * closes it); p->conn is NULL after, unless the dead list is full. */
+void kvr_peer_retire_conn(kvr_engine_t *e, kvr_peer_t *p);
 int kvr_peer_worker(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen);
 void kvr_reap_locked(kvr_engine_t *e);
 /* Frees the dead lists themselves (kvr_engine_free, after the last reap). */
@@ -411,7 +448,14 @@ void kvr_ep_errors_locked(kvr_engine_t *e);
 /* sibling.c: engine thread                                            */
 /* ------------------------------------------------------------------ */
 void kvr_siblings_locked(kvr_engine_t *e);
-void kvr_on_sib_fail_locked(kvr_engine_t *e, const kvr_msg_t *m);
+/* A SIB_FAIL on our ROUTER from routing id ident. */
+void kvr_on_sib_fail_locked(kvr_engine_t *e, const void *ident, size_t ident_len,
+                            const kvr_msg_t *m);
+/* 1 if conn is one of our connections to the siblings; the message on it
+ * is then handled. */
+int kvr_on_sib_conn_msg_locked(kvr_engine_t *e, kvr_ctl_conn_t *conn, const kvr_msg_t *m);
+/* Frees what the engine keeps about its siblings (kvr_engine_free). */
+void kvr_siblings_free(kvr_engine_t *e);
 
 /* ------------------------------------------------------------------ */
 /* op.c: operations in flight                                          */
@@ -476,6 +520,10 @@ void kvr_send_done_locked(kvr_engine_t *e, kvr_room_t *r);
 void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len, size_t len,
                  int rndv, kvr_tp_accept_t *acc);
 void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r);
+/* Decode: (re)connects to prefill peer p's ROUTER at p->conn_ep and says
+ * HELLO; a HELLO unanswered for heartbeat_timeout_ms is said again on a
+ * fresh connection (timer.c). */
+void kvr_decode_hello_locked(kvr_engine_t *e, kvr_peer_t *p);
 void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void *data,
                      size_t len);
 

@@ -112,9 +112,55 @@ int kvr_layout_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *why, size
     return kvr_items_diff("aux", e->naux, e->aux_item, l->aux_item_lens, why, n);
 }
 
+/* FNV-1a over the kind and the key: the index's 64-bit key.  Peers whose
+ * hashes collide share a chain (hnext). */
+static uint64_t kvr_peer_hash(int kind, const char *key)
+{
+    uint64_t h = 0xcbf29ce484222325ull;
+    h = (h ^ (uint64_t)(unsigned char)kind) * 0x100000001b3ull;
+    for (const unsigned char *c = (const unsigned char *)key; *c; c++) {
+        h = (h ^ *c) * 0x100000001b3ull;
+    }
+    return h;
+}
+
+static int kvr_peer_index_add(kvr_engine_t *e, kvr_peer_t *p)
+{
+    uint64_t h = kvr_peer_hash(p->kind, p->key);
+    kvr_peer_t *head = kvr_table_get(&e->peer_index, h);
+    p->hnext = head;
+    if (kvr_table_put(&e->peer_index, h, p) != 0) {
+        p->hnext = NULL;
+        return -1;
+    }
+    return 0;
+}
+
+static void kvr_peer_index_remove(kvr_engine_t *e, kvr_peer_t *p)
+{
+    uint64_t h = kvr_peer_hash(p->kind, p->key);
+    kvr_peer_t *head = kvr_table_get(&e->peer_index, h);
+    if (head == p) {
+        if (p->hnext != NULL) {
+            kvr_table_put(&e->peer_index, h, p->hnext); /* replaces: no memory needed */
+        } else {
+            kvr_table_remove(&e->peer_index, h);
+        }
+    } else {
+        for (kvr_peer_t *q = head; q != NULL; q = q->hnext) {
+            if (q->hnext == p) {
+                q->hnext = p->hnext;
+                break;
+            }
+        }
+    }
+    p->hnext = NULL;
+}
+
 kvr_peer_t *kvr_peer_find(kvr_engine_t *e, int kind, const char *key)
 {
-    for (kvr_peer_t *p = e->peers; p; p = p->next) {
+    kvr_peer_t *p = kvr_table_get(&e->peer_index, kvr_peer_hash(kind, key));
+    for (; p; p = p->hnext) {
         if (p->kind == kind && strcmp(p->key, key) == 0) {
             return p;
         }
@@ -132,6 +178,10 @@ kvr_peer_t *kvr_peer_new(kvr_engine_t *e, int kind, const char *key)
     p->remote_rank = -1;
     snprintf(p->key, sizeof(p->key), "%s", key);
     snprintf(p->name, sizeof(p->name), "%s", key);
+    if (kvr_peer_index_add(e, p) != 0) {
+        free(p);
+        return NULL;
+    }
     p->next = e->peers;
     e->peers = p;
     e->stats.peers++;
@@ -160,6 +210,18 @@ static void kvr_dead_conn(kvr_engine_t *e, kvr_ctl_conn_t *c)
     if (c != NULL && kvr_dead_push(&e->dead_conns, c) != 0) {
         kvr_ctl_conn_close(e->ctl, c);
     }
+}
+
+int kvr_peer_rekey(kvr_engine_t *e, kvr_peer_t *p, const char *key)
+{
+    kvr_peer_index_remove(e, p);
+    snprintf(p->key, sizeof(p->key), "%s", key);
+    snprintf(p->name, sizeof(p->name), "%s", key);
+    if (kvr_peer_index_add(e, p) != 0) {
+        p->key[0] = '\0';
+        return -1;
+    }
+    return 0;
 }
 
 /* Queues the peer's sockets and endpoint for closing.  They are closed by
@@ -191,6 +253,12 @@ void kvr_peer_disconnect(kvr_engine_t *e, kvr_peer_t *p)
         (void)kvr_dead_push(&e->dead_workers, p->worker);
         p->worker = NULL;
     }
+}
+
+void kvr_peer_retire_conn(kvr_engine_t *e, kvr_peer_t *p)
+{
+    kvr_dead_conn(e, p->conn);
+    p->conn = NULL;
 }
 
 /* The peer's UCX worker, created for a new connection.  0, or -1 with err. */

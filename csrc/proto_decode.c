@@ -246,20 +246,12 @@ static void kvr_on_bs_reply_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
     if (!m->found) {
         return; /* not registered yet: the timer asks again */
     }
-    char endpoint[KVR_WIRE_MAX_STR + 1];
-    memcpy(endpoint, m->str, m->str_len);
-    endpoint[m->str_len] = '\0';
-    unsigned char ident[KVR_ENGINE_IDENT_LEN];
-    kvr_engine_ident(e, ident);
+    memcpy(p->conn_ep, m->str, m->str_len);
+    p->conn_ep[m->str_len] = '\0';
     kvr_peer_disconnect(e, p); /* retires the bootstrap connection */
     p->epoch = m->peer_epoch;
     snprintf(p->name, sizeof(p->name), "prefill rank %d at %.120s", e->rank,
-             strncmp(endpoint, "tcp://", 6) == 0 ? endpoint + 6 : endpoint);
-    if (kvr_ctl_connect(e->ctl, endpoint, ident, sizeof(ident), p, &p->conn, err,
-                        sizeof(err)) != 0) {
-        kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, err);
-        return;
-    }
+             strncmp(p->conn_ep, "tcp://", 6) == 0 ? p->conn_ep + 6 : p->conn_ep);
     if (kvr_peer_worker(e, p, err, sizeof(err)) != 0) {
         char what[400];
         snprintf(what, sizeof(what), "cannot be reached: %s", err);
@@ -267,7 +259,25 @@ static void kvr_on_bs_reply_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
         return;
     }
     kvr_peer_set_state(p, KVR_PEER_CONNECTING);
+    kvr_decode_hello_locked(e, p);
+}
+
+void kvr_decode_hello_locked(kvr_engine_t *e, kvr_peer_t *p)
+{
+    KVR_ASSERT_LOCKED(e);
+    char err[256];
+    unsigned char ident[KVR_ENGINE_IDENT_LEN];
+    kvr_engine_ident(e, ident);
+    /* The prefill may not hear the connection we have: its ROUTER may still
+     * hold our routing id for one of ours that died unseen. */
+    kvr_peer_retire_conn(e, p);
+    if (p->conn == NULL && kvr_ctl_connect(e->ctl, p->conn_ep, ident, sizeof(ident), p,
+                                           &p->conn, err, sizeof(err)) != 0) {
+        kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, err);
+        return;
+    }
     kvr_peer_hello(e, p);
+    p->next_try_ns = kvr_now_ns() + e->cfg.heartbeat_timeout_ms * KVR_MS;
 }
 
 /* Decode: the prefill accepted our HELLO: check its layout, connect our
@@ -345,6 +355,9 @@ void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void
     }
     if (m.type == KVR_MSG_AUTH_REJECT) {
         kvr_on_auth_reject_locked(e, conn, p, &m);
+        return;
+    }
+    if (p == NULL && kvr_on_sib_conn_msg_locked(e, conn, &m)) {
         return;
     }
     if (e->mode == KVR_MODE_PREFILL) {

@@ -47,6 +47,18 @@ void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r)
         kvr_rejected_fail_locked(e, r);
         return;
     }
+    const kvr_plan_cursor_t *c = &kvr_eroom(r)->post;
+    if (!r->inited || c->posted < r->total_pages || (r->dst_aux >= 0 && !c->aux_done)) {
+        /* The decode cannot hold bytes this side never sent: it lies, or
+         * it is talking about another room. */
+        kvr_room_failf_locked(e, r, KVR_PROTOCOL, 1,
+                              "%s reported every byte landed before the prefill sent them "
+                              "(%u of %u pages%s posted)",
+                              r->peer ? r->peer->name : "the decode", c->posted,
+                              r->total_pages,
+                              r->dst_aux >= 0 && !c->aux_done ? ", the aux row not" : "");
+        return;
+    }
     if (kvr_room_succeed(r)) {
         kvr_room_succeeded_locked(e, r);
     }
@@ -107,6 +119,19 @@ static kvr_peer_t *kvr_decode_peer_by_ident(kvr_engine_t *e, const void *ident, 
     return kvr_peer_find(e, KVR_PEER_IS_DECODE, key);
 }
 
+/* Prefill: the requests decode peer p has pending will not be bound to it
+ * (the timers drop them). */
+static void kvr_pending_release(kvr_engine_t *e, kvr_peer_t *p)
+{
+    kvr_pending_t *pd;
+    for (kvr_table_iter_t it = {0}; (pd = kvr_table_next(&e->pending, &it, NULL)) != NULL;) {
+        if (pd->peer == p) {
+            p->nrooms--;
+            pd->peer = NULL;
+        }
+    }
+}
+
 /*
  * Prefill: refuses a decode rank's HELLO with code and reason: tells the
  * decode, logs, and releases the rooms the decode already asked for through
@@ -119,13 +144,7 @@ static void kvr_hello_reject_locked(kvr_engine_t *e, kvr_peer_t *p, int code, co
     kvr_send_ctrl_to_peer(e, p, &reply);
     kvr_log_write(&e->log, KVR_LOG_WARNING, "%s", reason);
     kvr_peer_set_state(p, KVR_PEER_FAILED);
-    kvr_pending_t *pd;
-    for (kvr_table_iter_t it = {0}; (pd = kvr_table_next(&e->pending, &it, NULL)) != NULL;) {
-        if (pd && pd->peer == p) {
-            p->nrooms--;
-            pd->peer = NULL;
-        }
-    }
+    kvr_pending_release(e, p);
 }
 
 /*
@@ -153,17 +172,46 @@ static kvr_peer_t *kvr_decode_peer_recycle(kvr_engine_t *e, const char *key)
         if (!used) {
             kvr_peer_disconnect(e, p);
             free(p->worker_addr);
-            kvr_peer_t *next = p->next;
+            kvr_peer_t *next = p->next, *hnext = p->hnext;
+            char old[sizeof(p->key)];
+            memcpy(old, p->key, sizeof(old));
             memset(p, 0, sizeof(*p));
             p->next = next;
+            p->hnext = hnext;
+            p->state = KVR_PEER_FAILED;
             p->kind = KVR_PEER_IS_DECODE;
             p->remote_rank = -1;
-            snprintf(p->key, sizeof(p->key), "%s", key);
-            snprintf(p->name, sizeof(p->name), "%s", key);
-            return p;
+            memcpy(p->key, old, sizeof(old)); /* where the index has it */
+            return kvr_peer_rekey(e, p, key) == 0 ? p : NULL;
         }
     }
     return NULL;
+}
+
+/*
+ * Prefill: a HELLO under the routing id of live decode peer p, from another
+ * instance (epoch): p keeps the id, its rooms and its worker; the sender is
+ * refused.  A decode's routing id names its own epoch, so only a decode
+ * whose previous instance died (then p is silent or failed) or a sender
+ * posing as p asks this.
+ */
+static void kvr_hello_taken_locked(kvr_engine_t *e, kvr_peer_t *p, const void *ident,
+                                   size_t ident_len, const kvr_msg_t *m)
+{
+    KVR_ASSERT_LOCKED(e);
+    char reason[512];
+    snprintf(reason, sizeof(reason),
+             "prefill rank %d (%s) refused decode rank %u (epoch %016" PRIx64
+             "): its routing id belongs to %s, which is alive (heard %" PRIu64 " ms ago)",
+             e->rank, kvr_ctl_endpoint(e->ctl), m->rank, m->epoch, p->name,
+             (kvr_now_ns() - p->last_heard_ns) / KVR_MS);
+    e->stats.ctrl_dropped++;
+    kvr_warn_limited(e, &e->refuse_log, "%s", reason);
+    kvr_msg_t reply = kvr_msg_text(KVR_MSG_HELLO_REJECT, (uint32_t)e->rank, KVR_REFUSED, reason);
+    reply.epoch = e->epoch;
+    if (kvr_wire_encode(&e->wbuf, &reply) == 0) {
+        kvr_ctl_send_router(e->ctl, ident, ident_len, e->wbuf.data, e->wbuf.len);
+    }
 }
 
 /* Prefill: HELLO from a decode rank. */
@@ -174,6 +222,22 @@ static void kvr_on_hello_locked(kvr_engine_t *e, const void *ident, size_t ident
     char key[2 * KVR_IDENT_MAX + 1], why[256], err[256] = "";
     kvr_ident_key(ident, ident_len, key);
     kvr_peer_t *p = kvr_peer_find(e, KVR_PEER_IS_DECODE, key);
+    if (p != NULL && p->epoch != m->epoch) {
+        /* Another instance under this routing id: refused while the one
+         * that holds it is alive; once it is silent or failed, its rooms
+         * and requests go before the new one takes the id. */
+        if (p->state == KVR_PEER_READY && !kvr_peer_silent(e, p, kvr_now_ns())) {
+            kvr_hello_taken_locked(e, p, ident, ident_len, m);
+            return;
+        }
+        if (p->state == KVR_PEER_READY) {
+            char what[96];
+            snprintf(what, sizeof(what),
+                     "restarted: epoch %016" PRIx64 " says HELLO under its routing id", m->epoch);
+            kvr_peer_fail_locked(e, p, KVR_PEER_RESTARTED, what);
+        }
+        kvr_pending_release(e, p);
+    }
     if (p == NULL) {
         p = kvr_decode_peer_recycle(e, key);
     }
@@ -559,7 +623,20 @@ void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, const voi
             e->stats.ctrl_dropped++;
             return;
         }
-        kvr_on_sib_fail_locked(e, &m);
+        kvr_on_sib_fail_locked(e, ident, ident_len, &m);
+        return;
+    }
+    kvr_peer_t *p = kvr_decode_peer_by_ident(e, ident, ident_len);
+    if (m.type == KVR_MSG_PING) {
+        /* Decode ranks' heartbeats, and siblings asking who we are. */
+        kvr_msg_t pong = kvr_msg_rank(KVR_MSG_PONG, (uint32_t)e->rank);
+        pong.epoch = e->epoch;
+        if (p && p->epoch == m.epoch) {
+            p->last_heard_ns = kvr_now_ns(); /* not kept alive by another instance */
+        }
+        if (kvr_wire_encode(&e->wbuf, &pong) == 0) {
+            kvr_ctl_send_router(e->ctl, ident, ident_len, e->wbuf.data, e->wbuf.len);
+        }
         return;
     }
     if (e->mode != KVR_MODE_PREFILL) {
@@ -572,18 +649,6 @@ void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, const voi
             return;
         }
         kvr_on_hello_locked(e, ident, ident_len, &m);
-        return;
-    }
-    kvr_peer_t *p = kvr_decode_peer_by_ident(e, ident, ident_len);
-    if (m.type == KVR_MSG_PING) {
-        kvr_msg_t pong = kvr_msg_rank(KVR_MSG_PONG, (uint32_t)e->rank);
-        pong.epoch = e->epoch;
-        if (p) {
-            p->last_heard_ns = kvr_now_ns();
-        }
-        if (kvr_wire_encode(&e->wbuf, &pong) == 0) {
-            kvr_ctl_send_router(e->ctl, ident, ident_len, e->wbuf.data, e->wbuf.len);
-        }
         return;
     }
     if (p != NULL && p->epoch == m.epoch && p->state == KVR_PEER_FAILED &&

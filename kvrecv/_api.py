@@ -58,6 +58,7 @@ class KVConfig:
     pack_bytes: int = _DEFAULT["pack_bytes"]
     max_rooms_per_peer: int = _DEFAULT["max_rooms_per_peer"]
     max_peers: int = _DEFAULT["max_peers"]
+    ctrl_queue_bytes: int = _DEFAULT["ctrl_queue_bytes"]
     secret: Any = dataclasses.field(default="", repr=False)
     staging_slots: int = _DEFAULT["staging_slots"]
     staging_slot_bytes: int = _DEFAULT["staging_slot_bytes"]

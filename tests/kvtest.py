@@ -375,6 +375,9 @@ def describe_failure(room) -> str:
 # --------------------------------------------------------------------------
 
 ZMQ_DEALER = 5
+ZMQ_ROUTING_ID = 5
+ZMQ_SNDHWM = 23
+ZMQ_DONTWAIT = 1
 ZMQ_SNDMORE = 2
 ZMQ_LINGER = 17
 ZMQ_RCVTIMEO = 27
@@ -410,16 +413,21 @@ def _libzmq():
 class Dealer:
     """A DEALER connected to endpoint ("tcp://host:port")."""
 
-    def __init__(self, endpoint: str, recv_timeout_ms: int = 5000, bind: bool = False):
+    def __init__(self, endpoint: str, recv_timeout_ms: int = 5000, bind: bool = False,
+                 routing_id: Optional[bytes] = None, sndhwm: int = 1000):
         z = _libzmq()
         self._z = z
         self.ctx = z.zmq_ctx_new()
         assert self.ctx, "zmq_ctx_new failed"
         self.sock = z.zmq_socket(self.ctx, ZMQ_DEALER)
         assert self.sock, "zmq_socket failed"
-        for opt, val in ((ZMQ_LINGER, 0), (ZMQ_RCVTIMEO, recv_timeout_ms), (ZMQ_SNDTIMEO, 5000)):
+        for opt, val in ((ZMQ_LINGER, 0), (ZMQ_RCVTIMEO, recv_timeout_ms), (ZMQ_SNDTIMEO, 5000),
+                         (ZMQ_SNDHWM, sndhwm)):
             v = ctypes.c_int(val)
             assert z.zmq_setsockopt(self.sock, opt, ctypes.byref(v), ctypes.sizeof(v)) == 0
+        if routing_id is not None:
+            rid = ctypes.create_string_buffer(routing_id, len(routing_id))
+            assert z.zmq_setsockopt(self.sock, ZMQ_ROUTING_ID, rid, len(routing_id)) == 0
         if bind:
             # A DEALER that others connect to (DEALER-DEALER: no routing ids).
             assert z.zmq_bind(self.sock, endpoint.encode()) == 0, f"zmq_bind({endpoint}) failed"
@@ -436,6 +444,10 @@ class Dealer:
         buf = ctypes.create_string_buffer(data, max(len(data), 1))
         n = self._z.zmq_send(self.sock, buf, len(data), ZMQ_SNDMORE if more else 0)
         assert n == len(data), f"zmq_send returned {n}"
+
+    def try_send(self, buf) -> bool:
+        """Sends buf (a ctypes buffer) unless the queue is full."""
+        return self._z.zmq_send(self.sock, buf, len(buf), ZMQ_DONTWAIT) == len(buf)
 
     def send_multipart(self, frames: Sequence[bytes]) -> None:
         for i, f in enumerate(frames):
@@ -549,6 +561,69 @@ def hello(rank: int, layout: Layout, worker_addr: bytes, tcp_rx_seg: int = 512 <
     return (header(MSG_HELLO, **hk) + struct.pack("<I", rank) + wire_layout(layout)
             + struct.pack("<I", len(worker_addr)) + worker_addr
             + (struct.pack("<I", tcp_rx_seg) if tcp_rx_seg else b""))
+
+
+def sib_fail(room: int, code: int, origin: int, reason: bytes, peer: bytes = b"",
+             **hk) -> bytes:
+    return (header(MSG_SIB_FAIL, **hk) + struct.pack("<QQHi", room, 0, code, origin)
+            + wire_str(reason) + wire_str(peer))
+
+
+def relay_for_rank0(res, bootstrap_address: str, epoch: int) -> "Dealer":
+    """A bound DEALER registered with the bootstrap server as prefill rank 0
+    (instance epoch): a decode resolving rank 0 sends it its HELLO."""
+    relay = res.dealer("tcp://127.0.0.1:*", bind=True, recv_timeout_ms=5000)
+    reg = res.dealer("tcp://" + bootstrap_address)
+    reg.send(header(MSG_BS_REGISTER, epoch=epoch) + struct.pack("<I", 0)
+             + wire_str(relay.endpoint.encode()))
+    assert parse_header(reg.recv())[2] == MSG_BS_REGISTER_OK
+    return relay
+
+
+class FakeSibling:
+    """A sibling rank of a manager, on raw sockets: it listens at the
+    endpoint the manager is told about (a bound DEALER), answers the
+    manager's PINGs there with PONG (its epoch and rank), and sends to the
+    manager's ROUTER under its routing id (epoch, rank), as a real sibling
+    does.  With key, everything it sends is sealed."""
+
+    def __init__(self, res, epoch: int, rank: int = 1, key: Optional[bytes] = None):
+        self.res, self.epoch, self.rank, self.key, self.seq = res, epoch, rank, key, 0
+        self.listen = res.dealer("tcp://127.0.0.1:*", bind=True, recv_timeout_ms=5000)
+        self.endpoint = self.listen.endpoint
+        self.out = None
+
+    def _sealed(self, msg: bytes) -> bytes:
+        if self.key is None:
+            return msg
+        self.seq += 1
+        return seal(msg, self.key, self.seq)
+
+    def attach(self, mgr) -> None:
+        """Becomes mgr's only sibling and answers its first PING."""
+        mgr.set_siblings([self.endpoint])
+        self.answer()
+        self.out = self.res.dealer(mgr.endpoint,
+                                   routing_id=struct.pack("<QI", self.epoch, self.rank))
+
+    def answer(self) -> None:
+        """Answers the manager's next PING on the sibling endpoint (what it
+        sent before, its own SIB_FAILs, is skipped)."""
+        while True:
+            m = self.listen.recv()
+            assert m is not None, "no PING from the manager"
+            if self.key is not None:
+                m = unseal(m, self.key)[0]
+            if parse_header(m)[2] == MSG_PING:
+                break
+        self.listen.send(self._sealed(header(MSG_PONG, epoch=self.epoch)
+                                      + struct.pack("<I", self.rank)))
+
+    def send(self, msg: bytes) -> None:
+        self.out.send(self._sealed(msg))
+
+    def fail(self, room: int, code: int, reason: bytes, peer: bytes = b"") -> None:
+        self.send(sib_fail(room, code, self.rank, reason, peer, epoch=self.epoch))
 
 
 # --------------------------------------------------------------------------

@@ -24,9 +24,9 @@ from kvrecv import (
     KVTimeoutError,
 )
 from kvtest import (
+    FakeSibling,
     MSG_BS_REGISTER,
     MSG_BS_REGISTER_OK,
-    MSG_SIB_FAIL,
     SECRET,
     SMALL,
     Side,
@@ -47,11 +47,6 @@ KEY = SECRET
 BAD_TAG = ("authentication tag does not verify (a different secret, or a forged or altered "
            "message); the secret (KVRECV_SECRET, KVConfig.secret, BootstrapServer(secret=)) "
            "must be the same on every decode, prefill and bootstrap server")
-
-
-def sib_fail(room: int, code: int, origin: int, reason: bytes, **hk) -> bytes:
-    return (header(MSG_SIB_FAIL, **hk) + struct.pack("<QQHi", room, 0, code, origin)
-            + wire_str(reason) + wire_str(b""))
 
 
 def failure(room):
@@ -88,14 +83,14 @@ def test_a_failure_code_this_build_does_not_know_is_remote(res, caplog):
     caplog.set_level(logging.WARNING, logger="kvrecv")
     bs = res.server()
     decode = res.manager(Side(SMALL, 0), "decode")
-    decode.set_siblings(["tcp://127.0.0.1:9"])  # any: SIB_FAIL needs siblings set
-    d = res.dealer(decode.endpoint, recv_timeout_ms=5000)
+    sib = FakeSibling(res, 0x51B)
+    sib.attach(decode)
     zero = KVReceiver(decode, bs.address, 30)
     zero.init()
-    d.send(sib_fail(30, 0, 1, b"room 30: nothing failed"))
+    sib.fail(30, 0, b"room 30: nothing failed")
     r = KVReceiver(decode, bs.address, 31)
     r.init()
-    d.send(sib_fail(31, 999, 1, b"room 31: a cause from a newer build"))
+    sib.fail(31, 999, b"room 31: a cause from a newer build")
     assert wait_for(r, terminal()) == KVPoll.Failed
     e = failure(r)
     assert type(e) is KVRemoteError and e.code == "REMOTE", (type(e), e.code)
@@ -217,8 +212,10 @@ def test_a_sibling_that_refuses_the_decodes_authentication(res, caplog):
     r.init()
     r.abort()  # a root cause here: reported to the siblings
     assert wait_for(r, terminal()) == KVPoll.Failed
-    assert wait_until(lambda: d0.stats()["auth_refused_by_peer"] == 1, 10), d0.stats()
-    assert d1.stats()["auth_rejected"] == 1
+    # Two messages refused: rank 0's PING asking who the sibling is, and
+    # the SIB_FAIL.
+    assert wait_until(lambda: d0.stats()["auth_refused_by_peer"] == 2, 10), d0.stats()
+    assert d1.stats()["auth_rejected"] == 2
     want = (f"decode rank 0: a sibling rank refused our messages: authentication failed at "
             f"the kvrecv manager {d1.endpoint}: {BAD_TAG}")
     assert wait_until(lambda: want in [m.getMessage() for m in caplog.records

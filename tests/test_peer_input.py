@@ -14,14 +14,13 @@ import pytest
 
 from kvrecv import BootstrapServer, KVPoll, KVReceiver, KVTransferError
 from kvtest import (
+    FakeSibling,
     MSG_HELLO_OK,
     MSG_HELLO_REJECT,
     MSG_PONG,
     MSG_ROOM_FAIL,
-    MSG_SIB_FAIL,
     SMALL,
     Side,
-    header,
     hello,
     parse_header,
     ping,
@@ -30,16 +29,9 @@ from kvtest import (
     terminal,
     wait_for,
     wait_until,
-    wire_str,
 )
 
 pytestmark = pytest.mark.timeout(90)
-
-
-def sib_fail(room: int, code: int, origin: int, reason: bytes, peer: bytes = b"",
-             **hk) -> bytes:
-    return (header(MSG_SIB_FAIL, **hk) + struct.pack("<QQHi", room, 0, code, origin)
-            + wire_str(reason) + wire_str(peer))
 
 
 def test_reason_not_utf8_still_raises_kvtransfererror(res, caplog):
@@ -50,14 +42,14 @@ def test_reason_not_utf8_still_raises_kvtransfererror(res, caplog):
     caplog.set_level(logging.DEBUG, logger="kvrecv")
     bs = res.server()
     decode = res.manager(Side(SMALL, 0), "decode")
-    decode.set_siblings(["tcp://127.0.0.1:9"])  # any: SIB_FAIL needs siblings set
-    d = res.dealer(decode.endpoint)
+    sib = FakeSibling(res, 0x51B)
+    sib.attach(decode)
     cut = b"x" * 382 + "\u00e9".encode()  # 384 bytes: the copy keeps 383
     for room, reason, want in ((7, b"bad \xff\xfe bytes", "bad \ufffd\ufffd bytes"),
                                (8, cut, "x" * 382)):
         r = KVReceiver(decode, bs.address, room)
         r.init()
-        d.send(sib_fail(room, 6, 1, reason, b"peer \xc3"))
+        sib.fail(room, 6, reason, b"peer \xc3")
         assert wait_for(r, terminal()) == KVPoll.Failed
         with pytest.raises(KVTransferError) as ei:
             r.failure_exception()
@@ -79,11 +71,11 @@ def test_failures_for_rooms_never_opened_are_bounded(res):
     open clean, and a room among the newest still gets its sibling's cause."""
     bs = res.server()
     decode = res.manager(Side(SMALL, 0), "decode")
-    decode.set_siblings(["tcp://127.0.0.1:9"])
-    d = res.dealer(decode.endpoint)
+    sib = FakeSibling(res, 0x51B)
+    sib.attach(decode)
     n = 5000
     for room in range(1, n + 1):
-        d.send(sib_fail(room, 6, 1, b"injected %d" % room))
+        sib.fail(room, 6, b"injected %d" % room)
     def opened_failed(room):
         r = KVReceiver(decode, bs.address, room)
         failed = r.poll() == KVPoll.Failed

@@ -24,8 +24,6 @@ from kvrecv import (
 )
 from kvtest import (
     MSG_BS_QUERY_REPLY,
-    MSG_BS_REGISTER,
-    MSG_BS_REGISTER_OK,
     MSG_HELLO,
     MSG_HELLO_OK,
     MSG_PONG,
@@ -39,17 +37,16 @@ from kvtest import (
     auth_reject_reason,
     bs_query,
     describe_failure,
-    header,
     hello,
     parse_header,
     ping,
+    relay_for_rank0,
     room_req,
     seal,
     terminal,
     unseal,
     wait_for,
     wait_until,
-    wire_str,
 )
 
 pytestmark = pytest.mark.timeout(90)
@@ -339,12 +336,8 @@ def test_data_from_a_prefill_the_room_is_not_bound_to_is_refused(res, bootstrap,
     prefill = res.manager(src, "prefill", bootstrap.address)
     decode = res.manager(dst, "decode")
     assert wait_until(lambda: bootstrap.stats()["registrations"] == 1)
-    relay = res.dealer("tcp://127.0.0.1:*", bind=True, recv_timeout_ms=5000)
     relay_epoch = 0x7777
-    reg = res.dealer("tcp://" + bootstrap.address)
-    reg.send(header(MSG_BS_REGISTER, epoch=relay_epoch) + struct.pack("<I", 0)
-             + wire_str(relay.endpoint.encode()))
-    assert parse_header(reg.recv())[2] == MSG_BS_REGISTER_OK
+    relay = relay_for_rank0(res, bootstrap.address, relay_epoch)
 
     r = KVReceiver(decode, bootstrap.address, 41)
     r.init()

@@ -378,12 +378,17 @@ def test_bootstrap_server_survives_oversized_and_random_messages(res, bootstrap)
 
 
 def test_decode_drops_everything_on_its_control_socket(res, pair):
+    """Everything but a PING (a sibling asking who listens here: answered
+    with a PONG naming the decode's epoch) is dropped."""
     d = res.dealer(pair.decode.endpoint)
     msgs = [frames for frames in malformed_cases().values()]
-    msgs += [[ping()], [hello(0, STD, b"\xff")], [room_req(1, 1, -1, [1])],
+    msgs += [[hello(0, STD, b"\xff")], [room_req(1, 1, -1, [1])],
              [room_fail(1, 1, 7, 0, b"x", b"y")], [header(MSG_BYE) + u32(0)]]
     for frames in msgs:
         d.send_multipart(frames)
+    d.send(ping())
+    pong = d.recv()
+    assert parse_header(pong)[2:] == (MSG_PONG, pair.decode._core.epoch)
     assert wait_until(lambda: pair.decode.stats()["ctrl_dropped"] >= len(msgs), timeout=10), \
         pair.decode.stats()
     time.sleep(0.1)

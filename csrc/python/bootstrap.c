@@ -33,8 +33,11 @@ static int kvr_bs_pyinit(PyObject *op, PyObject *args, PyObject *kwds)
     }
     char err[256] = "";
     int rc;
+    kvr_config_t dflt; /* the managers' default bound of control queues */
+    kvr_config_default(&dflt);
     Py_BEGIN_ALLOW_THREADS
-    rc = kvr_bootstrap_start(host, port, secret, secret_len, &self->bs, err, sizeof(err));
+    rc = kvr_bootstrap_start(host, port, secret, secret_len, dflt.ctrl_queue_bytes, &self->bs,
+                             err, sizeof(err));
     Py_END_ALLOW_THREADS
     if (rc != 0) {
         PyErr_SetString(PyExc_OSError, err);

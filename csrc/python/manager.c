@@ -69,6 +69,7 @@ fail:
     X(pack_bytes, (uint64_t)1 << 40, 0)                                                       \
     X(max_rooms_per_peer, UINT32_MAX, 0)                                                      \
     X(max_peers, UINT32_MAX, 0)                                                               \
+    X(ctrl_queue_bytes, (uint64_t)1 << 40, 0)                                                 \
     X(staging_slots, 65536, 0)                                                                \
     X(staging_slot_bytes, 1u << 30, 0)                                                        \
     X(force_staging, 1, 1)                                                                    \
@@ -435,6 +436,7 @@ static PyObject *kvr_manager_stats(PyObject *op, PyObject *unused)
         kvr_dict_set_u64(d, "data_rendezvous", s.data_rendezvous) < 0 ||
         kvr_dict_set_u64(d, "ucx_workers", s.ucx_workers) < 0 ||
         kvr_dict_set_u64(d, "ucx_workers_created", s.ucx_workers_created) < 0 ||
+        kvr_dict_set_u64(d, "sib_fail_refused", s.sib_fail_refused) < 0 ||
         kvr_dict_set_u64(d, "staged_ops", s.staged_ops) < 0 ||
         kvr_dict_set_u64(d, "staged_bytes", s.staged_bytes) < 0 ||
         kvr_dict_set_u64(d, "staging_overflow", s.staging_overflow) < 0 ||
