@@ -55,6 +55,9 @@
     X(plan_resume_and_aux, 10, 0)                                             \
     X(plan_hold_retries_same, 10, 0)                                          \
     X(plan_random_cover, 60, 0)                                               \
+    X(plan_heads_links, 10, 0)                                                \
+    X(plan_heads_bad, 10, 0)                                                  \
+    X(plan_heads_rows, 10, 0)                                                 \
     X(room_claim_once, 10, 0)                                                 \
     X(room_ops_succeed_abandon, 10, 0)                                        \
     X(heap_empty_and_order, 10, 0)                                            \
