@@ -141,6 +141,7 @@ static void kvr_handle_drop_locked(kvr_engine_t *e, kvr_room_t *r, const char *w
     }
     r->peer_counted = 0;
     kvr_registry_drop(&e->registry, r->id);
+    kvr_group_drop_locked(e, r);
     kvr_work_push_locked(e, r);
     kvr_room_unref_locked(e, r);
 }
@@ -162,7 +163,7 @@ void kvr_handle_release(kvr_handle_t *h)
 }
 
 int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *bootstrap_addr,
-                         char *err, size_t errlen)
+                         uint32_t prefill_tp_size, char *err, size_t errlen)
 {
     kvr_engine_t *e = kvr_handle_engine(h);
     int rc = kvr_handle_enter(h, err, errlen);
@@ -188,6 +189,12 @@ int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *boots
     if (h->bootstrap_addr[0] == '\0' || strchr(h->bootstrap_addr, ':') == NULL) {
         rc = kvr_err(err, errlen, KVR_EVALUE, "bootstrap_addr '%s' is not host:port",
                      h->bootstrap_addr);
+        goto out;
+    }
+    if (prefill_tp_size > 0) {
+        /* Heads from prefill ranks chosen by the head layouts (group.c). */
+        rc = kvr_group_open_locked(e, h, prefill_tp_size, err, errlen);
+        h->init_called = rc == 0;
         goto out;
     }
     h->init_called = 1;
@@ -266,6 +273,9 @@ int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, in
     h->prefix_len = prefix_len;
     h->expected = (uint64_t)n * e->page_bytes + (aux_index >= 0 ? e->aux_bytes : 0);
     h->meta_set = 1;
+    if (h->nlegs > 0 && kvr_group_meta_locked(e, h) != 0) {
+        kvr_room_failf_locked(e, h, KVR_TRANSPORT, 1, "out of memory handing pages to the legs");
+    }
     kvr_work_push_locked(e, h);
 out:
     return kvr_handle_unlock_wake(e, rc);

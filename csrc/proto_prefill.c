@@ -206,7 +206,8 @@ static void kvr_on_hello_locked(kvr_engine_t *e, const void *ident, size_t ident
         kvr_hello_reject_locked(e, p, KVR_REFUSED, reason);
         return;
     }
-    if (kvr_layout_diff(e, &m->layout, why, sizeof(why)) != 0) {
+    if (kvr_layout_diff(e, &m->layout, why, sizeof(why)) != 0 ||
+        kvr_peer_link(e, p, &m->layout, why, sizeof(why)) != 0) {
         snprintf(reason, sizeof(reason), "layout mismatch between prefill rank %d (%s) and %s: %s",
                  e->rank, kvr_ctl_endpoint(e->ctl), p->name, why);
         kvr_hello_reject_locked(e, p, KVR_LAYOUT_MISMATCH, reason);

@@ -48,7 +48,7 @@ static void kvr_timer_prefill_peer_locked(kvr_engine_t *e, kvr_peer_t *p, uint64
                      e->cfg.bootstrap_timeout_ms);
             kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, what);
         } else if (p->state == KVR_PEER_RESOLVING && now >= p->next_try_ns) {
-            kvr_bs_query(e, p->bs_conn);
+            kvr_bs_query(e, p, p->bs_conn);
             p->next_try_ns = now + 200 * KVR_MS;
         }
         return;

@@ -135,6 +135,12 @@ int kvr_wire_encode(kvr_wbuf_t *b, const kvr_msg_t *m)
         if (m->type == KVR_MSG_HELLO && m->tcp_rx_seg) {
             kvr_put_u32(b, m->tcp_rx_seg);
         }
+        if (m->layout.heads) {
+            kvr_put_u32(b, m->layout.tp_size);
+            kvr_put_u32(b, m->layout.tp_rank);
+            kvr_put_u32(b, m->layout.heads);
+            kvr_put_u32(b, m->layout.total_heads);
+        }
         break;
     case KVR_MSG_HELLO_REJECT:
         kvr_put_u32(b, m->rank);
@@ -298,10 +304,21 @@ int kvr_wire_decode(const void *buf, size_t len, kvr_msg_t *m, const char **why)
         if (kvr_rd_take(&r, m->addr_len, &p, "truncated worker address") == 0) {
             m->addr = p;
         }
-        if (m->type == KVR_MSG_HELLO && !r.why && r.left >= 4) { /* the optional size */
+        /* The optional size (HELLO), then the optional head layout (16
+         * bytes): what is left says which are there. */
+        if (m->type == KVR_MSG_HELLO && !r.why && r.left >= 4 && r.left != 16) {
             m->tcp_rx_seg = (uint32_t)kvr_rd_int(&r, 4, "truncated tcp receive size");
             if (m->tcp_rx_seg == 0) {
                 r.why = "explicit zero tcp receive size";
+            }
+        }
+        if (!r.why && r.left >= 16) {
+            m->layout.tp_size = (uint32_t)kvr_rd_int(&r, 4, "");
+            m->layout.tp_rank = (uint32_t)kvr_rd_int(&r, 4, "");
+            m->layout.heads = (uint32_t)kvr_rd_int(&r, 4, "");
+            m->layout.total_heads = (uint32_t)kvr_rd_int(&r, 4, "");
+            if (m->layout.heads == 0) {
+                r.why = "explicit zero heads";
             }
         }
         break;

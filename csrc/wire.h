@@ -47,13 +47,17 @@ typedef enum {
     KVR_MSG_LAST
 } kvr_msg_type_t;
 
-/* A KV layout as it travels: item lengths are little-endian u64 arrays. */
+/* A KV layout as it travels: item lengths are little-endian u64 arrays.
+ * The head layout (plan.h's kvr_heads_t) travels after the HELLO's worker
+ * address (and tcp_rx_seg), only when heads > 0, as 4 u32: tp_size,
+ * tp_rank, heads, total_heads. */
 typedef struct {
     uint32_t page_size;
     uint32_t nkv;
     const unsigned char *kv_item_lens; /* nkv x u64 */
     uint32_t naux;
     const unsigned char *aux_item_lens; /* naux x u64 */
+    uint32_t tp_size, tp_rank, heads, total_heads; /* heads 0: none given */
 } kvr_wire_layout_t;
 
 /* A decoded control message; pointers point into the decoded buffer. */
