@@ -110,6 +110,7 @@ typedef struct kvr_peer {
     kvr_slice_t slice, peer_slice;
     int query_rank;             /* decode: the prefill rank asked for (-1: ours) */
     uint32_t want_tp;           /* decode: the prefill TP size rooms asked for (0: none) */
+    uint32_t links;             /* prefill: decode ranks a room of ours goes to */
     struct kvr_peer *next;
 } kvr_peer_t;
 
@@ -186,7 +187,7 @@ static inline kvr_eroom_t *kvr_eroom(kvr_room_t *r)
 }
 
 /* A decode request that reached the prefill before its KVSender. */
-typedef struct {
+typedef struct kvr_pending {
     kvr_peer_t *peer;
     uint64_t tag;
     int64_t aux_index;
@@ -194,6 +195,9 @@ typedef struct {
     int32_t *pages;
     uint32_t prefix_len;
     uint64_t arrived_ns;
+    /* Head layouts (group.c): the requests of other decode ranks for the
+     * same room, each a leg to come. */
+    struct kvr_pending *next;
 } kvr_pending_t;
 
 /* Rate limit of one kind of WARNING. */
@@ -498,6 +502,14 @@ int kvr_group_meta_locked(kvr_engine_t *e, kvr_room_t *h);
 void kvr_group_fail_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_failure_t *f);
 /* The lead h leaves the table: its references to its legs go. */
 void kvr_group_drop_locked(kvr_engine_t *e, kvr_room_t *h);
+/* Prefill: the leg of lead h that decode peer p's request (tag) binds,
+ * made now; NULL if p has one already (p is told) or out of memory. */
+kvr_room_t *kvr_group_leg_locked(kvr_engine_t *e, kvr_room_t *h, kvr_peer_t *p, uint64_t tag);
+/* Prefill: what init() and send() gave lead h, handed to its legs. */
+void kvr_group_sync_locked(kvr_engine_t *e, kvr_room_t *h);
+/* Room id's room that peer p's messages are about: the room, or its leg
+ * bound to p. */
+kvr_room_t *kvr_group_room_for_peer(kvr_engine_t *e, uint64_t id, const kvr_peer_t *p);
 
 /* ------------------------------------------------------------------ */
 /* post.c: engine thread, or send()'s caller holding the lock          */

@@ -105,6 +105,7 @@ int kvr_peer_link(kvr_engine_t *e, kvr_peer_t *p, const kvr_wire_layout_t *l, ch
             continue;
         }
         p->slice = kvr_link_slice(&links[i], &e->heads, e->heads.tp_rank);
+        p->links = kvr_heads_links(ph, dh, 0, ph->tp_rank, NULL, 0);
         p->peer_slice = kvr_link_slice(&links[i], &theirs, theirs.tp_rank);
         if (!pre && !p->want_tp && p->slice.n != p->slice.heads) {
             break; /* a rank-to-rank room cannot take a slice */
@@ -251,7 +252,107 @@ void kvr_group_drop_locked(kvr_engine_t *e, kvr_room_t *h)
     h->legs = NULL;
     h->nlegs = 0;
     for (uint32_t i = 0; i < n; i++) {
-        kvr_room_unref_locked(e, legs[i]);
+        kvr_room_t *leg = legs[i];
+        if (leg->peer_counted && leg->peer != NULL && leg->peer->nrooms > 0) {
+            leg->peer->nrooms--;
+        }
+        leg->peer_counted = 0;
+        kvr_room_unref_locked(e, leg);
     }
     free(legs);
+}
+
+/* Prefill: copies what lead h was given (init, pages) into its leg. */
+static void kvr_group_sync_leg(kvr_engine_t *e, kvr_room_t *h, kvr_room_t *leg)
+{
+    if (!h->inited || leg->failing || kvr_room_terminal(leg)) {
+        return;
+    }
+    if (!leg->inited) {
+        leg->src_pages = malloc((size_t)(h->total_pages ? h->total_pages : 1) * sizeof(int32_t));
+        if (leg->src_pages == NULL) {
+            kvr_room_failf_locked(e, leg, KVR_TRANSPORT, 1, "out of memory");
+            return;
+        }
+        leg->inited = 1;
+        leg->total_pages = h->total_pages;
+        leg->src_aux = h->src_aux;
+        if (leg->bound && leg->ndst != leg->total_pages) {
+            kvr_room_failf_locked(e, leg, KVR_LAYOUT_MISMATCH, 1,
+                                  "decode asked for %u pages, prefill announced %u", leg->ndst,
+                                  leg->total_pages);
+            return;
+        }
+    }
+    if (h->given > leg->given) {
+        memcpy(leg->src_pages + leg->given, h->src_pages + leg->given,
+               (size_t)(h->given - leg->given) * sizeof(int32_t));
+        leg->given = h->given;
+    }
+    leg->ready_ns = h->ready_ns;
+    kvr_work_push_locked(e, leg);
+}
+
+void kvr_group_sync_locked(kvr_engine_t *e, kvr_room_t *h)
+{
+    KVR_ASSERT_LOCKED(e);
+    for (uint32_t i = 0; i < h->nlegs; i++) {
+        kvr_group_sync_leg(e, h, h->legs[i]);
+    }
+}
+
+kvr_room_t *kvr_group_leg_locked(kvr_engine_t *e, kvr_room_t *h, kvr_peer_t *p, uint64_t tag)
+{
+    KVR_ASSERT_LOCKED(e);
+    for (uint32_t i = 0; i < h->nlegs; i++) {
+        if (h->legs[i]->peer == p) {
+            char reason[200];
+            snprintf(reason, sizeof(reason),
+                     "room %" PRIu64 ": prefill rank %d already serves it to %.100s", h->id,
+                     e->rank, p->name);
+            kvr_msg_t f = kvr_msg_fail(KVR_MSG_ROOM_FAIL, h->id, tag, KVR_PROTOCOL, e->rank,
+                                       reason, NULL);
+            kvr_send_ctrl_to_peer(e, p, &f);
+            return NULL;
+        }
+    }
+    kvr_room_t **legs = realloc(h->legs, (h->nlegs + 1) * sizeof(*legs));
+    if (legs == NULL) {
+        return NULL;
+    }
+    h->legs = legs;
+    kvr_room_t *leg = kvr_room_new(sizeof(kvr_eroom_t), h->id, kvr_new_tag_locked(e),
+                                   KVR_ROLE_PREFILL);
+    if (leg == NULL || kvr_table_put(&e->tags, leg->tag, leg) != 0) {
+        kvr_room_free(leg);
+        return NULL;
+    }
+    kvr_eroom(leg)->owner = e;
+    leg->refs = 1; /* the lead's */
+    leg->lead = h;
+    kvr_room_ref(h);
+    leg->prefix_len = h->prefix_len;
+    h->legs[h->nlegs++] = leg;
+    h->held++;
+    if (p->links > h->legs_want) {
+        h->legs_want = p->links;
+    }
+    if (h->nlegs >= h->legs_want) {
+        /* Every decode rank asked: the legs' deadlines take over. */
+        h->deadline_ns = 0;
+        kvr_timer_arm_locked(e, h);
+    }
+    kvr_group_sync_leg(e, h, leg);
+    return leg;
+}
+
+kvr_room_t *kvr_group_room_for_peer(kvr_engine_t *e, uint64_t id, const kvr_peer_t *p)
+{
+    kvr_room_t *r = kvr_table_get(&e->rooms, id);
+    for (uint32_t i = 0; r != NULL && i < r->nlegs; i++) {
+        if (r->legs[i]->peer == p) {
+            return r->legs[i];
+        }
+    }
+    return r;
 }

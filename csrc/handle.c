@@ -108,15 +108,15 @@ int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
         r->deadline_ns = r->started_ns + e->cfg.bootstrap_timeout_ms * KVR_MS;
         kvr_timer_arm_locked(e, r);
         kvr_pending_t *pd = kvr_table_remove(&e->pending, room);
-        if (pd != NULL) {
-            if (pd->peer != NULL && pd->peer->state == KVR_PEER_READY) {
-                r->prefix_len = pd->prefix_len;
-                kvr_bind_request_locked(e, r, pd->peer, pd->tag, pd->aux_index, pd->npages,
-                                        pd->pages);
-                pd->pages = NULL;
+        for (kvr_pending_t *q = pd; q != NULL; q = q->next) { /* several: head layouts */
+            if (q->peer != NULL && q->peer->state == KVR_PEER_READY) {
+                r->prefix_len = q->prefix_len;
+                kvr_bind_request_locked(e, r, q->peer, q->tag, q->aux_index, q->npages,
+                                        q->pages);
+                q->pages = NULL;
             }
-            kvr_pending_free(e, pd);
         }
+        kvr_pending_free(e, pd);
     }
     *h_p = r;
 out:
@@ -323,6 +323,7 @@ int kvr_handle_send_init(kvr_handle_t *h, int64_t num_pages, int64_t aux_index, 
     }
     /* A room of no pages is complete at init: its aux row may go now. */
     kvr_work_push_locked(e, h);
+    kvr_group_sync_locked(e, h);
 out:
     return kvr_handle_unlock_wake(e, rc);
 }
@@ -360,6 +361,7 @@ int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, 
         h->ready_ns = kvr_now_ns();
     }
     wake = 1;
+    kvr_group_sync_locked(e, h); /* its legs post from the engine thread */
     if (h->bound && !kvr_eroom(h)->on_work && h->peer != NULL && h->peer->state == KVR_PEER_READY) {
         /* Post from the caller's thread: the worker is serialized by the
          * engine lock, and a message that leaves at once (eager) then needs

@@ -56,6 +56,10 @@ void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint
                              int64_t aux_index, uint32_t npages, int32_t *pages)
 {
     KVR_ASSERT_LOCKED(e);
+    if (p->slice.heads && (r = kvr_group_leg_locked(e, r, p, tag)) == NULL) {
+        free(pages); /* a second request of that decode rank, refused */
+        return;
+    }
     r->bound = 1;
     r->peer = p;
     r->peer_counted = 1;
@@ -80,12 +84,24 @@ void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint
 
 void kvr_pending_free(kvr_engine_t *e, kvr_pending_t *pd)
 {
-    e->pending_pages -= pd->npages;
-    if (pd->peer != NULL && pd->peer->nrooms > 0) {
-        pd->peer->nrooms--;
+    while (pd != NULL) {
+        kvr_pending_t *next = pd->next;
+        e->pending_pages -= pd->npages;
+        if (pd->peer != NULL && pd->peer->nrooms > 0) {
+            pd->peer->nrooms--;
+        }
+        free(pd->pages);
+        free(pd);
+        pd = next;
     }
-    free(pd->pages);
-    free(pd);
+}
+
+/* The request of peer p among the pending requests pd of one room. */
+static kvr_pending_t *kvr_pending_of(kvr_pending_t *pd, const kvr_peer_t *p)
+{
+    for (; pd != NULL && pd->peer != p; pd = pd->next) {
+    }
+    return pd;
 }
 
 /* A decode peer's key: its routing id in hex (len <= KVR_IDENT_MAX). */
@@ -121,7 +137,7 @@ static void kvr_hello_reject_locked(kvr_engine_t *e, kvr_peer_t *p, int code, co
     kvr_peer_set_state(p, KVR_PEER_FAILED);
     kvr_pending_t *pd;
     for (kvr_table_iter_t it = {0}; (pd = kvr_table_next(&e->pending, &it, NULL)) != NULL;) {
-        if (pd && pd->peer == p) {
+        if ((pd = kvr_pending_of(pd, p)) != NULL) {
             p->nrooms--;
             pd->peer = NULL;
         }
@@ -148,7 +164,7 @@ static kvr_peer_t *kvr_decode_peer_recycle(kvr_engine_t *e, const char *key)
         kvr_pending_t *pd;
         for (kvr_table_iter_t it = {0};
              !used && (pd = kvr_table_next(&e->pending, &it, NULL)) != NULL;) {
-            used = pd->peer == p;
+            used = kvr_pending_of(pd, p) != NULL;
         }
         if (!used) {
             kvr_peer_disconnect(e, p);
@@ -324,7 +340,7 @@ static void kvr_on_room_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
         return;
     }
     kvr_pending_t *old = r == NULL ? kvr_table_get(&e->pending, m->room) : NULL;
-    if (old != NULL && old->peer != NULL && old->peer != p) {
+    if (old != NULL && old->peer != NULL && old->peer != p && !p->slice.heads) {
         /* First come keeps it: a later decode must not take over the room
          * (the first would wait for its deadline while the other got the
          * KV). */
@@ -332,7 +348,7 @@ static void kvr_on_room_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
                               old->peer->name);
         return;
     }
-    int replaces = old != NULL && old->peer == p;
+    int replaces = kvr_pending_of(old, p) != NULL;
     if (!replaces && p->nrooms >= e->cfg.max_rooms_per_peer) {
         kvr_refuse_req_locked(e, p, m, KVR_REFUSED,
                               "it already has %u rooms pending or open here "
@@ -390,6 +406,32 @@ static void kvr_on_room_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
     pd->pages = pages;
     pd->prefix_len = m->prefix_len;
     pd->arrived_ns = kvr_now_ns();
+    if (old != NULL && p->slice.heads) {
+        /* Head layouts: every decode rank's request waits for the sender;
+         * a newer request of one rank replaces its older one. */
+        kvr_pending_t *mine = kvr_pending_of(old, p), **at = &old->next;
+        if (mine == old) { /* the table's entry: the new one takes its place */
+            pd->next = old->next;
+            old->next = NULL;
+            if (kvr_table_put(&e->pending, m->room, pd) != 0) {
+                old->next = pd->next;
+                pd->next = NULL;
+                mine = pd; /* keep the old one */
+            }
+            kvr_pending_free(e, mine);
+            return;
+        }
+        for (; mine != NULL && *at != mine; at = &(*at)->next) {
+        }
+        if (mine != NULL) {
+            *at = mine->next;
+            mine->next = NULL;
+            kvr_pending_free(e, mine);
+        }
+        pd->next = old->next;
+        old->next = pd;
+        return;
+    }
     if (kvr_table_put(&e->pending, m->room, pd) != 0) {
         kvr_pending_free(e, pd);
         return;
@@ -404,14 +446,14 @@ static void kvr_on_room_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
 static void kvr_on_room_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
 {
     KVR_ASSERT_LOCKED(e);
-    kvr_room_t *r = kvr_table_get(&e->rooms, m->room);
+    kvr_room_t *r = kvr_group_room_for_peer(e, m->room, p);
     uint64_t mytag = r == NULL ? 0 : e->mode == KVR_MODE_DECODE ? r->tag : r->dst_tag;
     /* A prefill room no decode has bound yet fails with the decode's cause
      * (the decode gave up on it before asking, e.g. a rejected layout). */
     int unbound = r != NULL && e->mode == KVR_MODE_PREFILL && !r->bound;
     if (r == NULL && e->mode == KVR_MODE_PREFILL) {
-        kvr_pending_t *pd = kvr_table_get(&e->pending, m->room);
-        if (pd != NULL && (pd->peer != p || pd->tag != m->tag)) {
+        kvr_pending_t *pd = kvr_table_get(&e->pending, m->room), *mine = kvr_pending_of(pd, p);
+        if (pd != NULL && (mine == NULL || mine->tag != m->tag)) {
             return; /* about another decode's request (or an older one) */
         }
         if (pd != NULL) {
@@ -588,7 +630,7 @@ void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, const voi
         kvr_on_room_req_locked(e, p, &m);
         break;
     case KVR_MSG_ROOM_DONE: {
-        kvr_room_t *r = kvr_table_get(&e->rooms, m.room);
+        kvr_room_t *r = kvr_group_room_for_peer(e, m.room, p);
         if (r && r->peer == p && r->dst_tag == m.tag) {
             r->done_received = 1;
             kvr_check_prefill_done_locked(e, r);
