@@ -26,6 +26,7 @@
     X(wire_trailing_bytes_rejected, 10, 0)                                    \
     X(wire_room_req_prefix, 10, 0)                                    \
     X(wire_hello_tcp_rx_seg, 10, 0)                                   \
+    X(wire_hello_heads, 10, 0)                                        \
     X(wire_bad_header, 10, 0)                                                 \
     X(wire_failure_code_zero, 10, 0)                                          \
     X(wire_limits, 30, 0)                                                     \

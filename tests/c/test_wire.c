@@ -737,13 +737,43 @@ TEST_IMPL(wire_hello_tcp_rx_seg)
     ASSERT_EQ(d.tcp_rx_seg, 0);
 }
 
+/* The head layout travels after the worker address (and a HELLO's tcp
+ * receive size), with or without that size; a zero head count is refused
+ * and a truncated block is trailing garbage. */
+TEST_IMPL(wire_hello_heads)
+{
+    kvr_wbuf_t b;
+    kvr_wbuf_init(&b);
+    for (int type = KVR_MSG_HELLO; type <= KVR_MSG_HELLO_OK; type++) {
+        for (int rx = 0; rx < 2; rx++) {
+            kvr_msg_t m = sample(type), d;
+            const char *why = NULL;
+            m.tcp_rx_seg = rx && type == KVR_MSG_HELLO ? 4096 : 0;
+            m.layout.tp_size = 4;
+            m.layout.tp_rank = 3;
+            m.layout.heads = 1;
+            m.layout.total_heads = 2;
+            ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+            ASSERT_EQ(kvr_wire_decode(b.data, b.len, &d, &why), 0);
+            ASSERT(d.layout.tp_size == 4 && d.layout.tp_rank == 3 && d.layout.heads == 1 &&
+                   d.layout.total_heads == 2);
+            ASSERT_EQ(d.tcp_rx_seg, m.tcp_rx_seg);
+            ASSERT(kvr_wire_decode(b.data, b.len - 1, &d, &why) != 0);
+            b.data[b.len - 8] = b.data[b.len - 7] = b.data[b.len - 6] = b.data[b.len - 5] = 0;
+            ASSERT(kvr_wire_decode(b.data, b.len, &d, &why) != 0);
+            ASSERT(strcmp(why, "explicit zero heads") == 0);
+        }
+    }
+    kvr_wbuf_free(&b);
+}
+
 /* The constructors set what their type carries; it survives the wire. */
 TEST_IMPL(wire_constructors)
 {
     kvr_wbuf_t b;
     kvr_wbuf_init(&b);
     unsigned char lens[8] = {0, 16, 0, 0, 0, 0, 0, 0}, pages[8] = {5, 0, 0, 0, 9, 0, 0, 0};
-    kvr_wire_layout_t layout = {16, 1, lens, 0, NULL};
+    kvr_wire_layout_t layout = {16, 1, lens, 0, NULL, 0, 0, 0, 0};
     char addr[3] = {1, 2, 3};
     kvr_msg_t ms[] = {
         kvr_msg_rank(KVR_MSG_PING, 3),
