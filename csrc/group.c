@@ -290,7 +290,14 @@ static void kvr_group_sync_leg(kvr_engine_t *e, kvr_room_t *h, kvr_room_t *leg)
         leg->given = h->given;
     }
     leg->ready_ns = h->ready_ns;
-    kvr_work_push_locked(e, leg);
+    if (leg->bound && !kvr_eroom(leg)->on_work && leg->peer != NULL &&
+        leg->peer->state == KVR_PEER_READY) {
+        /* As send() does for a room of one link: post from here. */
+        kvr_post_locked(e, leg);
+        kvr_check_prefill_done_locked(e, leg);
+    } else {
+        kvr_work_push_locked(e, leg);
+    }
 }
 
 void kvr_group_sync_locked(kvr_engine_t *e, kvr_room_t *h)

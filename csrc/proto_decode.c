@@ -164,9 +164,9 @@ void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r)
     kvr_room_advance(r, KVR_POLL_TRANSFERRING);
     if (r->expected == 0 && kvr_room_succeed(r)) {
         /* A leg that reads nothing (group.c): the request told the prefill
-         * rank it is not needed. */
+         * rank it is not needed, which ends there once its sender handed
+         * over every page. */
         kvr_room_succeeded_locked(e, r);
-        kvr_send_done_locked(e, r);
     }
 }
 

@@ -181,19 +181,50 @@ def test_hetero_byte_exact(deployment, name):
         assert st["rooms_open"] == 0 and st["rooms_draining"] == 0, st
 
 
+def test_hetero_same_tp_rank_to_rank(deployment):
+    """Head layouts on both sides and equal TP sizes, the receiver not told
+    the prefill's TP size: decode rank r reads from prefill rank r as
+    without head layouts."""
+    LAYOUTS["tp2-to-2"] = (2, 2, 8, False)
+    try:
+        addr, prefills, decodes = deployment("tp2-to-2")
+    finally:
+        del LAYOUTS["tp2-to-2"]
+    recvs = [KVReceiver(d.mgr, addr, 401) for d in decodes]
+    for r in recvs:
+        r.init()
+    for r in recvs:
+        _wait_state(r, (KVPoll.WaitingForInput,), 20)
+        r.send_metadata(np.asarray(DST, dtype=np.int32), aux_index=DST_AUX)
+    for p in prefills:
+        p.call("open_sender", room=401, n=len(SRC), aux=SRC_AUX)
+        p.call("send", room=401, pages=SRC)
+    for rank, r in enumerate(recvs):
+        st, _ = _wait_state(r, TERMINAL, 20)
+        assert st == KVPoll.Success, f"decode rank {rank}: {st!r}"
+    for p in prefills:
+        assert _wait_prefill(p, 401) == int(KVPoll.Success)
+    _check_bytes(decodes)
+
+
 # The rank killed in each layout: a rank some decode rank reads from.
 KILLED = {"tp2-to-1": 1, "tp1-to-2": 0, "tp4-to-2-gqa": 3, "mla-tp2-to-4": 1}
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_hetero_prefill_rank_killed(deployment, name):
+@pytest.mark.parametrize("name, part", [(n, False) for n in LAYOUTS] +
+                         [("tp2-to-1", True), ("tp1-to-2", True)])
+def test_hetero_prefill_rank_killed(deployment, name, part):
     """A prefill rank SIGKILLed once every rank has opened the room and
-    before it sent: every decode rank's room fails with PEER_LOST naming the
-    dead rank (the ranks that read from it see the loss, the others hear it
-    from them as siblings)."""
+    before it sent (part: after every prefill rank sent the first pages):
+    every decode rank's room fails with PEER_LOST naming the dead rank (the
+    ranks that read from it see the loss, the others hear it from them as
+    siblings)."""
     addr, prefills, decodes = deployment(name)
     rid = 201
     recvs = _open(addr, prefills, decodes, rid, send=False)
+    if part:
+        for p in prefills:
+            p.call("send", room=rid, pages=SRC[:3])
     dead = prefills[KILLED[name]]
     t0 = dead.kill()
     for rank, r in enumerate(recvs):
@@ -208,8 +239,9 @@ def test_hetero_prefill_rank_killed(deployment, name):
         assert f"prefill rank {dead.rank} at 127.0.0.1" in e.failure_reason, desc
         assert e.bootstrap_room == rid, desc
         print(f"{desc} ({time.monotonic() - t0:.3f} s after the kill)")
-    for rank, d in enumerate(decodes):
-        assert all((buf == hp.CANARY).all() for buf in d.kv), f"decode rank {rank}: bytes landed"
+    if not part:
+        for rank, d in enumerate(decodes):
+            assert all((buf == hp.CANARY).all() for buf in d.kv), f"decode rank {rank}: bytes landed"
     for r in recvs:
         r.clear()
 
