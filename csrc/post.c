@@ -134,11 +134,21 @@ static void kvr_post_limits(const kvr_engine_t *e, const kvr_room_t *r, kvr_plan
      * is staged or handed to UCX on its own). */
     p->merge = e->ndev > 0 ? 0 : run_bytes < cap ? run_bytes : cap;
     p->max_pages = max_pages;
-    /* A slice of the heads: a piece per token row on the sliced side. */
+    /* A slice of the heads: a piece per token row on the sliced side, and
+     * n of `heads` heads of each item on the wire, which the plan counts
+     * as whole items: its byte limits grow by heads / n. */
     const kvr_slice_t *mine = kvr_room_slice(r, 0), *theirs = kvr_room_slice(r, 1);
     p->src_rows = mine != NULL ? e->page_size : 1;
     p->dst_rows = theirs != NULL ? e->page_size : 1;
     p->kv_none = mine != NULL && mine->n == 0;
+    if (mine != NULL && mine->n > 0 && e->ndev == 0) {
+        uint64_t *limits[3] = {&p->run_bytes, &p->cap, &p->merge};
+        for (int i = 0; i < 3; i++) {
+            *limits[i] = *limits[i] > UINT64_MAX / mine->heads
+                             ? UINT64_MAX
+                             : *limits[i] * mine->heads / mine->n;
+        }
+    }
 }
 
 /* Prefill: whether room r may post now; fails it if it never can.  Creates
