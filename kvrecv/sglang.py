@@ -233,6 +233,8 @@ class KVRecvManager(KVManager):
                 _seq(getattr(args, "aux_data_lens", ())),
                 _seq(getattr(args, "aux_item_lens", ())),
                 page_size=int(getattr(args, "page_size", 1) or 1),
+                tp_size=par["attn_tp_size"],
+                **_head_layout(args, is_mla_backend, par["attn_tp_size"]),
             )
         host = getattr(server_args, "host", None)
         port = int(getattr(server_args, "disaggregation_bootstrap_port", 8998) or 8998)
@@ -329,9 +331,10 @@ class KVRecvManager(KVManager):
             _log.error("kvrecv: prefill %s has page_size=%s, this decode %s", bootstrap_addr,
                        info.page_size, page_size)
             return False
-        if info.attn_tp_size != self.parallel["attn_tp_size"]:
-            _log.error("kvrecv: prefill %s has attention TP %s, this decode %s; kvrecv pairs "
-                       "equal TP sizes only", bootstrap_addr, info.attn_tp_size,
+        if info.attn_tp_size != self.parallel["attn_tp_size"] and self.kvrecv_args.heads is None:
+            _log.error("kvrecv: prefill %s has attention TP %s, this decode %s; other TP sizes "
+                       "need the KV head layout (kv_head_num, total_kv_head_num, or an MLA "
+                       "backend)", bootstrap_addr, info.attn_tp_size,
                        self.parallel["attn_tp_size"])
             return False
         host = bootstrap_addr.rpartition(":")[0]
@@ -374,6 +377,22 @@ class KVRecvManager(KVManager):
 class _WrongSiblings(RuntimeError):
     """The gathered sibling set is not this group's: sharing causes with it
     would put one rank's cause on rooms of unrelated ranks."""
+
+
+def _head_layout(args: Any, is_mla: Optional[bool], attn_tp: int) -> dict:
+    """The KV head layout of sglang's KVArgs for kvrecv's: MLA backends hold
+    one latent cache per rank; MHA/GQA pools give kv_head_num and
+    total_kv_head_num (sglang's decode sets them only with staging: without
+    them a decode pairs with a prefill of its own TP size)."""
+    if not 0 <= int(getattr(args, "engine_rank", 0)) < attn_tp:
+        return {}  # not an attention-TP rank number: rank to rank only
+    if is_mla:
+        return {"is_mla": True}
+    heads = getattr(args, "kv_head_num", None)
+    total = getattr(args, "total_kv_head_num", None)
+    if isinstance(heads, int) and isinstance(total, int) and heads > 0 and total > 0:
+        return {"kv_head_num": heads, "total_kv_head_num": total}
+    return {}
 
 
 def _attn_tp_endpoints(endpoint: str) -> List[str]:
@@ -598,6 +617,10 @@ class KVRecvReceiver(_RoomMixin, KVReceiver):
                              f"{self.bootstrap_addr} has dp_size={info.dp_size}")
             return
         self.bootstrap_infos = [info]
+        if info.attn_tp_size != self.mgr.parallel["attn_tp_size"]:
+            # Other TP sizes: the heads come from the prefill ranks holding them.
+            self.recv_init(dp, info.rendezvous, int(info.attn_tp_size))
+            return
         self.recv_init(dp, info.rendezvous)
 
     def send_metadata(self, kv_indices, aux_index: Optional[int] = None,

@@ -344,3 +344,79 @@ def test_hetero_layout_mismatch_names_both_sides(case):
     finally:
         for m in reversed(made):
             m.close()
+
+
+def _sglang_bag(kv, aux, rank, heads=None, total=None):
+    """A KVArgs bag filled as sglang's queues fill theirs."""
+    from kvrecv.sglang import KVRecvArgs
+
+    a = KVRecvArgs()
+    a.engine_rank = rank
+    a.kv_data_ptrs = [b.ctypes.data for b in kv]
+    a.kv_data_lens = [b.nbytes for b in kv]
+    a.kv_item_lens = [b.nbytes // hp.PAGES for b in kv]
+    a.aux_data_ptrs = [b.ctypes.data for b in aux]
+    a.aux_data_lens = [b.nbytes for b in aux]
+    a.aux_item_lens = [hp.AUX_ITEM]
+    a.page_size = hp.PAGE_SIZE
+    if heads is not None:
+        a.kv_head_num, a.total_kv_head_num = heads, total
+    return a
+
+
+def test_hetero_through_the_sglang_adapter():
+    """sglang's KVArgs fields (kv_head_num, total_kv_head_num, engine_rank,
+    the attention TP size, an MLA backend) reach kvrecv's head layout, and a
+    prefill of attention TP 2 serves a decode of TP 1 through the adapter's
+    own receiver and sender (the TP sizes learnt from the bootstrap
+    server)."""
+    import types
+
+    from kvrecv.sglang import KVRecvBootstrapServer, KVRecvManager, KVRecvReceiver, KVRecvSender
+
+    server = KVRecvBootstrapServer(host="127.0.0.1", port=0)
+    made = [server]
+    try:
+        cfg = KVConfig(**CONFIG)
+        p_args = types.SimpleNamespace(host="127.0.0.1", disaggregation_bootstrap_port=server.port,
+                                       kvrecv_config=cfg, tp_size=2)
+        d_args = types.SimpleNamespace(host="127.0.0.1", disaggregation_bootstrap_port=server.port,
+                                       kvrecv_config=cfg, tp_size=1)
+        pbufs = [hp.prefill_buffers(SEED, 2, r, 8) for r in range(2)]
+        prefills = [KVRecvManager(_sglang_bag(kv, aux, r, 4, 8), "prefill", p_args, False)
+                    for r, (kv, aux) in enumerate(pbufs)]
+        made += prefills
+        for m in prefills:
+            m.set_siblings([x.endpoint for x in prefills])
+        dec = DecodeRank(1, 0, 8, False)
+        dec.mgr.close()
+        decode = KVRecvManager(_sglang_bag(dec.kv, dec.aux, 0, 8, 8), "decode", d_args, False)
+        made.append(decode)
+        assert [m.kvrecv_args.heads for m in prefills] == [(2, 0, 4, 8), (2, 1, 4, 8)]
+        assert decode.kvrecv_args.heads == (1, 0, 8, 8)
+        mla = KVRecvManager(_sglang_bag(dec.kv, dec.aux, 0), "decode", d_args, True)
+        made.append(mla)
+        assert mla.kvrecv_args.heads == (1, 0, 1, 1)
+        addr = f"127.0.0.1:{server.port}"
+        assert decode.try_ensure_parallel_info(addr)
+        rv = KVRecvReceiver(mgr=decode, bootstrap_addr=addr, bootstrap_room=77)
+        rv.init(0)
+        st, _ = _wait_state(rv, (KVPoll.WaitingForInput, KVPoll.Failed), 20)
+        assert st == KVPoll.WaitingForInput, st
+        rv.send_metadata(np.asarray(DST, dtype=np.int32), aux_index=DST_AUX)
+        senders = [KVRecvSender(mgr=m, bootstrap_addr=addr, bootstrap_room=77, dest_tp_ranks=[0],
+                                pp_rank=0) for m in prefills]
+        for s in senders:
+            _wait_state(s, (KVPoll.WaitingForInput,), 20)
+            s.init(len(SRC), SRC_AUX)
+            s.send(np.asarray(SRC, dtype=np.int32))
+        st, _ = _wait_state(rv, TERMINAL, 20)
+        assert st == KVPoll.Success, st
+        for s in senders:
+            assert _wait_state(s, TERMINAL, 20)[0] == KVPoll.Success
+        _check_bytes([dec])
+        for x in senders + [rv]:
+            x.clear()
+    finally:
+        for m in reversed(made):
+            m.close()
