@@ -1,8 +1,8 @@
 """Prefill ranks of one TP size and decode ranks of another, for
-tests/test_hetero.py: the model's KV heads, which heads a rank holds, the
-buffers each rank derives from a seed (so that every process agrees on
-every byte), and a child process that runs one prefill rank so that the
-tests can SIGKILL it.
+tests/test_hetero.py: the model's KV heads, which heads a rank holds, and
+the buffers each rank derives from a seed, so that every process agrees on
+every byte (tests/failure_peer.py runs a prefill rank of such a layout in a
+child process, spec "heads").
 
 A KV buffer page is [PAGE_SIZE tokens][heads of the rank][HEAD_BYTES]; the
 model's page p of buffer b holds every head, and a rank's page p holds its
@@ -10,10 +10,6 @@ heads of it.
 """
 
 from __future__ import annotations
-
-import json
-import os
-import sys
 
 import numpy as np
 
@@ -80,72 +76,3 @@ def kv_args(kvrecv, kv, aux, tp: int, rank: int, total: int, mla: bool = False):
                                           "total_kv_head_num": total}
     return kvrecv.KVArgs.from_buffers(rank, kv, [item_len(tp, total)] * NBUF, aux, [AUX_ITEM],
                                       page_size=PAGE_SIZE, tp_size=tp, **heads)
-
-
-def main() -> int:
-    """One prefill rank, driven by JSON lines (tests/child.py)."""
-    spec = json.loads(sys.argv[1])
-    proto = os.fdopen(os.dup(1), "w")
-    os.dup2(2, 1)
-    import kvrecv
-    from kvrecv import KVConfig, KVManager, KVSender
-
-    tp, rank, total = spec["tp"], spec["rank"], spec["total"]
-    kv, aux = prefill_buffers(spec["seed"], tp, rank, total)
-    mgr = KVManager(kv_args(kvrecv, kv, aux, tp, rank, total, spec.get("mla", False)), "prefill",
-                    bootstrap_addr=spec["bootstrap"], config=KVConfig(**spec.get("config", {})))
-    rooms = {}
-
-    def reply(obj):
-        proto.write(json.dumps(obj) + "\n")
-        proto.flush()
-
-    reply({"ready": True, "pid": os.getpid(), "endpoint": mgr.endpoint})
-    for line in sys.stdin:
-        if not line.strip():
-            continue
-        cmd = json.loads(line)
-        op = cmd["op"]
-        try:
-            if op == "open_sender":
-                s = KVSender(mgr, spec["bootstrap"], cmd["room"])
-                s.init(cmd["n"], aux_index=cmd.get("aux"))
-                rooms[cmd["room"]] = s
-                reply({"state": int(s.poll())})
-            elif op == "send":
-                rooms[cmd["room"]].send(np.asarray(cmd["pages"], dtype=np.int32))
-                reply({"state": int(rooms[cmd["room"]].poll())})
-            elif op == "poll":
-                reply({"state": int(rooms[cmd["room"]].poll())})
-            elif op == "abort":
-                rooms[cmd["room"]].abort()
-                reply({"ok": True})
-            elif op == "failure":
-                try:
-                    rooms[cmd["room"]].failure_exception()
-                except kvrecv.KVTransferError as e:
-                    reply({"cls": type(e).__name__, "code": e.code, "reason": e.failure_reason})
-            elif op == "clear":
-                rooms.pop(cmd["room"]).clear()
-                reply({"ok": True})
-            elif op == "set_siblings":
-                mgr.set_siblings(list(cmd["endpoints"]))
-                reply({"ok": True})
-            elif op == "stats":
-                reply(mgr.stats())
-            elif op == "exit":
-                for obj in rooms.values():
-                    obj.clear()
-                mgr.close()
-                reply({"bye": True})
-                return 0
-            else:
-                reply({"error": f"unknown op {op!r}"})
-        except Exception as e:  # reported to the parent, which fails the test
-            reply({"error": f"{type(e).__name__}: {e}"})
-    mgr.close()
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

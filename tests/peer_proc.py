@@ -23,9 +23,9 @@ class PeerProcess(JsonLineChild):
     (SIGSTOP) and SIGKILLed for real."""
 
     def __init__(self, role, bootstrap, seed=1, config=None, scale=64, startup_timeout=60,
-                 rank=0):
+                 rank=0, heads=None):
         spec = {"role": role, "bootstrap": bootstrap, "rank": rank, "seed": seed,
-                "config": config or {}, "scale": scale}
+                "config": config or {}, "scale": scale, "heads": heads}
         env = dict(os.environ)
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
         self._frozen = False

@@ -1,7 +1,7 @@
 """Prefill and decode instances of different TP sizes (head layouts,
 docs/layouts.md).
 
-Every prefill rank runs in its own child process (tests/hetero_peer.py), so
+Every prefill rank runs in its own child process (tests/failure_peer.py), so
 that it can be SIGKILLed; the decode ranks are managers in this process,
 joined as siblings, as are the prefill ranks.  Each rank's buffers hold its
 heads of one model (hetero_peer.model), and every decode rank's pages are
@@ -19,17 +19,14 @@ ABORTED naming it).  Then the input the layouts refuse.
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 import time
 
 import numpy as np
 import pytest
 
 import hetero_peer as hp
-from child import JsonLineChild
 from failtest import _wait_state
+from peer_proc import PeerProcess
 import kvrecv
 from kvrecv import (
     BootstrapServer,
@@ -43,8 +40,6 @@ from kvrecv import (
     KVTransferError,
 )
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-ROOT = os.path.dirname(HERE)
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
 SEED = 11
 SRC = [3, 4, 5, 9, 11, 12, 20, 21]
@@ -63,18 +58,10 @@ LAYOUTS = {
 pytestmark = pytest.mark.timeout(120)
 
 
-class PrefillRank(JsonLineChild):
-    """One prefill rank in a child process."""
-
-    def __init__(self, bootstrap, tp, rank, total, mla):
-        spec = {"bootstrap": bootstrap, "tp": tp, "rank": rank, "total": total, "mla": mla,
-                "seed": SEED, "config": CONFIG}
-        env = dict(os.environ)
-        env["PYTHONPATH"] = ROOT + os.pathsep + HERE + os.pathsep + env.get("PYTHONPATH", "")
-        super().__init__([sys.executable, os.path.join(HERE, "hetero_peer.py"), json.dumps(spec)],
-                         env, ROOT, f"prefill rank {rank}", 60)
-        self.rank = rank
-        self.endpoint = self.hello["endpoint"]
+def PrefillRank(bootstrap, tp, rank, total, mla):
+    """One prefill rank in a child process (tests/failure_peer.py)."""
+    return PeerProcess("prefill", bootstrap, seed=SEED, config=CONFIG, rank=rank,
+                       heads={"tp": tp, "total": total, "mla": mla})
 
 
 class DecodeRank:
