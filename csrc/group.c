@@ -167,9 +167,8 @@ int kvr_group_open_locked(kvr_engine_t *e, kvr_room_t *h, uint32_t prefill_tp, c
                        "total_kv_head_num)",
                        prefill_tp);
     }
-    uint32_t total = e->heads.total_heads;
-    kvr_heads_t pre = {prefill_tp, 0, prefill_tp <= total ? total / (prefill_tp ? prefill_tp : 1) : 1,
-                       total};
+    uint32_t total = e->heads.total_heads; /* prefill_tp > 0 (the caller's check) */
+    kvr_heads_t pre = {prefill_tp, 0, prefill_tp <= total ? total / prefill_tp : 1, total};
     char why[256];
     if (kvr_heads_check(&pre, "prefill", why, sizeof(why)) != 0) {
         return kvr_err(err, errlen, KVR_EVALUE, "prefill_tp_size=%u: %s", prefill_tp, why);

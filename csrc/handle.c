@@ -191,7 +191,7 @@ int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *boots
                      h->bootstrap_addr);
         goto out;
     }
-    if (prefill_tp_size > 0) {
+    if (prefill_tp_size > 0 && !h->failing) {
         /* Heads from prefill ranks chosen by the head layouts (group.c). */
         rc = kvr_group_open_locked(e, h, prefill_tp_size, err, errlen);
         h->init_called = rc == 0;

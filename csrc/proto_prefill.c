@@ -57,7 +57,7 @@ void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint
 {
     KVR_ASSERT_LOCKED(e);
     if (p->slice.heads && (r = kvr_group_leg_locked(e, r, p, tag)) == NULL) {
-        free(pages); /* a second request of that decode rank, refused */
+        free(pages); /* a second request of that decode rank (refused), or no memory */
         return;
     }
     r->bound = 1;
