@@ -41,6 +41,9 @@ def wire_seeds():
     out["hello"] = (header(HELLO) + struct.pack("<I", 0) + layout(16, [4096, 4096, 8192], [128])
                     + struct.pack("<I", 8) + bytes(range(8)))
     out["hello_tcp_rx"] = out["hello"] + struct.pack("<I", 512 << 10)
+    heads = struct.pack("<4I", 4, 1, 2, 8)  # tp_size, tp_rank, heads, total_heads
+    out["hello_heads"] = out["hello"] + heads
+    out["hello_tcp_rx_heads"] = out["hello_tcp_rx"] + heads
     out["hello_ok"] = (header(HELLO_OK) + struct.pack("<I", 0) + layout(16, [4096, 4096], [])
                        + struct.pack("<I", 8) + bytes(range(8)))
     out["hello_ok_empty"] = (header(HELLO_OK) + struct.pack("<I", 0) + layout(1, [], [])
