@@ -165,6 +165,9 @@ def main() -> int:
             elif op == "clear":
                 rooms.pop(cmd["room"]).clear()
                 reply({"ok": True})
+            elif op == "abort":
+                rooms[cmd["room"]].abort()
+                reply({"ok": True})
             elif op == "set_siblings":
                 # Joins this rank with the other ranks of its instance.
                 mgr.set_siblings(list(cmd["endpoints"]))

@@ -233,24 +233,31 @@ def test_hetero_prefill_rank_killed(deployment, name, part):
         r.clear()
 
 
-@pytest.mark.parametrize("name", list(LAYOUTS))
-def test_hetero_abort(deployment, name):
-    """abort() on decode rank 0 before any byte moved: every decode rank and
-    every prefill rank fails with ABORTED naming decode rank 0."""
+@pytest.mark.parametrize("name, side", [(n, "decode") for n in LAYOUTS] +
+                         [("tp1-to-2", "prefill"), ("tp4-to-2-gqa", "prefill")])
+def test_hetero_abort(deployment, name, side):
+    """abort() on decode rank 0 (or on the last prefill rank) before any
+    byte moved: every decode rank and every prefill rank fails with ABORTED
+    naming that rank."""
     addr, prefills, decodes = deployment(name)
     rid = 301
     recvs = _open(addr, prefills, decodes, rid, send=False)
-    recvs[0].abort()
+    if side == "decode":
+        recvs[0].abort()
+        who = "aborted by decode rank 0"
+    else:
+        prefills[-1].call("abort", room=rid)
+        who = f"aborted by prefill rank {prefills[-1].rank}"
     for rank, r in enumerate(recvs):
         st, el = _wait_state(r, TERMINAL, 15)
         assert st == KVPoll.Failed, f"{name}: decode rank {rank} {st!r}"
         with pytest.raises(KVAbortedError) as ei:
             r.failure_exception()
-        assert "aborted by decode rank 0" in ei.value.failure_reason, ei.value.failure_reason
+        assert who in ei.value.failure_reason, ei.value.failure_reason
     for p in prefills:
         assert _wait_prefill(p, rid, 15) == int(KVPoll.Failed), f"{name}: prefill rank {p.rank}"
         f = p.call("failure", room=rid)
-        assert f["code"] == "ABORTED" and "aborted by decode rank 0" in f["reason"], f
+        assert f["code"] == "ABORTED" and who in f["reason"], f
         p.call("send", room=rid, pages=SRC)  # accepted, moves nothing
     time.sleep(0.2)
     for rank, d in enumerate(decodes):
