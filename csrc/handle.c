@@ -361,7 +361,7 @@ int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, 
         h->ready_ns = kvr_now_ns();
     }
     wake = 1;
-    kvr_group_sync_locked(e, h); /* its legs post from the engine thread */
+    kvr_group_sync_locked(e, h); /* a lead's legs get the pages and post them */
     if (h->bound && !kvr_eroom(h)->on_work && h->peer != NULL && h->peer->state == KVR_PEER_READY) {
         /* Post from the caller's thread: the worker is serialized by the
          * engine lock, and a message that leaves at once (eager) then needs

@@ -104,6 +104,37 @@ static kvr_pending_t *kvr_pending_of(kvr_pending_t *pd, const kvr_peer_t *p)
     return pd;
 }
 
+/*
+ * Head layouts (group.c): request pd of a decode rank joins the requests
+ * old of other decode ranks for the same room, each to become a leg; it
+ * replaces an older request of its own rank.
+ */
+static void kvr_pending_join(kvr_engine_t *e, uint64_t room, kvr_pending_t *old,
+                             kvr_pending_t *pd)
+{
+    kvr_pending_t *mine = kvr_pending_of(old, pd->peer), **at = &old->next;
+    if (mine == old) { /* the table's entry: the new one takes its place */
+        pd->next = old->next;
+        old->next = NULL;
+        if (kvr_table_put(&e->pending, room, pd) != 0) {
+            old->next = pd->next;
+            pd->next = NULL;
+            mine = pd; /* no memory: the old one stays */
+        }
+        kvr_pending_free(e, mine);
+        return;
+    }
+    for (; mine != NULL && *at != mine; at = &(*at)->next) {
+    }
+    if (mine != NULL) {
+        *at = mine->next;
+        mine->next = NULL;
+        kvr_pending_free(e, mine);
+    }
+    pd->next = old->next;
+    old->next = pd;
+}
+
 /* A decode peer's key: its routing id in hex (len <= KVR_IDENT_MAX). */
 static void kvr_ident_key(const void *ident, size_t len, char key[2 * KVR_IDENT_MAX + 1])
 {
@@ -407,29 +438,7 @@ static void kvr_on_room_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
     pd->prefix_len = m->prefix_len;
     pd->arrived_ns = kvr_now_ns();
     if (old != NULL && p->slice.heads) {
-        /* Head layouts: every decode rank's request waits for the sender;
-         * a newer request of one rank replaces its older one. */
-        kvr_pending_t *mine = kvr_pending_of(old, p), **at = &old->next;
-        if (mine == old) { /* the table's entry: the new one takes its place */
-            pd->next = old->next;
-            old->next = NULL;
-            if (kvr_table_put(&e->pending, m->room, pd) != 0) {
-                old->next = pd->next;
-                pd->next = NULL;
-                mine = pd; /* keep the old one */
-            }
-            kvr_pending_free(e, mine);
-            return;
-        }
-        for (; mine != NULL && *at != mine; at = &(*at)->next) {
-        }
-        if (mine != NULL) {
-            *at = mine->next;
-            mine->next = NULL;
-            kvr_pending_free(e, mine);
-        }
-        pd->next = old->next;
-        old->next = pd;
+        kvr_pending_join(e, m->room, old, pd);
         return;
     }
     if (kvr_table_put(&e->pending, m->room, pd) != 0) {
