@@ -10,8 +10,9 @@ every page the room did not name must still be CANARY.
 
 The layouts: TP 2 -> 1 and 1 -> 2 with 8 KV heads, TP 4 -> 2 with 2 KV
 heads (GQA with fewer heads than ranks: the heads are replicated, and each
-decode head is read from one replica), and MLA TP 2 -> 4 (one latent cache
-every rank holds whole).  Each with a room served, a prefill rank killed in
+decode head is read from one replica), MLA TP 2 -> 4 (one latent cache
+every rank holds whole), and TP 2 -> 3 with 6 heads (a link takes part of
+the page rows on both sides).  Each with a room served, a prefill rank killed in
 the middle of a room (every decode rank raises PEER_LOST naming the dead
 rank) and an abort on one decode rank (every rank of both sides fails with
 ABORTED naming it).  Then the input the layouts refuse.
@@ -53,6 +54,7 @@ LAYOUTS = {
     "tp1-to-2": (1, 2, 8, False),
     "tp4-to-2-gqa": (4, 2, 2, False),
     "mla-tp2-to-4": (2, 4, 1, True),
+    "tp2-to-3-both-sliced": (2, 3, 6, False),  # a link takes part of the rows on both sides
 }
 
 pytestmark = pytest.mark.timeout(120)
@@ -195,7 +197,8 @@ def test_hetero_same_tp_rank_to_rank(deployment):
 
 
 # The rank killed in each layout: a rank some decode rank reads from.
-KILLED = {"tp2-to-1": 1, "tp1-to-2": 0, "tp4-to-2-gqa": 3, "mla-tp2-to-4": 1}
+KILLED = {"tp2-to-1": 1, "tp1-to-2": 0, "tp4-to-2-gqa": 3, "mla-tp2-to-4": 1,
+          "tp2-to-3-both-sliced": 0}
 
 
 @pytest.mark.parametrize("name, part", [(n, False) for n in LAYOUTS] +
