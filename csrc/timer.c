@@ -207,6 +207,12 @@ static void kvr_timer_deadline_locked(kvr_engine_t *e, kvr_room_t *r)
                               "no completion within its deadline of %" PRIu64
                               " ms: %" PRIu64 " of %" PRIu64 " bytes received",
                               (r->deadline_ns - r->started_ns) / KVR_MS, got, expected);
+    } else if (r->nlegs > 0) {
+        /* A lead (group.c) whose decode ranks did not all ask. */
+        kvr_room_failf_locked(e, r, KVR_BOOTSTRAP, 0,
+                              "only %u of the %u decode ranks this prefill rank serves asked "
+                              "for the room within the bootstrap timeout (%u ms)",
+                              r->nlegs, r->legs_want, e->cfg.bootstrap_timeout_ms);
     } else if (!r->bound) {
         kvr_room_failf_locked(e, r, KVR_BOOTSTRAP, 0,
                               "no decode asked for the room within the bootstrap "

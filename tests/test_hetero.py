@@ -417,3 +417,30 @@ def test_hetero_through_the_sglang_adapter():
     finally:
         for m in reversed(made):
             m.close()
+
+
+def test_hetero_decode_rank_that_never_asks(deployment):
+    """TP 1 -> 2 where only decode rank 0 opens the room: rank 0 gets its
+    heads, and the prefill room fails with BOOTSTRAP at its bootstrap
+    timeout saying how many of its decode ranks asked."""
+    CONFIG["bootstrap_timeout_ms"] = 1500
+    try:
+        addr, prefills, decodes = deployment("tp1-to-2")
+    finally:
+        del CONFIG["bootstrap_timeout_ms"]
+    r = KVReceiver(decodes[0].mgr, addr, 501)
+    r.init(prefill_tp_size=1)
+    _wait_state(r, (KVPoll.WaitingForInput,), 20)
+    r.send_metadata(np.asarray(DST, dtype=np.int32), aux_index=DST_AUX)
+    p = prefills[0]
+    p.call("open_sender", room=501, n=len(SRC), aux=SRC_AUX)
+    p.call("send", room=501, pages=SRC)
+    st, _ = _wait_state(r, TERMINAL, 20)
+    assert st == KVPoll.Success, st
+    _check_bytes(decodes[:1])
+    assert _wait_prefill(p, 501, 20) == int(KVPoll.Failed)
+    f = p.call("failure", room=501)
+    assert f["code"] == "BOOTSTRAP", f
+    assert ("only 1 of the 2 decode ranks this prefill rank serves asked for the room within "
+            "the bootstrap timeout (1500 ms)") in f["reason"], f
+    r.clear()
