@@ -465,6 +465,9 @@ static int kvr_engine_open_ctl(kvr_engine_t *e, char *err, size_t errlen)
 int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *err, size_t errlen)
 {
     int rc = kvr_engine_check_params(p, err, errlen);
+    if (rc == 0) {
+        rc = kvr_heads_params_check(p, err, errlen);
+    }
     if (rc != 0) {
         return rc;
     }
@@ -476,6 +479,7 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
     e->rank = p->rank;
     e->cfg = p->cfg;
     e->page_size = p->page_size;
+    e->heads = (kvr_heads_t){p->tp_size, p->tp_rank, p->heads, p->total_heads};
     e->nkv = p->nkv;
     e->naux = p->naux;
     e->wake_fd = -1;

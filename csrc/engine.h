@@ -86,6 +86,9 @@ typedef struct {
     /* KVR_MEM_* per buffer; NULL: every buffer auto (detected with
      * cudaPointerGetAttributes when the CUDA runtime loads, else host). */
     const uint8_t *kv_kinds, *aux_kinds;
+    /* The head layout of this rank's KV pages (plan.h's kvr_heads_t):
+     * heads 0 when not given. */
+    uint32_t tp_size, tp_rank, heads, total_heads;
     kvr_config_t cfg;
 } kvr_engine_params_t;
 
@@ -186,9 +189,11 @@ void kvr_handle_release(kvr_handle_t *h);
  * (0 for none); the pages are those of the rest.  It travels with the
  * request for the prefill's scheduler (kvr_handle_prefix_len).
  * kvr_handle_recv_init: bootstrap_addr, unless NULL or empty, replaces the
- * rendezvous named at open (the one of the prefill DP group asked for). */
+ * rendezvous named at open (the one of the prefill DP group asked for);
+ * prefill_tp_size, unless 0, the prefill's TP size: the room reads this
+ * rank's heads from the prefill ranks the head layouts say (group.c). */
 int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *bootstrap_addr,
-                         char *err, size_t errlen);
+                         uint32_t prefill_tp_size, char *err, size_t errlen);
 int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, int64_t aux_index,
                              uint32_t prefix_len, char *err, size_t errlen);
 /* Prefill side.  kvr_handle_prefix_len: the decode's prefix_len, once its

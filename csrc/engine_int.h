@@ -107,6 +107,12 @@ typedef struct kvr_peer {
     kvr_tp_ep_t *ep_err_ep;     /* that endpoint */
     uint64_t ep_err_ns;         /* when */
     char ep_err_text[128];
+    /* Head layouts (group.c): which rows of our pages and of the peer's
+     * the link carries; heads 0: whole pages, rank to rank. */
+    kvr_slice_t slice, peer_slice;
+    int query_rank;             /* decode: the prefill rank asked for (-1: ours) */
+    uint32_t want_tp;           /* decode: the prefill TP size rooms asked for (0: none) */
+    uint32_t links;             /* prefill: decode ranks a room of ours goes to */
     struct kvr_peer *next;      /* e->peers */
     struct kvr_peer *hnext;     /* same hash of (kind, key) in e->peer_index */
 } kvr_peer_t;
@@ -164,6 +170,7 @@ typedef struct kvr_eroom {
     kvr_op_t *ops;          /* operations in flight, linked through prev/next */
     kvr_failure_t *notice;  /* failure to tell the peer, sent by the engine thread */
     kvr_plan_cursor_t post; /* prefill: how far posting got (plan.h) */
+    uint32_t leg_heads;     /* decode leg: heads it reads (group.c) */
     int done_pending;       /* decode: ROOM_DONE for the engine thread to send */
     /* the lists the room is on; each holds a reference (kvr_room_list_push) */
     struct kvr_room *work_next; /* the work list (work.c) */
@@ -190,7 +197,7 @@ typedef struct {
 } kvr_deadlist_t;
 
 /* A decode request that reached the prefill before its KVSender. */
-typedef struct {
+typedef struct kvr_pending {
     kvr_peer_t *peer;
     uint64_t tag;
     int64_t aux_index;
@@ -198,6 +205,9 @@ typedef struct {
     int32_t *pages;
     uint32_t prefix_len;
     uint64_t arrived_ns;
+    /* Head layouts (group.c): the requests of other decode ranks for the
+     * same room, each a leg to come. */
+    struct kvr_pending *next;
 } kvr_pending_t;
 
 /* Rate limit of one kind of WARNING. */
@@ -242,6 +252,7 @@ struct kvr_engine {
     char host[128];
     char bootstrap_addr[128];
     uint32_t page_size;
+    kvr_heads_t heads;   /* this rank's head layout (heads 0: none given) */
     uint32_t nkv, naux;
     uint64_t *kv_ptrs, *kv_lens, *kv_item;
     uint64_t kv_item_max; /* the widest KV item */
@@ -437,7 +448,7 @@ uint64_t kvr_peer_silence_limit_ns(const kvr_engine_t *e, const kvr_peer_t *p);
 int kvr_peer_silent(const kvr_engine_t *e, const kvr_peer_t *p, uint64_t now);
 int kvr_peers_silent_locked(const kvr_engine_t *e, uint64_t now);
 int kvr_peer_resolve(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen);
-void kvr_bs_query(kvr_engine_t *e, kvr_ctl_conn_t *conn);
+void kvr_bs_query(kvr_engine_t *e, const kvr_peer_t *p, kvr_ctl_conn_t *conn);
 void kvr_peer_hello(kvr_engine_t *e, kvr_peer_t *p);
 void kvr_peer_verify_locked(kvr_engine_t *e, kvr_peer_t *p);
 void kvr_peer_verified_locked(kvr_engine_t *e, kvr_peer_t *p, int found, uint64_t epoch);
@@ -469,8 +480,8 @@ void kvr_on_recv_done(void *arg, kvr_tp_op_t *tp_op, size_t len, int failed,
                       const char *status_text);
 void kvr_on_send_done(void *arg, kvr_tp_op_t *op, int failed, const char *status_text);
 uint32_t kvr_msg_pieces(const kvr_engine_t *e, const kvr_am_header_t *h,
-                        const int32_t *pages, int64_t row, kvr_tp_iov_t *out,
-                        uint64_t *bytes);
+                        const int32_t *pages, int64_t row, const kvr_slice_t *s,
+                        kvr_tp_iov_t *out, uint64_t *bytes);
 void kvr_op_send_locked(kvr_engine_t *e, kvr_room_t *r, kvr_op_t *op,
                         const kvr_tp_iov_t *iov, uint32_t niov, int host);
 
@@ -526,6 +537,39 @@ void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r);
 void kvr_decode_hello_locked(kvr_engine_t *e, kvr_peer_t *p);
 void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void *data,
                      size_t len);
+
+/* ------------------------------------------------------------------ */
+/* group.c: head layouts, links and the legs of a room                 */
+/* ------------------------------------------------------------------ */
+/* Checks a head layout at creation (no engine yet). */
+int kvr_heads_params_check(const kvr_engine_params_t *p, char *err, size_t errlen);
+/* Compares a peer's head layout with ours (both given): 0, or -1 with the
+ * difference naming both sides' numbers. */
+int kvr_layout_heads_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *why, size_t n);
+/* Sets peer p's slices from its layout l (its HELLO or HELLO_OK); -1 with
+ * why if our ranks have no link that one room can use. */
+int kvr_peer_link(kvr_engine_t *e, kvr_peer_t *p, const kvr_wire_layout_t *l, char *why,
+                  size_t n);
+/* Room r's slice of its own pages (peer_side 0) or its peer's (1); NULL
+ * for whole pages. */
+const kvr_slice_t *kvr_room_slice(const kvr_room_t *r, int peer_side);
+/* Decode: room h reads from prefill_tp prefill ranks: one leg per link. */
+int kvr_group_open_locked(kvr_engine_t *e, kvr_room_t *h, uint32_t prefill_tp, char *err,
+                          size_t errlen);
+/* Decode: h's pages and aux row, handed to its legs; -1 out of memory. */
+int kvr_group_meta_locked(kvr_engine_t *e, kvr_room_t *h);
+/* Room r (a lead or a leg) failed with f: its lead and legs fail with it. */
+void kvr_group_fail_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_failure_t *f);
+/* The lead h leaves the table: its references to its legs go. */
+void kvr_group_drop_locked(kvr_engine_t *e, kvr_room_t *h);
+/* Prefill: the leg of lead h that decode peer p's request (tag) binds,
+ * made now; NULL if p has one already (p is told) or out of memory. */
+kvr_room_t *kvr_group_leg_locked(kvr_engine_t *e, kvr_room_t *h, kvr_peer_t *p, uint64_t tag);
+/* Prefill: what init() and send() gave lead h, handed to its legs. */
+void kvr_group_sync_locked(kvr_engine_t *e, kvr_room_t *h);
+/* Room id's room that peer p's messages are about: the room, or its leg
+ * bound to p. */
+kvr_room_t *kvr_group_room_for_peer(kvr_engine_t *e, uint64_t id, const kvr_peer_t *p);
 
 /* ------------------------------------------------------------------ */
 /* post.c: engine thread, or send()'s caller holding the lock          */

@@ -108,15 +108,15 @@ int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
         r->deadline_ns = r->started_ns + e->cfg.bootstrap_timeout_ms * KVR_MS;
         kvr_timer_arm_locked(e, r);
         kvr_pending_t *pd = kvr_table_remove(&e->pending, room);
-        if (pd != NULL) {
-            if (pd->peer != NULL && pd->peer->state == KVR_PEER_READY) {
-                r->prefix_len = pd->prefix_len;
-                kvr_bind_request_locked(e, r, pd->peer, pd->tag, pd->aux_index, pd->npages,
-                                        pd->pages);
-                pd->pages = NULL;
+        for (kvr_pending_t *q = pd; q != NULL; q = q->next) { /* several: head layouts */
+            if (q->peer != NULL && q->peer->state == KVR_PEER_READY) {
+                r->prefix_len = q->prefix_len;
+                kvr_bind_request_locked(e, r, q->peer, q->tag, q->aux_index, q->npages,
+                                        q->pages);
+                q->pages = NULL;
             }
-            kvr_pending_free(e, pd);
         }
+        kvr_pending_free(e, pd);
     }
     *h_p = r;
 out:
@@ -141,6 +141,7 @@ static void kvr_handle_drop_locked(kvr_engine_t *e, kvr_room_t *r, const char *w
     }
     r->peer_counted = 0;
     kvr_registry_drop(&e->registry, r->id);
+    kvr_group_drop_locked(e, r);
     kvr_work_push_locked(e, r);
     kvr_room_unref_locked(e, r);
 }
@@ -162,7 +163,7 @@ void kvr_handle_release(kvr_handle_t *h)
 }
 
 int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *bootstrap_addr,
-                         char *err, size_t errlen)
+                         uint32_t prefill_tp_size, char *err, size_t errlen)
 {
     kvr_engine_t *e = kvr_handle_engine(h);
     int rc = kvr_handle_enter(h, err, errlen);
@@ -188,6 +189,12 @@ int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *boots
     if (h->bootstrap_addr[0] == '\0' || strchr(h->bootstrap_addr, ':') == NULL) {
         rc = kvr_err(err, errlen, KVR_EVALUE, "bootstrap_addr '%s' is not host:port",
                      h->bootstrap_addr);
+        goto out;
+    }
+    if (prefill_tp_size > 0 && !h->failing) {
+        /* Heads from prefill ranks chosen by the head layouts (group.c). */
+        rc = kvr_group_open_locked(e, h, prefill_tp_size, err, errlen);
+        h->init_called = rc == 0;
         goto out;
     }
     h->init_called = 1;
@@ -266,6 +273,9 @@ int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, in
     h->prefix_len = prefix_len;
     h->expected = (uint64_t)n * e->page_bytes + (aux_index >= 0 ? e->aux_bytes : 0);
     h->meta_set = 1;
+    if (h->nlegs > 0 && kvr_group_meta_locked(e, h) != 0) {
+        kvr_room_failf_locked(e, h, KVR_TRANSPORT, 1, "out of memory handing pages to the legs");
+    }
     kvr_work_push_locked(e, h);
 out:
     return kvr_handle_unlock_wake(e, rc);
@@ -313,6 +323,7 @@ int kvr_handle_send_init(kvr_handle_t *h, int64_t num_pages, int64_t aux_index, 
     }
     /* A room of no pages is complete at init: its aux row may go now. */
     kvr_work_push_locked(e, h);
+    kvr_group_sync_locked(e, h);
 out:
     return kvr_handle_unlock_wake(e, rc);
 }
@@ -350,6 +361,7 @@ int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, 
         h->ready_ns = kvr_now_ns();
     }
     wake = 1;
+    kvr_group_sync_locked(e, h); /* a lead's legs get the pages and post them */
     if (h->bound && h->peer != NULL && h->peer->state == KVR_PEER_READY) {
         /* Post from the caller's thread: the worker is serialized by the
          * engine lock, and a message that leaves at once (eager) then needs

@@ -134,13 +134,14 @@ void kvr_on_send_done(void *arg, kvr_tp_op_t *op, int failed, const char *status
  * [h->buf, h->buf + h->nbuf) of its kind, the runs of consecutive pages of
  * `pages` over positions [h->pos, h->pos + h->npages) (KV), or row `row`
  * (aux).  The prefill passes its source pages and row, the decode its own
- * destination pages and row.  With out == NULL only counts.  Returns the
+ * destination pages and row; s, unless NULL, the slice of the heads of
+ * their pages the message carries (group.c).  With out == NULL only counts.  Returns the
  * number of pieces; *bytes gets their total length.  h was checked against
  * the layout and the room.
  */
 uint32_t kvr_msg_pieces(const kvr_engine_t *e, const kvr_am_header_t *h,
-                        const int32_t *pages, int64_t row, kvr_tp_iov_t *out,
-                        uint64_t *bytes)
+                        const int32_t *pages, int64_t row, const kvr_slice_t *s,
+                        kvr_tp_iov_t *out, uint64_t *bytes)
 {
     uint32_t n = 0, end = h->pos + h->npages;
     uint64_t total = 0;
@@ -156,6 +157,22 @@ uint32_t kvr_msg_pieces(const kvr_engine_t *e, const kvr_am_header_t *h,
         }
         char *base = (char *)(uintptr_t)e->kv_ptrs[b];
         uint64_t item = e->kv_item[b];
+        if (s != NULL) {
+            /* A slice of the heads: one piece per token row of each page
+             * (the pages are [page_size][heads][bytes per head]). */
+            uint64_t head = item / ((uint64_t)e->page_size * s->heads);
+            uint64_t rowb = head * s->heads, off = head * s->first, len = head * s->n;
+            for (uint32_t at = h->pos; at < end && len > 0; at++) {
+                for (uint32_t t = 0; t < e->page_size; t++, n++) {
+                    if (out != NULL) {
+                        out[n].buf = base + (uint64_t)pages[at] * item + t * rowb + off;
+                        out[n].len = (size_t)len;
+                    }
+                }
+            }
+            total += (uint64_t)h->npages * e->page_size * len;
+            continue;
+        }
         for (uint32_t at = h->pos; at < end; n++) {
             uint32_t run = kvr_run_length(NULL, pages, at, end);
             if (out != NULL) {

@@ -30,7 +30,7 @@ static void kvr_peer_fail_rooms_locked(kvr_engine_t *e, kvr_peer_t *p, int code,
 {
     KVR_ASSERT_LOCKED(e);
     kvr_room_t *r;
-    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->tags, &it, NULL)) != NULL;) {
         if (r == NULL || r->peer != p || kvr_room_terminal(r)) {
             continue;
         }
@@ -69,6 +69,10 @@ void kvr_send_conn_locked(kvr_engine_t *e, kvr_ctl_conn_t *conn, const kvr_msg_t
 void kvr_fill_layout(kvr_engine_t *e, kvr_wire_layout_t *l)
 {
     l->page_size = e->page_size;
+    l->tp_size = e->heads.tp_size;
+    l->tp_rank = e->heads.tp_rank;
+    l->heads = e->heads.heads;
+    l->total_heads = e->heads.total_heads;
     l->nkv = e->nkv;
     l->kv_item_lens = e->layout_kv;
     l->naux = e->naux;
@@ -102,7 +106,9 @@ int kvr_layout_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *why, size
         snprintf(why, n, "%u KV buffers here, %u there", e->nkv, l->nkv);
         return -1;
     }
-    if (kvr_items_diff("KV", e->nkv, e->kv_item, l->kv_item_lens, why, n) != 0) {
+    if (e->heads.heads && l->heads ? kvr_layout_heads_diff(e, l, why, n) != 0
+                                   : kvr_items_diff("KV", e->nkv, e->kv_item, l->kv_item_lens,
+                                                    why, n) != 0) {
         return -1;
     }
     if (l->naux != e->naux) {
@@ -176,6 +182,7 @@ kvr_peer_t *kvr_peer_new(kvr_engine_t *e, int kind, const char *key)
     }
     p->kind = kind;
     p->remote_rank = -1;
+    p->query_rank = -1;
     snprintf(p->key, sizeof(p->key), "%s", key);
     snprintf(p->name, sizeof(p->name), "%s", key);
     if (kvr_peer_index_add(e, p) != 0) {
@@ -319,7 +326,7 @@ void kvr_peer_fail_locked(kvr_engine_t *e, kvr_peer_t *p, int code, const char *
     int spare = p->kind == KVR_PEER_IS_PREFILL && (code == KVR_PEER_LOST || code == KVR_PEER_RESTARTED);
     int waiting = 0, failed = 0;
     kvr_room_t *r;
-    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->tags, &it, NULL)) != NULL;) {
         if (r == NULL || r->peer != p || kvr_room_terminal(r)) {
             continue;
         }
@@ -386,6 +393,13 @@ int kvr_peers_silent_locked(const kvr_engine_t *e, uint64_t now)
     return 0;
 }
 
+/* The bootstrap server of a decode's prefill peer: its key is the server's
+ * "host:port", with "#rank" after it when it names a rank not ours. */
+static void kvr_peer_bs_endpoint(const kvr_peer_t *p, char *ep, size_t n)
+{
+    snprintf(ep, n, "tcp://%.*s", (int)strcspn(p->key, "#"), p->key);
+}
+
 int kvr_peer_resolve(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen)
 {
     char ep[192];
@@ -393,7 +407,7 @@ int kvr_peer_resolve(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen)
     kvr_peer_set_state(p, KVR_PEER_RESOLVING);
     p->epoch = 0;
     snprintf(p->name, sizeof(p->name), "%s", p->key);
-    snprintf(ep, sizeof(ep), "tcp://%s", p->key);
+    kvr_peer_bs_endpoint(p, ep, sizeof(ep));
     if (kvr_ctl_connect(e->ctl, ep, NULL, 0, p, &p->bs_conn, err, errlen) != 0) {
         kvr_peer_set_state(p, KVR_PEER_FAILED);
         return -1;
@@ -403,10 +417,12 @@ int kvr_peer_resolve(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen)
     return 0;
 }
 
-/* Asks the bootstrap server (on conn) which prefill instance serves our rank. */
-void kvr_bs_query(kvr_engine_t *e, kvr_ctl_conn_t *conn)
+/* Asks the bootstrap server (on conn) which prefill instance serves peer
+ * p's rank (ours, unless the peer names another). */
+void kvr_bs_query(kvr_engine_t *e, const kvr_peer_t *p, kvr_ctl_conn_t *conn)
 {
-    kvr_msg_t m = kvr_msg_rank(KVR_MSG_BS_QUERY, (uint32_t)e->rank);
+    int rank = p->query_rank >= 0 ? p->query_rank : e->rank;
+    kvr_msg_t m = kvr_msg_rank(KVR_MSG_BS_QUERY, (uint32_t)rank);
     kvr_send_conn_locked(e, conn, &m);
 }
 
@@ -442,14 +458,14 @@ void kvr_peer_verify_locked(kvr_engine_t *e, kvr_peer_t *p)
         return;
     }
     char ep[192], err[256];
-    snprintf(ep, sizeof(ep), "tcp://%s", p->key);
+    kvr_peer_bs_endpoint(p, ep, sizeof(ep));
     if (kvr_ctl_connect(e->ctl, ep, NULL, 0, p, &p->vconn, err, sizeof(err)) != 0) {
         p->verified_ns = now; /* keep the peer we have */
         return;
     }
     p->verifying = 1;
     p->verify_deadline_ns = now + KVR_VERIFY_TIMEOUT_MS * KVR_MS;
-    kvr_bs_query(e, p->vconn);
+    kvr_bs_query(e, p, p->vconn);
 }
 
 /* Ends a verification: the registration is the same (or unknown), or a new
@@ -472,7 +488,7 @@ void kvr_peer_verified_locked(kvr_engine_t *e, kvr_peer_t *p, int found, uint64_
         /* Rooms bound to the old instance fail; rooms still bootstrapping
          * go to the new one. */
         kvr_room_t *r;
-        for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
+        for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->tags, &it, NULL)) != NULL;) {
             if (r && r->peer == p && !kvr_room_terminal(r) &&
                 atomic_load(&r->visible) > KVR_POLL_BOOTSTRAPPING) {
                 kvr_room_failf_locked(e, r, KVR_PEER_RESTARTED, 0, "%s %s", p->name, what);

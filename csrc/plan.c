@@ -2,6 +2,157 @@
 
 #include "room.h"
 
+#include <inttypes.h>
+#include <stdio.h>
+
+int kvr_heads_check(const kvr_heads_t *h, const char *side, char *why, size_t n)
+{
+    if (h->tp_size == 0 || h->tp_rank >= h->tp_size || h->total_heads == 0 || h->heads == 0) {
+        snprintf(why, n, "%s: tp_rank %u of tp_size %u with %u of %u KV heads is not a layout",
+                 side, h->tp_rank, h->tp_size, h->heads, h->total_heads);
+        return -1;
+    }
+    if (h->tp_size <= h->total_heads ? h->total_heads % h->tp_size != 0 ||
+                                           h->heads != h->total_heads / h->tp_size
+                                     : h->tp_size % h->total_heads != 0 || h->heads != 1) {
+        snprintf(why, n,
+                 "%s: %u KV heads do not split over tp_size %u as %u heads per rank (the heads "
+                 "must divide by the ranks, or the ranks by the heads with one head each)",
+                 side, h->total_heads, h->tp_size, h->heads);
+        return -1;
+    }
+    return 0;
+}
+
+uint32_t kvr_heads_first(const kvr_heads_t *h, uint32_t rank)
+{
+    if (h->tp_size <= h->total_heads) {
+        return rank * h->heads;
+    }
+    return rank / (h->tp_size / h->total_heads);
+}
+
+/* The prefill rank decode rank d reads head `head` from. */
+static uint32_t kvr_heads_source(const kvr_heads_t *pre, uint32_t head, uint32_t d)
+{
+    if (pre->tp_size <= pre->total_heads) {
+        return head / pre->heads;
+    }
+    uint32_t replicas = pre->tp_size / pre->total_heads;
+    return head * replicas + d % replicas;
+}
+
+/* Appends the links of decode rank d (one per run of heads of one source)
+ * to out[n..max); returns the new count. */
+static uint32_t kvr_decode_links(const kvr_heads_t *pre, const kvr_heads_t *dec, uint32_t d,
+                                 kvr_link_t *out, uint32_t n, uint32_t max)
+{
+    uint32_t first = kvr_heads_first(dec, d), end = first + dec->heads;
+    for (uint32_t h = first; h < end;) {
+        uint32_t src = kvr_heads_source(pre, h, d), h0 = h;
+        while (h < end && kvr_heads_source(pre, h, d) == src) {
+            h++;
+        }
+        if (n < max) {
+            out[n] = (kvr_link_t){src, d, h0, h - h0};
+        }
+        n++;
+    }
+    return n;
+}
+
+/* 1 if some decode rank reads heads from prefill rank p. */
+static int kvr_prefill_read(const kvr_heads_t *pre, const kvr_heads_t *dec, uint32_t p)
+{
+    for (uint32_t d = 0; d < dec->tp_size; d++) {
+        uint32_t first = kvr_heads_first(dec, d);
+        for (uint32_t h = first; h < first + dec->heads; h++) {
+            if (kvr_heads_source(pre, h, d) == p) {
+                return 1;
+            }
+        }
+    }
+    return 0;
+}
+
+uint32_t kvr_heads_links(const kvr_heads_t *pre, const kvr_heads_t *dec, int decode,
+                         uint32_t rank, kvr_link_t *out, uint32_t max)
+{
+    uint32_t n = 0;
+    if (decode) {
+        n = kvr_decode_links(pre, dec, rank, out, 0, max);
+        for (uint32_t p = rank; p < pre->tp_size; p += dec->tp_size) {
+            if (!kvr_prefill_read(pre, dec, p)) {
+                if (n < max) {
+                    out[n] = (kvr_link_t){p, rank, 0, 0};
+                }
+                n++;
+            }
+        }
+        return n;
+    }
+    for (uint32_t d = 0; d < dec->tp_size; d++) {
+        /* A decode rank reads one run of heads from a prefill rank (the
+         * source only grows with the head). */
+        uint32_t first = kvr_heads_first(dec, d), h0 = UINT32_MAX, h1 = 0;
+        for (uint32_t h = first; h < first + dec->heads; h++) {
+            if (kvr_heads_source(pre, h, d) == rank) {
+                h0 = h0 == UINT32_MAX ? h : h0;
+                h1 = h + 1;
+            }
+        }
+        if (h0 != UINT32_MAX) {
+            if (n < max) {
+                out[n] = (kvr_link_t){rank, d, h0, h1 - h0};
+            }
+            n++;
+        }
+    }
+    if (!kvr_prefill_read(pre, dec, rank)) {
+        if (n < max) {
+            out[n] = (kvr_link_t){rank, rank % dec->tp_size, 0, 0};
+        }
+        n++;
+    }
+    return n;
+}
+
+kvr_slice_t kvr_link_slice(const kvr_link_t *l, const kvr_heads_t *h, uint32_t rank)
+{
+    kvr_slice_t s = {0, l->nheads, h->heads};
+    if (l->nheads > 0) {
+        s.first = l->head - kvr_heads_first(h, rank);
+    }
+    return s;
+}
+
+int kvr_heads_compat(const kvr_heads_t *pre, const uint64_t *pre_items, const kvr_heads_t *dec,
+                     const uint64_t *dec_items, uint32_t nkv, uint32_t page_size, char *why,
+                     size_t n)
+{
+    if (kvr_heads_check(pre, "prefill", why, n) != 0 ||
+        kvr_heads_check(dec, "decode", why, n) != 0) {
+        return -1;
+    }
+    if (pre->total_heads != dec->total_heads) {
+        snprintf(why, n, "%u KV heads in all on the prefill, %u on the decode", pre->total_heads,
+                 dec->total_heads);
+        return -1;
+    }
+    for (uint32_t b = 0; b < nkv; b++) {
+        uint64_t pu = (uint64_t)page_size * pre->heads, du = (uint64_t)page_size * dec->heads;
+        if (pre_items[b] % pu != 0 || dec_items[b] % du != 0 ||
+            pre_items[b] / pu != dec_items[b] / du) {
+            snprintf(why, n,
+                     "KV buffer %u: item_len %" PRIu64 " for %u heads on the prefill, %" PRIu64
+                     " for %u heads on the decode (page_size %u): the bytes per head differ",
+                     b, pre_items[b], pre->heads, dec_items[b], dec->heads, page_size);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 uint16_t kvr_plan_buf_group(const uint64_t *items, uint32_t n, uint32_t b, uint32_t npages,
                             uint32_t pieces, uint64_t merge)
 {
@@ -20,16 +171,22 @@ uint16_t kvr_plan_buf_group(const uint64_t *items, uint32_t n, uint32_t b, uint3
 static uint32_t kvr_plan_range(const kvr_plan_t *p, uint32_t pos)
 {
     uint32_t runs = 0, end = pos;
+    uint32_t rows = p->src_rows > p->dst_rows ? p->src_rows : p->dst_rows;
+    uint32_t max_pages = p->max_pages;
+    if (rows > 1 && KVR_MAX_IOV / rows < max_pages) {
+        /* Slices of rows: a piece per row of each page on that side. */
+        max_pages = KVR_MAX_IOV / rows > 0 ? KVR_MAX_IOV / rows : 1;
+    }
     while (end < p->given && runs < KVR_MAX_IOV) {
         uint32_t n = kvr_run_length(p->src_pages, p->dst_pages, end, p->given);
-        if ((uint64_t)n * p->kv_item_max >= p->run_bytes || n >= p->max_pages) {
+        if ((uint64_t)n * p->kv_item_max >= p->run_bytes || n >= max_pages) {
             if (runs == 0) {
-                end += n < p->max_pages ? n : p->max_pages;
+                end += n < max_pages ? n : max_pages;
             }
             break;
         }
         if (runs > 0 && ((uint64_t)(end - pos + n) * p->kv_item_max > p->cap ||
-                         end - pos + n > p->max_pages)) {
+                         end - pos + n > max_pages)) {
             break;
         }
         end += n;
@@ -40,6 +197,10 @@ static uint32_t kvr_plan_range(const kvr_plan_t *p, uint32_t pos)
 
 int kvr_post_plan(const kvr_plan_t *p, kvr_plan_cursor_t *c, kvr_am_header_t *h)
 {
+    if (p->kv_none && c->posted < p->given) {
+        c->posted = p->given;
+        c->end = 0;
+    }
     if (c->posted < p->given) {
         if (c->end <= c->posted) {
             c->end = kvr_plan_range(p, c->posted);
@@ -51,6 +212,12 @@ int kvr_post_plan(const kvr_plan_t *p, kvr_plan_cursor_t *c, kvr_am_header_t *h)
         uint32_t pieces = 0; /* per buffer: runs of consecutive source pages */
         for (uint32_t at = h->pos; at < c->end; pieces++) {
             at += kvr_run_length(NULL, p->src_pages, at, c->end);
+        }
+        if (p->src_rows > 1) {
+            pieces = h->npages * p->src_rows;
+        }
+        if (p->dst_rows > 1 && h->npages * p->dst_rows > pieces) {
+            pieces = h->npages * p->dst_rows;
         }
         h->buf = (uint16_t)c->buf;
         h->nbuf = kvr_plan_buf_group(p->kv_item, p->nkv, c->buf, h->npages, pieces, p->merge);

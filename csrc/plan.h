@@ -17,12 +17,75 @@
 #ifndef KVR_PLAN_H
 #define KVR_PLAN_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #include "wire.h"
 
 /* Most pieces in one coalesced data message. */
 #define KVR_MAX_IOV 1024
+
+/*
+ * Heads: how one side's ranks hold the KV heads (MHA/GQA), or one latent
+ * cache (MLA, total 1 head held whole by every rank).  A rank of tp_size
+ * over total heads holds, when tp_size <= total, the total / tp_size heads
+ * from tp_rank * heads; when tp_size > total (replicated heads, and MLA),
+ * the one head tp_rank / (tp_size / total), replica tp_rank % (tp_size /
+ * total).  A page of a KV buffer is [page_size tokens][heads][bytes per
+ * head], so a rank's page holds page_size rows of heads * head bytes.
+ * heads == 0: no head layout given (each decode rank talks to the prefill
+ * rank of its own number, layouts equal).
+ */
+typedef struct {
+    uint32_t tp_size, tp_rank;
+    uint32_t heads;       /* KV heads in this rank's pages */
+    uint32_t total_heads; /* KV heads of the model (1 for MLA) */
+} kvr_heads_t;
+
+/* One link of a prefill and a decode rank: the heads [head, head + nheads)
+ * go from prefill rank `prefill` to decode rank `decode`.  nheads 0: the
+ * decode rank only tells a prefill rank nobody reads from that the room
+ * needs nothing from it. */
+typedef struct {
+    uint32_t prefill, decode;
+    uint32_t head, nheads;
+} kvr_link_t;
+
+/* Where one link's heads sit in one side's page rows: from head `first` of
+ * the row, n heads, of a row of `heads` heads.  n == heads: whole rows
+ * (the page is contiguous); n == 0: nothing. */
+typedef struct {
+    uint32_t first, n, heads;
+} kvr_slice_t;
+
+/* 0 if h is a layout its side can have, else -1 with why ("prefill" or
+ * "decode" in side). */
+int kvr_heads_check(const kvr_heads_t *h, const char *side, char *why, size_t n);
+/* The first head rank r of h holds. */
+uint32_t kvr_heads_first(const kvr_heads_t *h, uint32_t rank);
+/*
+ * The links of prefill rank `rank` (decode == 0) or decode rank `rank`
+ * (decode == 1) between a prefill of layout pre and a decode of layout dec
+ * (both checked, same total), in order: each decode head is read from
+ * exactly one prefill rank (among replicas, the one of the decode rank's
+ * number modulo the replicas, so the prefill ranks share the work); a
+ * prefill rank no decode rank reads from is linked with nheads 0 to decode
+ * rank prefill % dec->tp_size.  Writes at most max links into out and
+ * returns how many there are.
+ */
+uint32_t kvr_heads_links(const kvr_heads_t *pre, const kvr_heads_t *dec, int decode,
+                         uint32_t rank, kvr_link_t *out, uint32_t max);
+/* The slice of link l in the pages of the side of layout h, rank rank. */
+kvr_slice_t kvr_link_slice(const kvr_link_t *l, const kvr_heads_t *h, uint32_t rank);
+/*
+ * Compatibility of a prefill's and a decode's layouts: equal page size,
+ * KV buffer count and total heads, and per KV buffer equal bytes per head
+ * (item / (page_size * heads), which must divide).  0, or -1 with the
+ * first difference, naming both sides' numbers, in why.
+ */
+int kvr_heads_compat(const kvr_heads_t *pre, const uint64_t *pre_items, const kvr_heads_t *dec,
+                     const uint64_t *dec_items, uint32_t nkv, uint32_t page_size, char *why,
+                     size_t n);
 
 typedef struct {
     const int32_t *src_pages;   /* the prefill's pages, by position */
@@ -37,6 +100,11 @@ typedef struct {
     uint64_t cap;               /* most bytes per buffer of a coalesced message */
     uint64_t merge;             /* buffers share a message within this many bytes */
     uint32_t max_pages;         /* most positions in one message (> 0) */
+    /* Head slices (kvr_slice_t): pieces per page on each side, 1 for whole
+     * pages, page_size for a slice of the rows; kv_none: the slice is
+     * empty (no KV message, only the aux rows). */
+    uint32_t src_rows, dst_rows;
+    int kv_none;
 } kvr_plan_t;
 
 /* Where posting stands; all zero before the first message. */

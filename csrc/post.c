@@ -28,7 +28,8 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
         return 1;
     }
     uint64_t len = 0;
-    uint32_t niov = kvr_msg_pieces(e, h, r->src_pages, r->src_aux, NULL, &len);
+    const kvr_slice_t *s = h->kind == KVR_AM_KIND_KV ? kvr_room_slice(r, 0) : NULL;
+    uint32_t niov = kvr_msg_pieces(e, h, r->src_pages, r->src_aux, s, NULL, &len);
     kvr_op_t *op = kvr_op_new(r, len, niov);
     if (op == NULL) {
         if (slot != NULL) {
@@ -37,7 +38,7 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory posting data");
         return 0;
     }
-    kvr_msg_pieces(e, h, r->src_pages, r->src_aux, op->iov, &len);
+    kvr_msg_pieces(e, h, r->src_pages, r->src_aux, s, op->iov, &len);
     kvr_am_header_t wire = *h;
     if (e->test_corrupt != KVR_TEST_CORRUPT_NONE) {
         kvr_test_corrupt_header(&wire, e->test_corrupt, r->ndst, e->nkv);
@@ -137,6 +138,21 @@ static void kvr_post_limits(const kvr_engine_t *e, const kvr_room_t *r, kvr_plan
      * is staged or handed to UCX on its own). */
     p->merge = e->ndev > 0 ? 0 : run_bytes < cap ? run_bytes : cap;
     p->max_pages = max_pages;
+    /* A slice of the heads: a piece per token row on the sliced side, and
+     * n of `heads` heads of each item on the wire, which the plan counts
+     * as whole items: its byte limits grow by heads / n. */
+    const kvr_slice_t *mine = kvr_room_slice(r, 0), *theirs = kvr_room_slice(r, 1);
+    p->src_rows = mine != NULL ? e->page_size : 1;
+    p->dst_rows = theirs != NULL ? e->page_size : 1;
+    p->kv_none = mine != NULL && mine->n == 0;
+    if (mine != NULL && mine->n > 0 && e->ndev == 0) {
+        uint64_t *limits[3] = {&p->run_bytes, &p->cap, &p->merge};
+        for (int i = 0; i < 3; i++) {
+            *limits[i] = *limits[i] > UINT64_MAX / mine->heads
+                             ? UINT64_MAX
+                             : *limits[i] * mine->heads / mine->n;
+        }
+    }
 }
 
 /* Prefill: whether room r may post now; fails it if it never can.  Creates
@@ -196,7 +212,12 @@ void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
     for (;;) {
         kvr_plan_cursor_t next = kvr_eroom(r)->post;
         if (!kvr_post_plan(&plan, &next, &h)) {
-            kvr_eroom(r)->post.aux_done = next.aux_done;
+            kvr_eroom(r)->post = next;
+            if (plan.kv_none && r->dst_aux < 0 && r->given == r->total_pages) {
+                /* Nothing of ours for this decode rank: done once every
+                 * page was handed over (the decode expects no bytes). */
+                r->done_received = 1;
+            }
             return;
         }
         kvr_room_advance(r, KVR_POLL_TRANSFERRING);

@@ -75,7 +75,12 @@ void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len,
         goto protocol;
     }
     uint64_t want = 0;
-    uint32_t niov = kvr_msg_pieces(e, &h, r->pages, r->aux_index, NULL, &want);
+    const kvr_slice_t *s = h.kind == KVR_AM_KIND_KV ? kvr_room_slice(r, 0) : NULL;
+    if (s != NULL && s->n == 0) {
+        why = "KV data for a link that carries none";
+        goto protocol;
+    }
+    uint32_t niov = kvr_msg_pieces(e, &h, r->pages, r->aux_index, s, NULL, &want);
     if ((uint64_t)len != want) {
         why = h.kind == KVR_AM_KIND_KV ? "run length does not match item_len"
                                        : "aux row does not match the room";
@@ -95,7 +100,7 @@ void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len,
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory receiving data");
         goto reject;
     }
-    kvr_msg_pieces(e, &h, r->pages, r->aux_index, op->iov, &want);
+    kvr_msg_pieces(e, &h, r->pages, r->aux_index, s, op->iov, &want);
     kvr_room_advance(r, KVR_POLL_TRANSFERRING); /* first byte */
     r->peer->last_data_ns = kvr_now_ns();
     e->stats.data_rendezvous += rndv != 0;
@@ -160,6 +165,12 @@ void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r)
     r->deadline_ns = kvr_deadline_ns(e, r->started_ns, r->expected);
     kvr_timer_arm_locked(e, r);
     kvr_room_advance(r, KVR_POLL_TRANSFERRING);
+    if (r->expected == 0 && kvr_room_succeed(r)) {
+        /* A leg that reads nothing (group.c): the request told the prefill
+         * rank it is not needed, which ends there once its sender handed
+         * over every page. */
+        kvr_room_succeeded_locked(e, r);
+    }
 }
 
 /*
@@ -250,7 +261,7 @@ static void kvr_on_bs_reply_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
     p->conn_ep[m->str_len] = '\0';
     kvr_peer_disconnect(e, p); /* retires the bootstrap connection */
     p->epoch = m->peer_epoch;
-    snprintf(p->name, sizeof(p->name), "prefill rank %d at %.120s", e->rank,
+    snprintf(p->name, sizeof(p->name), "prefill rank %u at %.120s", m->rank,
              strncmp(p->conn_ep, "tcp://", 6) == 0 ? p->conn_ep + 6 : p->conn_ep);
     if (kvr_peer_worker(e, p, err, sizeof(err)) != 0) {
         char what[400];
@@ -288,10 +299,11 @@ static void kvr_on_hello_ok_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
     if (p->state != KVR_PEER_CONNECTING) {
         return;
     }
-    char diff[256];
-    if (kvr_layout_diff(e, &m->layout, diff, sizeof(diff)) != 0) {
+    char diff[320];
+    if (kvr_layout_diff(e, &m->layout, diff, sizeof(diff)) != 0 ||
+        kvr_peer_link(e, p, &m->layout, diff, sizeof(diff)) != 0) {
         char what[400];
-        snprintf(what, sizeof(what), "has a different layout: %s", diff);
+        snprintf(what, sizeof(what), "has a different layout: %.320s", diff);
         kvr_peer_fail_locked(e, p, KVR_LAYOUT_MISMATCH, what);
         return;
     }
@@ -326,7 +338,7 @@ static void kvr_on_hello_reject_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr
                      p->name, "%.*s", (int)m->str_len, m->str);
     f.from_remote = 1;
     kvr_room_t *r;
-    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->tags, &it, NULL)) != NULL;) {
         if (r && r->peer == p && !kvr_room_terminal(r)) {
             kvr_failure_t fr = f;
             snprintf(fr.reason, sizeof(fr.reason), "room %" PRIu64 ": %.*s", r->id,

@@ -68,6 +68,10 @@ void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint
                              int64_t aux_index, uint32_t npages, int32_t *pages)
 {
     KVR_ASSERT_LOCKED(e);
+    if (p->slice.heads && (r = kvr_group_leg_locked(e, r, p, tag)) == NULL) {
+        free(pages); /* a second request of that decode rank (refused), or no memory */
+        return;
+    }
     r->bound = 1;
     r->peer = p;
     r->peer_counted = 1;
@@ -92,12 +96,55 @@ void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint
 
 void kvr_pending_free(kvr_engine_t *e, kvr_pending_t *pd)
 {
-    e->pending_pages -= pd->npages;
-    if (pd->peer != NULL && pd->peer->nrooms > 0) {
-        pd->peer->nrooms--;
+    while (pd != NULL) {
+        kvr_pending_t *next = pd->next;
+        e->pending_pages -= pd->npages;
+        if (pd->peer != NULL && pd->peer->nrooms > 0) {
+            pd->peer->nrooms--;
+        }
+        free(pd->pages);
+        free(pd);
+        pd = next;
     }
-    free(pd->pages);
-    free(pd);
+}
+
+/* The request of peer p among the pending requests pd of one room. */
+static kvr_pending_t *kvr_pending_of(kvr_pending_t *pd, const kvr_peer_t *p)
+{
+    for (; pd != NULL && pd->peer != p; pd = pd->next) {
+    }
+    return pd;
+}
+
+/*
+ * Head layouts (group.c): request pd of a decode rank joins the requests
+ * old of other decode ranks for the same room, each to become a leg; it
+ * replaces an older request of its own rank.
+ */
+static void kvr_pending_join(kvr_engine_t *e, uint64_t room, kvr_pending_t *old,
+                             kvr_pending_t *pd)
+{
+    kvr_pending_t *mine = kvr_pending_of(old, pd->peer), **at = &old->next;
+    if (mine == old) { /* the table's entry: the new one takes its place */
+        pd->next = old->next;
+        old->next = NULL;
+        if (kvr_table_put(&e->pending, room, pd) != 0) {
+            old->next = pd->next;
+            pd->next = NULL;
+            mine = pd; /* no memory: the old one stays */
+        }
+        kvr_pending_free(e, mine);
+        return;
+    }
+    for (; mine != NULL && *at != mine; at = &(*at)->next) {
+    }
+    if (mine != NULL) {
+        *at = mine->next;
+        mine->next = NULL;
+        kvr_pending_free(e, mine);
+    }
+    pd->next = old->next;
+    old->next = pd;
 }
 
 /* A decode peer's key: its routing id in hex (len <= KVR_IDENT_MAX). */
@@ -125,7 +172,7 @@ static void kvr_pending_release(kvr_engine_t *e, kvr_peer_t *p)
 {
     kvr_pending_t *pd;
     for (kvr_table_iter_t it = {0}; (pd = kvr_table_next(&e->pending, &it, NULL)) != NULL;) {
-        if (pd->peer == p) {
+        if ((pd = kvr_pending_of(pd, p)) != NULL) {
             p->nrooms--;
             pd->peer = NULL;
         }
@@ -167,7 +214,7 @@ static kvr_peer_t *kvr_decode_peer_recycle(kvr_engine_t *e, const char *key)
         kvr_pending_t *pd;
         for (kvr_table_iter_t it = {0};
              !used && (pd = kvr_table_next(&e->pending, &it, NULL)) != NULL;) {
-            used = pd->peer == p;
+            used = kvr_pending_of(pd, p) != NULL;
         }
         if (!used) {
             kvr_peer_disconnect(e, p);
@@ -270,7 +317,8 @@ static void kvr_on_hello_locked(kvr_engine_t *e, const void *ident, size_t ident
         kvr_hello_reject_locked(e, p, KVR_REFUSED, reason);
         return;
     }
-    if (kvr_layout_diff(e, &m->layout, why, sizeof(why)) != 0) {
+    if (kvr_layout_diff(e, &m->layout, why, sizeof(why)) != 0 ||
+        kvr_peer_link(e, p, &m->layout, why, sizeof(why)) != 0) {
         snprintf(reason, sizeof(reason), "layout mismatch between prefill rank %d (%s) and %s: %s",
                  e->rank, kvr_ctl_endpoint(e->ctl), p->name, why);
         kvr_hello_reject_locked(e, p, KVR_LAYOUT_MISMATCH, reason);
@@ -402,7 +450,7 @@ static void kvr_on_room_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
         return;
     }
     kvr_pending_t *old = r == NULL ? kvr_table_get(&e->pending, m->room) : NULL;
-    if (old != NULL && old->peer != NULL && old->peer != p) {
+    if (old != NULL && old->peer != NULL && old->peer != p && !p->slice.heads) {
         /* First come keeps it: a later decode must not take over the room
          * (the first would wait for its deadline while the other got the
          * KV). */
@@ -410,7 +458,7 @@ static void kvr_on_room_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
                               old->peer->name);
         return;
     }
-    int replaces = old != NULL && old->peer == p;
+    int replaces = kvr_pending_of(old, p) != NULL;
     if (!replaces && p->nrooms >= e->cfg.max_rooms_per_peer) {
         kvr_refuse_req_locked(e, p, m, KVR_REFUSED,
                               "it already has %u rooms pending or open here "
@@ -468,6 +516,10 @@ static void kvr_on_room_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
     pd->pages = pages;
     pd->prefix_len = m->prefix_len;
     pd->arrived_ns = kvr_now_ns();
+    if (old != NULL && p->slice.heads) {
+        kvr_pending_join(e, m->room, old, pd);
+        return;
+    }
     if (kvr_table_put(&e->pending, m->room, pd) != 0) {
         kvr_pending_free(e, pd);
         return;
@@ -482,14 +534,14 @@ static void kvr_on_room_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
 static void kvr_on_room_fail_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
 {
     KVR_ASSERT_LOCKED(e);
-    kvr_room_t *r = kvr_table_get(&e->rooms, m->room);
+    kvr_room_t *r = kvr_group_room_for_peer(e, m->room, p);
     uint64_t mytag = r == NULL ? 0 : e->mode == KVR_MODE_DECODE ? r->tag : r->dst_tag;
     /* A prefill room no decode has bound yet fails with the decode's cause
      * (the decode gave up on it before asking, e.g. a rejected layout). */
     int unbound = r != NULL && e->mode == KVR_MODE_PREFILL && !r->bound;
     if (r == NULL && e->mode == KVR_MODE_PREFILL) {
-        kvr_pending_t *pd = kvr_table_get(&e->pending, m->room);
-        if (pd != NULL && (pd->peer != p || pd->tag != m->tag)) {
+        kvr_pending_t *pd = kvr_table_get(&e->pending, m->room), *mine = kvr_pending_of(pd, p);
+        if (pd != NULL && (mine == NULL || mine->tag != m->tag)) {
             return; /* about another decode's request (or an older one) */
         }
         if (pd != NULL) {
@@ -667,7 +719,7 @@ void kvr_on_router_msg(void *arg, const void *ident, size_t ident_len, const voi
         kvr_on_room_req_locked(e, p, &m);
         break;
     case KVR_MSG_ROOM_DONE: {
-        kvr_room_t *r = kvr_table_get(&e->rooms, m.room);
+        kvr_room_t *r = kvr_group_room_for_peer(e, m.room, p);
         if (r && r->peer == p && r->dst_tag == m.tag) {
             r->done_received = 1;
             kvr_check_prefill_done_locked(e, r);

@@ -30,6 +30,7 @@ void kvr_room_free(kvr_room_t *r)
     free(r->src_pages);
     free(r->dst_pages);
     free(r->claimed);
+    free(r->legs);
     free(r);
 }
 
@@ -65,6 +66,39 @@ int kvr_room_terminal(const kvr_room_t *r)
     return v == KVR_POLL_SUCCESS || v == KVR_POLL_FAILED;
 }
 
+/* A leg ended (Success or Failed): its lead may end now. */
+static void kvr_room_leg_end(kvr_room_t *r)
+{
+    kvr_room_t *g = r->lead;
+    if (g == NULL || r->leg_ended) {
+        return;
+    }
+    r->leg_ended = 1;
+    KVR_ASSERT(g->held > 0);
+    g->held--;
+    g->legs_done += atomic_load(&r->visible) == KVR_POLL_SUCCESS;
+    if (g->failing) {
+        kvr_room_settle(g);
+    } else if (g->held == 0 && g->legs_done >= g->legs_want) {
+        kvr_room_advance(g, KVR_POLL_SUCCESS);
+    }
+}
+
+/* A leg moved on: its lead shows the least advanced of its legs. */
+static void kvr_room_lead_follow(kvr_room_t *g)
+{
+    int least = KVR_POLL_SUCCESS;
+    for (uint32_t i = 0; i < g->nlegs; i++) {
+        int v = atomic_load(&g->legs[i]->visible);
+        if (v != KVR_POLL_FAILED && v < least) {
+            least = v;
+        }
+    }
+    if (least < KVR_POLL_SUCCESS) {
+        kvr_room_advance(g, least);
+    }
+}
+
 int kvr_room_advance(kvr_room_t *r, int state)
 {
     if (kvr_room_terminal(r) || r->failing || state <= KVR_POLL_FAILED ||
@@ -75,6 +109,12 @@ int kvr_room_advance(kvr_room_t *r, int state)
         return 0;
     }
     atomic_store(&r->visible, state);
+    if (r->lead != NULL) {
+        if (state == KVR_POLL_SUCCESS) {
+            kvr_room_leg_end(r);
+        }
+        kvr_room_lead_follow(r->lead);
+    }
     return 1;
 }
 
@@ -134,11 +174,13 @@ int kvr_room_force_drain(kvr_room_t *r)
 
 int kvr_room_settle(kvr_room_t *r)
 {
-    if (!r->failing || r->inflight > 0 || atomic_load(&r->visible) == KVR_POLL_FAILED) {
+    if (!r->failing || r->inflight > 0 || r->held > 0 ||
+        atomic_load(&r->visible) == KVR_POLL_FAILED) {
         return 0;
     }
     KVR_ASSERT(r->inflight == 0);
     atomic_store(&r->visible, KVR_POLL_FAILED);
+    kvr_room_leg_end(r);
     return 1;
 }
 

@@ -31,6 +31,7 @@
  *   Transferring -> Success            kvr_room_succeed
  *   any but Success -> failing         kvr_room_fail (first cause wins)
  *   failing -> Failed                  kvr_room_settle, once inflight == 0
+ *                                      (a lead: and every leg ended)
  *   failing -> Failed, ops lingering   kvr_room_force_drain (dead peer)
  *   any -> Failed (engine closing)     kvr_room_abandon
  *
@@ -131,6 +132,18 @@ typedef struct kvr_room {
 
     /* staging of device memory (both sides) */
     int stage_copies;       /* operations in a CUDA copy (never force-drained) */
+
+    /* A room served over several links of ranks (group.c): the lead is the
+     * room the caller holds, each link a leg, a room of its own.  The lead
+     * shows the least advanced leg's state, Success when legs_want legs
+     * succeeded, and Failed only once every leg has ended. */
+    struct kvr_room *lead;  /* leg: its lead (a reference) */
+    struct kvr_room **legs; /* lead: its legs (references until dropped) */
+    uint32_t nlegs;
+    uint32_t held;          /* lead: legs not ended yet */
+    uint32_t legs_done;     /* lead: legs that succeeded */
+    uint32_t legs_want;     /* lead: legs it needs to succeed */
+    int leg_ended;          /* leg: counted out of its lead's held */
 } kvr_room_t;
 
 /* Allocates size bytes, zeroed, holding a room in Bootstrapping at their

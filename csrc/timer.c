@@ -48,7 +48,7 @@ static void kvr_timer_prefill_peer_locked(kvr_engine_t *e, kvr_peer_t *p, uint64
                      e->cfg.bootstrap_timeout_ms);
             kvr_peer_fail_locked(e, p, KVR_BOOTSTRAP, what);
         } else if (p->state == KVR_PEER_RESOLVING && now >= p->next_try_ns) {
-            kvr_bs_query(e, p->bs_conn);
+            kvr_bs_query(e, p, p->bs_conn);
             p->next_try_ns = now + 200 * KVR_MS;
         } else if (p->state == KVR_PEER_CONNECTING && now >= p->next_try_ns) {
             kvr_decode_hello_locked(e, p);
@@ -209,6 +209,12 @@ static void kvr_timer_deadline_locked(kvr_engine_t *e, kvr_room_t *r)
                               "no completion within its deadline of %" PRIu64
                               " ms: %" PRIu64 " of %" PRIu64 " bytes received",
                               (r->deadline_ns - r->started_ns) / KVR_MS, got, expected);
+    } else if (r->nlegs > 0) {
+        /* A lead (group.c) whose decode ranks did not all ask. */
+        kvr_room_failf_locked(e, r, KVR_BOOTSTRAP, 0,
+                              "only %u of the %u decode ranks this prefill rank serves asked "
+                              "for the room within the bootstrap timeout (%u ms)",
+                              r->nlegs, r->legs_want, e->cfg.bootstrap_timeout_ms);
     } else if (!r->bound) {
         kvr_room_failf_locked(e, r, KVR_BOOTSTRAP, 0,
                               "no decode asked for the room within the bootstrap "

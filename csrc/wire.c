@@ -93,6 +93,36 @@ static int kvr_wire_carries_failure(uint16_t type)
     return type == KVR_MSG_HELLO_REJECT || type == KVR_MSG_ROOM_FAIL || type == KVR_MSG_SIB_FAIL;
 }
 
+/* The optional fields after a HELLO's or HELLO_OK's worker address: a
+ * byte of KVR_HELLO_* flags naming those present, then each in flag order.
+ * No fields: no byte (one encoding per message). */
+enum { KVR_HELLO_TCP_RX = 1, KVR_HELLO_SHM = 2, KVR_HELLO_HEADS = 4 };
+
+static void kvr_put_hello_fields(kvr_wbuf_t *b, const kvr_msg_t *m)
+{
+    int hello = m->type == KVR_MSG_HELLO;
+    unsigned x = (hello && m->tcp_rx_seg ? KVR_HELLO_TCP_RX : 0) |
+                 (hello && m->has_shm ? KVR_HELLO_SHM : 0) |
+                 (m->layout.heads ? KVR_HELLO_HEADS : 0);
+    if (x == 0) {
+        return;
+    }
+    kvr_put_u8(b, (uint8_t)x);
+    if (x & KVR_HELLO_TCP_RX) {
+        kvr_put_u32(b, m->tcp_rx_seg);
+    }
+    if (x & KVR_HELLO_SHM) {
+        kvr_put_u32(b, m->shm_seg);
+        kvr_put_u32(b, m->shm_fifo);
+    }
+    if (x & KVR_HELLO_HEADS) {
+        kvr_put_u32(b, m->layout.tp_size);
+        kvr_put_u32(b, m->layout.tp_rank);
+        kvr_put_u32(b, m->layout.heads);
+        kvr_put_u32(b, m->layout.total_heads);
+    }
+}
+
 int kvr_wire_encode(kvr_wbuf_t *b, const kvr_msg_t *m)
 {
     /* Never send what the decoder would refuse. */
@@ -132,13 +162,7 @@ int kvr_wire_encode(kvr_wbuf_t *b, const kvr_msg_t *m)
         kvr_put_layout(b, &m->layout);
         kvr_put_u32(b, m->addr_len);
         kvr_wbuf_put(b, m->addr, m->addr_len);
-        if (m->type == KVR_MSG_HELLO && m->tcp_rx_seg) {
-            kvr_put_u32(b, m->tcp_rx_seg);
-            if (m->has_shm) {
-                kvr_put_u32(b, m->shm_seg);
-                kvr_put_u32(b, m->shm_fifo);
-            }
-        }
+        kvr_put_hello_fields(b, m);
         break;
     case KVR_MSG_HELLO_REJECT:
         kvr_put_u32(b, m->rank);
@@ -249,6 +273,40 @@ static void kvr_rd_layout(kvr_rd_t *r, kvr_wire_layout_t *l)
     kvr_rd_take(r, (size_t)l->naux * 8, &l->aux_item_lens, "truncated aux item lengths");
 }
 
+static void kvr_rd_hello_fields(kvr_rd_t *r, kvr_msg_t *m)
+{
+    if (r->why || r->left == 0) {
+        return;
+    }
+    unsigned x = (unsigned)kvr_rd_int(r, 1, "truncated HELLO fields");
+    unsigned known = KVR_HELLO_HEADS |
+                     (m->type == KVR_MSG_HELLO ? KVR_HELLO_TCP_RX | KVR_HELLO_SHM : 0);
+    if (x == 0 || (x & ~known)) {
+        r->why = x == 0 ? "explicit empty HELLO fields" : "unknown HELLO fields";
+        return;
+    }
+    if (x & KVR_HELLO_TCP_RX) {
+        m->tcp_rx_seg = (uint32_t)kvr_rd_int(r, 4, "truncated tcp receive size");
+        if (!r->why && m->tcp_rx_seg == 0) {
+            r->why = "explicit zero tcp receive size";
+        }
+    }
+    if (x & KVR_HELLO_SHM) {
+        m->has_shm = 1;
+        m->shm_seg = (uint32_t)kvr_rd_int(r, 4, "truncated shared-memory sizes");
+        m->shm_fifo = (uint32_t)kvr_rd_int(r, 4, "truncated shared-memory sizes");
+    }
+    if (x & KVR_HELLO_HEADS) {
+        m->layout.tp_size = (uint32_t)kvr_rd_int(r, 4, "truncated head layout");
+        m->layout.tp_rank = (uint32_t)kvr_rd_int(r, 4, "truncated head layout");
+        m->layout.heads = (uint32_t)kvr_rd_int(r, 4, "truncated head layout");
+        m->layout.total_heads = (uint32_t)kvr_rd_int(r, 4, "truncated head layout");
+        if (!r->why && m->layout.heads == 0) {
+            r->why = "explicit zero heads";
+        }
+    }
+}
+
 int kvr_wire_decode(const void *buf, size_t len, kvr_msg_t *m, const char **why)
 {
     kvr_rd_t r = {buf, len, NULL};
@@ -302,17 +360,7 @@ int kvr_wire_decode(const void *buf, size_t len, kvr_msg_t *m, const char **why)
         if (kvr_rd_take(&r, m->addr_len, &p, "truncated worker address") == 0) {
             m->addr = p;
         }
-        if (m->type == KVR_MSG_HELLO && !r.why && r.left >= 4) { /* the optional size */
-            m->tcp_rx_seg = (uint32_t)kvr_rd_int(&r, 4, "truncated tcp receive size");
-            if (m->tcp_rx_seg == 0) {
-                r.why = "explicit zero tcp receive size";
-            }
-            if (!r.why && r.left >= 8) { /* the optional shared-memory sizes */
-                m->has_shm = 1;
-                m->shm_seg = (uint32_t)kvr_rd_int(&r, 4, "truncated shared-memory segment");
-                m->shm_fifo = (uint32_t)kvr_rd_int(&r, 4, "truncated shared-memory FIFO");
-            }
-        }
+        kvr_rd_hello_fields(&r, m);
         break;
     }
     case KVR_MSG_HELLO_REJECT:

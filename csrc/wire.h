@@ -32,8 +32,8 @@ typedef enum {
     KVR_MSG_BS_REGISTER_OK,   /* bootstrap -> prefill: rank */
     KVR_MSG_BS_QUERY,         /* decode -> bootstrap: rank */
     KVR_MSG_BS_QUERY_REPLY,   /* bootstrap -> decode: rank, found, peer_epoch, endpoint */
-    KVR_MSG_HELLO,            /* decode -> prefill: rank, layout, worker address[, tcp_rx_seg] */
-    KVR_MSG_HELLO_OK,         /* prefill -> decode: rank, layout, worker address */
+    KVR_MSG_HELLO,            /* decode -> prefill: rank, layout, worker address[, fields] */
+    KVR_MSG_HELLO_OK,         /* prefill -> decode: rank, layout, worker address[, fields] */
     KVR_MSG_HELLO_REJECT,     /* prefill -> decode: rank, code, reason */
     KVR_MSG_ROOM_REQ,         /* decode -> prefill: room, tag, aux_index, pages[, prefix_len] */
     KVR_MSG_ROOM_DONE,        /* decode -> prefill: room, tag */
@@ -47,13 +47,19 @@ typedef enum {
     KVR_MSG_LAST
 } kvr_msg_type_t;
 
-/* A KV layout as it travels: item lengths are little-endian u64 arrays. */
+/* A KV layout as it travels: item lengths are little-endian u64 arrays.
+ * The optional fields after a HELLO's or HELLO_OK's worker address are a
+ * flags byte naming those present, then each in this order: a HELLO's
+ * tcp_rx_seg (u32), a HELLO's shared-memory sizes (2 u32), the head
+ * layout (plan.h's kvr_heads_t, only when heads > 0: 4 u32 tp_size,
+ * tp_rank, heads, total_heads).  None: no flags byte. */
 typedef struct {
     uint32_t page_size;
     uint32_t nkv;
     const unsigned char *kv_item_lens; /* nkv x u64 */
     uint32_t naux;
     const unsigned char *aux_item_lens; /* naux x u64 */
+    uint32_t tp_size, tp_rank, heads, total_heads; /* heads 0: none given */
 } kvr_wire_layout_t;
 
 /* A decoded control message; pointers point into the decoded buffer. */
@@ -77,8 +83,8 @@ typedef struct {
     uint32_t tcp_rx_seg;
     /* HELLO: the decode's UCX shared-memory segment size in bytes and
      * receive FIFO length (0: no posix/sysv transport, or not known); on
-     * the wire after a tcp_rx_seg when has_shm (set by the sender, and by
-     * the decoder when they were there). */
+     * the wire when has_shm (set by the sender, and by the decoder when
+     * they were there). */
     uint32_t shm_seg, shm_fifo;
     uint8_t has_shm;
     uint8_t found;

@@ -27,7 +27,11 @@ void kvr_room_unref_locked(kvr_engine_t *e, kvr_room_t *r)
     if (kvr_table_get(&e->tags, r->tag) == r) {
         kvr_table_remove(&e->tags, r->tag);
     }
+    kvr_room_t *lead = r->lead;
     kvr_eroom_free(r);
+    if (lead != NULL) {
+        kvr_room_unref_locked(e, lead); /* a leg's reference to its lead */
+    }
 }
 
 void kvr_eroom_free(kvr_room_t *r)
@@ -93,6 +97,7 @@ int kvr_room_fail_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_failure_t *f,
             e->sib_pending = 1;
         }
     }
+    kvr_group_fail_locked(e, r, f);
     e->stats.failures_by_code[f->code < KVR_STATUS_LAST ? f->code : 0]++;
     /* Logged once, where it happened; echoes only at debug level. */
     kvr_log_write(&e->log, f->from_remote || f->from_sibling ? KVR_LOG_DEBUG : KVR_LOG_WARNING,
@@ -214,7 +219,7 @@ void kvr_service_peer_rooms_locked(kvr_engine_t *e, kvr_peer_t *p)
 {
     KVR_ASSERT_LOCKED(e);
     kvr_room_t *r;
-    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->rooms, &it, NULL)) != NULL;) {
+    for (kvr_table_iter_t it = {0}; (r = kvr_table_next(&e->tags, &it, NULL)) != NULL;) {
         if (r != NULL && r->peer == p) {
             kvr_service_room_locked(e, r);
         }

@@ -40,7 +40,13 @@ def wire_seeds():
     out["bs_query_reply_notfound"] = header(BS_QUERY_REPLY) + struct.pack("<IBQ", 2, 0, 0) + s(b"")
     out["hello"] = (header(HELLO) + struct.pack("<I", 0) + layout(16, [4096, 4096, 8192], [128])
                     + struct.pack("<I", 8) + bytes(range(8)))
-    out["hello_tcp_rx"] = out["hello"] + struct.pack("<I", 512 << 10)
+    # the optional fields: a flags byte (1 tcp receive size, 2 shared-memory
+    # sizes, 4 head layout), then each present field in that order
+    rx, shm = struct.pack("<I", 512 << 10), struct.pack("<II", 32 << 10, 256)
+    heads = struct.pack("<4I", 4, 1, 2, 8)  # tp_size, tp_rank, heads, total_heads
+    out["hello_tcp_rx"] = out["hello"] + b"\x01" + rx
+    out["hello_heads"] = out["hello"] + b"\x04" + heads
+    out["hello_tcp_rx_shm_heads"] = out["hello"] + b"\x07" + rx + shm + heads
     out["hello_ok"] = (header(HELLO_OK) + struct.pack("<I", 0) + layout(16, [4096, 4096], [])
                        + struct.pack("<I", 8) + bytes(range(8)))
     out["hello_ok_empty"] = (header(HELLO_OK) + struct.pack("<I", 0) + layout(1, [], [])

@@ -101,7 +101,13 @@ def _int_list(name: str, value: Any) -> list:
 
 class KVArgs:
     """The registered memory of one rank: KV buffers (page-indexed) and aux
-    buffers (row-indexed).  Pointers are ints, as sglang passes them."""
+    buffers (row-indexed).  Pointers are ints, as sglang passes them.
+
+    Head layout (optional; lets prefill and decode run different TP sizes,
+    docs/layouts.md): kv_head_num KV heads in this rank's pages out of
+    total_kv_head_num, engine_rank being the rank among tp_size ranks; a
+    page of a KV buffer is [page_size tokens][kv_head_num][bytes per head].
+    is_mla: one latent cache every rank holds whole (one "head" of one)."""
 
     def __init__(
         self,
@@ -115,6 +121,9 @@ class KVArgs:
         page_size: int = 1,
         tp_size: int = 1,
         mem_kinds: Any = "auto",
+        kv_head_num: Optional[int] = None,
+        total_kv_head_num: Optional[int] = None,
+        is_mla: bool = False,
     ):
         self.engine_rank = int(engine_rank)
         self.kv_data_ptrs = _int_list("kv_data_ptrs", kv_data_ptrs)
@@ -137,6 +146,7 @@ class KVArgs:
                 f"({len(self.aux_data_ptrs)}, {len(self.aux_data_lens)}, {len(self.aux_item_lens)})"
             )
         self.mem_kinds = _mem_kinds(mem_kinds, len(self.kv_data_ptrs) + len(self.aux_data_ptrs))
+        self.heads = _heads(self.tp_size, self.engine_rank, kv_head_num, total_kv_head_num, is_mla)
         for kind in ("kv", "aux"):
             lens = getattr(self, f"{kind}_data_lens")
             items = getattr(self, f"{kind}_item_lens")
@@ -158,6 +168,7 @@ class KVArgs:
         aux_item_lens: Sequence[int] = (),
         page_size: int = 1,
         tp_size: int = 1,
+        **heads: Any,
     ) -> "KVArgs":
         """Builds KVArgs from writable buffers (numpy arrays, bytearrays,
         anything with the buffer protocol).  The KVArgs, and every manager
@@ -189,12 +200,33 @@ class KVArgs:
 
         kp, kl = describe("kv_buffers", kv_buffers)
         ap, al = describe("aux_buffers", aux_buffers)
-        args = cls(engine_rank, kp, kl, kv_item_lens, ap, al, aux_item_lens, page_size, tp_size)
+        args = cls(engine_rank, kp, kl, kv_item_lens, ap, al, aux_item_lens, page_size, tp_size,
+                   **heads)
         args._keepalive = keep
         return args
 
 
 MEM_KINDS = {"auto": 0, "host": 1, "cuda": 2}
+
+
+def _heads(tp_size: int, rank: int, heads: Optional[int], total: Optional[int], mla: bool):
+    """(tp_size, tp_rank, heads, total heads) for the core, or None.  The
+    core checks that the numbers make a layout (ValueError naming them)."""
+    if mla:
+        if heads not in (None, 1) or total not in (None, 1):
+            raise ValueError(f"is_mla: one latent cache per rank, not kv_head_num={heads} of "
+                             f"total_kv_head_num={total}")
+        heads = total = 1
+    if heads is None and total is None:
+        return None
+    if heads is None or total is None:
+        raise ValueError("kv_head_num and total_kv_head_num go together")
+    for name, v in (("kv_head_num", heads), ("total_kv_head_num", total), ("tp_size", tp_size)):
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"{name}={v!r} must be a positive integer")
+    if not 0 <= rank < tp_size:
+        raise ValueError(f"engine_rank={rank} is not a rank of tp_size={tp_size}")
+    return (tp_size, rank, heads, total)
 
 
 def _mem_kinds(value: Any, n: int) -> list:
@@ -290,6 +322,7 @@ class KVManager:
             bootstrap_addr or "",
             self.config.resolved(),
             [MEM_KINDS[k] for k in args.mem_kinds],
+            args.heads,
         )
         # The core's events reach logging.getLogger("kvrecv") through one
         # thread per manager that waits (without the GIL) for them.  It holds
@@ -405,9 +438,17 @@ class KVReceiver(_Room):
     def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: int):
         super().__init__(mgr, bootstrap_addr, bootstrap_room, "decode")
 
-    def init(self, prefill_dp_rank: int = 0) -> None:
-        """Starts resolving the prefill peer without blocking."""
-        self.recv_init(prefill_dp_rank)
+    def init(self, prefill_dp_rank: int = 0, prefill_tp_size: Optional[int] = None) -> None:
+        """Starts resolving the prefill peer without blocking.  With
+        prefill_tp_size (and a head layout in the manager's KVArgs), the
+        room reads this rank's heads from the prefill ranks that hold them,
+        whatever the two TP sizes (docs/layouts.md)."""
+        if prefill_tp_size is None:
+            self.recv_init(prefill_dp_rank)
+            return
+        if isinstance(prefill_tp_size, bool) or not isinstance(prefill_tp_size, int) or prefill_tp_size <= 0:
+            raise ValueError(f"prefill_tp_size={prefill_tp_size!r} must be a positive integer")
+        self.recv_init(prefill_dp_rank, None, prefill_tp_size)
 
     def failure_exception(self):
         """Raises the room's KVTransferError (always raises)."""

@@ -237,6 +237,8 @@ class KVRecvManager(KVManager):
                 _seq(getattr(args, "aux_data_lens", ())),
                 _seq(getattr(args, "aux_item_lens", ())),
                 page_size=int(getattr(args, "page_size", 1) or 1),
+                tp_size=par["attn_tp_size"],
+                **_head_layout(args, is_mla_backend, par["attn_tp_size"]),
             )
         host = getattr(server_args, "host", None)
         port = int(getattr(server_args, "disaggregation_bootstrap_port", 8998) or 8998)
@@ -335,11 +337,12 @@ class KVRecvManager(KVManager):
             return self._not_learnt(bootstrap_addr, logging.ERROR,
                                     f"the prefill has page_size={info.page_size}, this decode "
                                     f"{page_size}")
-        if info.attn_tp_size != self.parallel["attn_tp_size"]:
+        if info.attn_tp_size != self.parallel["attn_tp_size"] and self.kvrecv_args.heads is None:
             return self._not_learnt(bootstrap_addr, logging.ERROR,
                                     f"the prefill has attention TP {info.attn_tp_size}, this "
-                                    f"decode {self.parallel['attn_tp_size']}; kvrecv pairs equal "
-                                    "TP sizes only")
+                                    f"decode {self.parallel['attn_tp_size']}; other TP sizes "
+                                    "need the KV head layout (kv_head_num, total_kv_head_num, "
+                                    "or an MLA backend)")
         host = bootstrap_addr.rpartition(":")[0]
         rv_host, _, rv_port = info.rendezvous.rpartition(":")
         if rv_host in ("0.0.0.0", "::", "[::]", ""):
@@ -397,6 +400,22 @@ class KVRecvManager(KVManager):
 class _WrongSiblings(RuntimeError):
     """The gathered sibling set is not this group's: sharing causes with it
     would put one rank's cause on rooms of unrelated ranks."""
+
+
+def _head_layout(args: Any, is_mla: Optional[bool], attn_tp: int) -> dict:
+    """The KV head layout of sglang's KVArgs for kvrecv's: MLA backends hold
+    one latent cache per rank; MHA/GQA pools give kv_head_num and
+    total_kv_head_num (sglang's decode sets them only with staging: without
+    them a decode pairs with a prefill of its own TP size)."""
+    if not 0 <= int(getattr(args, "engine_rank", 0)) < attn_tp:
+        return {}  # not an attention-TP rank number: rank to rank only
+    if is_mla:
+        return {"is_mla": True}
+    heads = getattr(args, "kv_head_num", None)
+    total = getattr(args, "total_kv_head_num", None)
+    if isinstance(heads, int) and isinstance(total, int) and heads > 0 and total > 0:
+        return {"kv_head_num": heads, "total_kv_head_num": total}
+    return {}
 
 
 def _attn_tp_endpoints(endpoint: str) -> List[str]:
@@ -623,6 +642,10 @@ class KVRecvReceiver(_RoomMixin, KVReceiver):
                              f"{self.bootstrap_addr} has dp_size={info.dp_size}")
             return
         self.bootstrap_infos = [info]
+        if info.attn_tp_size != self.mgr.parallel["attn_tp_size"]:
+            # Other TP sizes: the heads come from the prefill ranks holding them.
+            self.recv_init(dp, info.rendezvous, int(info.attn_tp_size))
+            return
         self.recv_init(dp, info.rendezvous)
 
     def send_metadata(self, kv_indices, aux_index: Optional[int] = None,

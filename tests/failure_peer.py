@@ -112,11 +112,17 @@ def main() -> int:
     bootstrap = spec["bootstrap"]
     rank = int(spec.get("rank", 0))
     scale = int(spec.get("scale", 64))
-    if role == "prefill":
+    if spec.get("heads"):  # a prefill rank of a head layout (tests/hetero_peer.py)
+        import hetero_peer as hp
+        h = spec["heads"]
+        kv, aux = hp.prefill_buffers(int(spec.get("seed", 1)), h["tp"], rank, h["total"])
+        args = hp.kv_args(kvrecv, kv, aux, h["tp"], rank, h["total"], h.get("mla", False))
+    elif role == "prefill":
         kv, aux = source_buffers(int(spec.get("seed", 1)), scale=scale)
+        args = KVArgs.from_buffers(rank, kv, item_lens(scale=scale), aux, [AUX_ITEM])
     else:
         kv, aux = canary_buffers(scale=scale, path=spec.get("kv_path"))
-    args = KVArgs.from_buffers(rank, kv, item_lens(scale=scale), aux, [AUX_ITEM])
+        args = KVArgs.from_buffers(rank, kv, item_lens(scale=scale), aux, [AUX_ITEM])
     cfg = KVConfig(**spec.get("config", {}))
     mgr = KVManager(args, role, bootstrap_addr=bootstrap if role == "prefill" else None,
                     config=cfg)
@@ -171,6 +177,12 @@ def main() -> int:
                 reply({"canary": pages_canary(kv, cmd["pages"])})
             elif op == "stats":
                 reply(mgr.stats())
+            elif op == "clear":
+                rooms.pop(cmd["room"]).clear()
+                reply({"ok": True})
+            elif op == "abort":
+                rooms[cmd["room"]].abort()
+                reply({"ok": True})
             elif op == "set_siblings":
                 # Joins this rank with the other ranks of its instance.
                 mgr.set_siblings(list(cmd["endpoints"]))

@@ -557,10 +557,11 @@ def bs_query(rank: int, **hk) -> bytes:
 def hello(rank: int, layout: Layout, worker_addr: bytes, tcp_rx_seg: int = 512 << 10,
           **hk) -> bytes:
     """HELLO as a decode sends it; tcp_rx_seg (the decode's UCX tcp receive
-    buffer size) is on the wire only when > 0."""
+    buffer size) is on the wire only when > 0, as the optional fields'
+    flags byte (1: tcp receive size) and the size."""
     return (header(MSG_HELLO, **hk) + struct.pack("<I", rank) + wire_layout(layout)
             + struct.pack("<I", len(worker_addr)) + worker_addr
-            + (struct.pack("<I", tcp_rx_seg) if tcp_rx_seg else b""))
+            + (struct.pack("<BI", 1, tcp_rx_seg) if tcp_rx_seg else b""))
 
 
 def sib_fail(room: int, code: int, origin: int, reason: bytes, peer: bytes = b"",

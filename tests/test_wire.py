@@ -91,8 +91,12 @@ def malformed_cases():
                                             + u32(1 << 20) + b"x" * 64],
         "hello_truncated_worker_address": [header(MSG_HELLO) + u32(0) + wire_layout(STD)
                                            + u32(100) + b"x" * 99],
-        "hello_explicit_zero_tcp_rx_seg": [hello(0, STD, b"\x01" * 16, tcp_rx_seg=0) + u32(0)],
-        "hello_truncated_tcp_rx_seg": [hello(0, STD, b"\x01" * 16, tcp_rx_seg=0) + b"\x00\x00"],
+        "hello_explicit_zero_tcp_rx_seg": [hello(0, STD, b"\x01" * 16, tcp_rx_seg=0) + b"\x01"
+                                           + u32(0)],
+        "hello_truncated_tcp_rx_seg": [hello(0, STD, b"\x01" * 16, tcp_rx_seg=0)
+                                       + b"\x01\x00\x00"],
+        "hello_unknown_fields": [hello(0, STD, b"\x01" * 16, tcp_rx_seg=0) + b"\x08" + u32(1)],
+        "hello_explicit_empty_fields": [hello(0, STD, b"\x01" * 16, tcp_rx_seg=0) + b"\x00"],
         "hello_trailing_byte": [hello(0, STD, b"\x01" * 16) + b"\x00"],
         "hello_ok_truncated_layout": [header(MSG_HELLO_OK) + u32(0) + b"\x01"],
         "hello_reject_truncated_reason": [header(MSG_HELLO_REJECT) + u32(0)

@@ -153,18 +153,19 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     static char *kwlist[] = {"mode", "engine_rank", "kv_data_ptrs", "kv_data_lens",
                              "kv_item_lens", "aux_data_ptrs", "aux_data_lens", "aux_item_lens",
                              "page_size", "host", "bootstrap_addr", "config", "mem_kinds",
-                             NULL};
+                             "heads", NULL};
     int mode, rank;
     unsigned int page_size = 1;
-    PyObject *kp, *kl, *ki, *ap, *al, *ai, *cfg = Py_None, *kinds = Py_None;
+    PyObject *kp, *kl, *ki, *ap, *al, *ai, *cfg = Py_None, *kinds = Py_None, *heads = Py_None;
+    uint64_t *head_list = NULL;
     const char *host = "127.0.0.1", *bs = "";
     if (self->engine != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Manager is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiOOOOOO|IssOO", kwlist, &mode, &rank, &kp, &kl,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiOOOOOO|IssOOO", kwlist, &mode, &rank, &kp, &kl,
                                      &ki, &ap, &al, &ai, &page_size, &host, &bs, &cfg,
-                                     &kinds)) {
+                                     &kinds, &heads)) {
         return -1;
     }
     kvr_engine_params_t p;
@@ -209,6 +210,23 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     p.aux_ptrs = bufs[3];
     p.aux_lens = bufs[4];
     p.aux_item_lens = bufs[5];
+    if (heads != Py_None) {
+        /* (tp_size, tp_rank, heads per rank, total heads) */
+        uint32_t nh = 0;
+        if (kvr_py_u64_list(heads, "heads", &head_list, &nh) < 0) {
+            goto out;
+        }
+        if (nh != 4 || head_list[0] > UINT32_MAX || head_list[1] > UINT32_MAX ||
+            head_list[2] > UINT32_MAX || head_list[3] > UINT32_MAX) {
+            PyErr_SetString(PyExc_ValueError,
+                            "heads must be (tp_size, tp_rank, heads, total_heads) of uint32");
+            goto out;
+        }
+        p.tp_size = (uint32_t)head_list[0];
+        p.tp_rank = (uint32_t)head_list[1];
+        p.heads = (uint32_t)head_list[2];
+        p.total_heads = (uint32_t)head_list[3];
+    }
     if (kinds != Py_None) {
         /* KVR_MEM_* per buffer, KV buffers first, then aux. */
         uint32_t nk = 0;
@@ -267,6 +285,7 @@ out:
     }
     PyMem_Free(kind_list);
     PyMem_Free(kind_bytes);
+    PyMem_Free(head_list);
     return ret;
 }
 

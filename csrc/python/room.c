@@ -289,17 +289,19 @@ static int kvr_room_role_check(kvr_handle_t *h, int mode, const char *what)
 
 static PyObject *kvr_room_recv_init(PyObject *op, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"prefill_dp_rank", "bootstrap_addr", NULL};
+    static char *kwlist[] = {"prefill_dp_rank", "bootstrap_addr", "prefill_tp_size", NULL};
     int dp = 0;
+    unsigned int tp = 0;
     const char *addr = NULL;
     kvr_handle_t *h = kvr_room_handle((kvr_py_room_t *)op);
-    if (h == NULL || !PyArg_ParseTupleAndKeywords(args, kwds, "|iz", kwlist, &dp, &addr)) {
+    if (h == NULL ||
+        !PyArg_ParseTupleAndKeywords(args, kwds, "|izI", kwlist, &dp, &addr, &tp)) {
         return NULL;
     }
     if (kvr_room_role_check(h, KVR_MODE_DECODE, "recv_init") < 0) {
         return NULL;
     }
-    KVR_CALL(kvr_handle_recv_init(h, dp, addr, err, errlen));
+    KVR_CALL(kvr_handle_recv_init(h, dp, addr, tp, err, errlen));
     Py_RETURN_NONE;
 }
 

@@ -25,8 +25,7 @@
     X(wire_every_truncation_rejected, 60, 0)                                  \
     X(wire_trailing_bytes_rejected, 10, 0)                                    \
     X(wire_room_req_prefix, 10, 0)                                    \
-    X(wire_hello_tcp_rx_seg, 10, 0)                                   \
-    X(wire_hello_shm_sizes, 10, 0)                                    \
+    X(wire_hello_fields, 10, 0)                                       \
     X(wire_bad_header, 10, 0)                                                 \
     X(wire_failure_code_zero, 10, 0)                                          \
     X(wire_limits, 30, 0)                                                     \
@@ -56,6 +55,9 @@
     X(plan_resume_and_aux, 10, 0)                                             \
     X(plan_hold_retries_same, 10, 0)                                          \
     X(plan_random_cover, 60, 0)                                               \
+    X(plan_heads_links, 10, 0)                                                \
+    X(plan_heads_bad, 10, 0)                                                  \
+    X(plan_heads_rows, 10, 0)                                                 \
     X(room_claim_once, 10, 0)                                                 \
     X(room_ops_succeed_abandon, 10, 0)                                        \
     X(heap_empty_and_order, 10, 0)                                            \

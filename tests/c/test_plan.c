@@ -280,3 +280,177 @@ TEST_IMPL(plan_random_cover)
         }
     }
 }
+
+/* Every decode head is read exactly once, from a prefill rank that holds
+ * it, whichever rank's view is asked; each prefill rank's links are the
+ * decode ranks' links to it (plus a zero-head one if nobody reads it). */
+static void check_cover(uint32_t H, uint32_t P, uint32_t D)
+{
+    kvr_heads_t pre = {P, 0, P <= H ? H / P : 1, H}, dec = {D, 0, D <= H ? H / D : 1, H};
+    char why[256];
+    ASSERT_EQ(kvr_heads_check(&pre, "prefill", why, sizeof(why)), 0);
+    ASSERT_EQ(kvr_heads_check(&dec, "decode", why, sizeof(why)), 0);
+    uint32_t load[64] = {0}, seen_by_prefill = 0, seen_by_decode = 0;
+    for (uint32_t d = 0; d < D; d++) {
+        kvr_link_t l[64];
+        uint32_t n = kvr_heads_links(&pre, &dec, 1, d, l, 64), covered = 0;
+        ASSERT(n <= 64);
+        uint32_t next = kvr_heads_first(&dec, d);
+        for (uint32_t i = 0; i < n; i++) {
+            ASSERT_EQ(l[i].decode, d);
+            ASSERT(l[i].prefill < P);
+            seen_by_decode++;
+            if (l[i].nheads == 0) {
+                continue;
+            }
+            ASSERT_EQ(l[i].head, next); /* in order, no gap, no overlap */
+            next += l[i].nheads;
+            covered += l[i].nheads;
+            /* the source holds those heads */
+            uint32_t pf = kvr_heads_first(&pre, l[i].prefill);
+            ASSERT(l[i].head >= pf && l[i].head + l[i].nheads <= pf + pre.heads);
+            load[l[i].prefill] += l[i].nheads;
+            kvr_slice_t sp = kvr_link_slice(&l[i], &pre, l[i].prefill);
+            kvr_slice_t sd = kvr_link_slice(&l[i], &dec, d);
+            ASSERT(sp.first + sp.n <= sp.heads && sd.first + sd.n <= sd.heads);
+        }
+        ASSERT_EQ(covered, dec.heads);
+    }
+    for (uint32_t p = 0; p < P; p++) {
+        kvr_link_t l[64];
+        uint32_t n = kvr_heads_links(&pre, &dec, 0, p, l, 64);
+        ASSERT(n >= 1); /* every prefill rank hears from some decode rank */
+        seen_by_prefill += n;
+        for (uint32_t i = 0; i < n; i++) {
+            ASSERT_EQ(l[i].prefill, p);
+            /* the decode rank has the same link */
+            kvr_link_t m[64];
+            uint32_t k = kvr_heads_links(&pre, &dec, 1, l[i].decode, m, 64), found = 0;
+            for (uint32_t j = 0; j < k; j++) {
+                found += m[j].prefill == p && m[j].head == l[i].head &&
+                         m[j].nheads == l[i].nheads;
+            }
+            ASSERT_EQ(found, 1);
+        }
+    }
+    ASSERT_EQ(seen_by_prefill, seen_by_decode);
+    if (P > H && D >= P) {
+        /* replicas share the work: every prefill rank sends something */
+        for (uint32_t p = 0; p < P; p++) {
+            ASSERT(load[p] > 0);
+        }
+    }
+}
+
+TEST_IMPL(plan_heads_links)
+{
+    static const uint32_t cases[][3] = {
+        /* H, P, D */
+        {8, 2, 1}, {8, 1, 2}, {2, 4, 2}, {8, 8, 16}, {8, 16, 8}, {1, 2, 4}, {1, 4, 2},
+        {4, 4, 4}, {2, 2, 4}, {32, 8, 2}, {8, 4, 32}, {1, 1, 8}, {6, 2, 3}, {6, 3, 2},
+        {6, 12, 3}, {12, 4, 6},
+    };
+    for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
+        check_cover(cases[i][0], cases[i][1], cases[i][2]);
+    }
+    /* TP 2 -> 1, 8 heads: the decode reads heads 0-3 from rank 0 into the
+     * first half of its rows, 4-7 from rank 1 into the second half. */
+    kvr_heads_t pre = {2, 0, 4, 8}, dec = {1, 0, 8, 8};
+    kvr_link_t l[4];
+    ASSERT_EQ(kvr_heads_links(&pre, &dec, 1, 0, l, 4), 2);
+    ASSERT(l[1].prefill == 1 && l[1].head == 4 && l[1].nheads == 4);
+    kvr_slice_t s = kvr_link_slice(&l[1], &dec, 0);
+    ASSERT(s.first == 4 && s.n == 4 && s.heads == 8);
+    s = kvr_link_slice(&l[1], &pre, 1);
+    ASSERT(s.first == 0 && s.n == 4 && s.heads == 4);
+    /* TP 4 -> 2 with 2 KV heads (replicated): one source per decode rank,
+     * replicas 0 and 3 read, 1 and 2 told they are not needed. */
+    kvr_heads_t pre4 = {4, 0, 1, 2}, dec2 = {2, 0, 1, 2};
+    ASSERT_EQ(kvr_heads_links(&pre4, &dec2, 1, 0, l, 4), 2);
+    ASSERT(l[0].prefill == 0 && l[0].nheads == 1 && l[1].prefill == 2 && l[1].nheads == 0);
+    ASSERT_EQ(kvr_heads_links(&pre4, &dec2, 1, 1, l, 4), 2);
+    ASSERT(l[0].prefill == 3 && l[0].head == 1 && l[1].prefill == 1 && l[1].nheads == 0);
+    /* MLA 2 -> 4: one latent "head", decode ranks alternate prefill ranks. */
+    kvr_heads_t mp = {2, 0, 1, 1}, md = {4, 0, 1, 1};
+    for (uint32_t d = 0; d < 4; d++) {
+        ASSERT_EQ(kvr_heads_links(&mp, &md, 1, d, l, 4), 1);
+        ASSERT_EQ(l[0].prefill, d % 2);
+    }
+    ASSERT_EQ(kvr_heads_links(&mp, &md, 0, 1, l, 4), 2);
+    ASSERT(l[0].decode == 1 && l[1].decode == 3);
+}
+
+TEST_IMPL(plan_heads_bad)
+{
+    char why[256];
+    kvr_heads_t h = {3, 0, 2, 8};
+    ASSERT_EQ(kvr_heads_check(&h, "decode", why, sizeof(why)), -1);
+    ASSERT(strstr(why, "8 KV heads do not split over tp_size 3") != NULL);
+    h = (kvr_heads_t){6, 0, 1, 4}; /* 6 ranks, 4 heads: neither divides */
+    ASSERT_EQ(kvr_heads_check(&h, "prefill", why, sizeof(why)), -1);
+    h = (kvr_heads_t){2, 2, 4, 8}; /* rank outside */
+    ASSERT_EQ(kvr_heads_check(&h, "prefill", why, sizeof(why)), -1);
+    kvr_heads_t pre = {2, 0, 4, 8}, dec = {1, 0, 8, 8}, dec4 = {1, 0, 4, 4};
+    uint64_t pi[2] = {4 * 128, 4 * 128}, di[2] = {8 * 128, 8 * 64};
+    ASSERT_EQ(kvr_heads_compat(&pre, pi, &dec, di, 2, 1, why, sizeof(why)), -1);
+    ASSERT(strstr(why, "KV buffer 1: item_len 512 for 4 heads on the prefill, 512 for 8 heads on "
+                       "the decode") != NULL);
+    di[1] = 8 * 128;
+    ASSERT_EQ(kvr_heads_compat(&pre, pi, &dec, di, 2, 1, why, sizeof(why)), 0);
+    ASSERT_EQ(kvr_heads_compat(&pre, pi, &dec4, di, 2, 1, why, sizeof(why)), -1);
+    ASSERT(strstr(why, "8 KV heads in all on the prefill, 4 on the decode") != NULL);
+}
+
+/* Sliced rows: a piece per row per page, at most KVR_MAX_IOV pieces per
+ * message, so the messages of a room grow with pages only past that; an
+ * empty slice plans only the aux row. */
+TEST_IMPL(plan_heads_rows)
+{
+    static int32_t src[4096], dst[4096];
+    for (int i = 0; i < 4096; i++) {
+        src[i] = 3 * i;
+        dst[i] = 5 * i + 1;
+    }
+    uint64_t items[8] = {2048, 2048, 2048, 2048, 2048, 2048, 2048, 2048};
+    uint32_t msgs_for[3] = {0};
+    uint32_t npages[3] = {16, 64, 128};
+    for (int k = 0; k < 3; k++) {
+        kvr_plan_t p;
+        base(&p, src, dst, npages[k], items, 8);
+        p.merge = 8 << 20;
+        p.cap = 8 << 20;
+        p.src_rows = 1;
+        p.dst_rows = 1; /* page_size 1: one piece per page */
+        kvr_plan_cursor_t c = {0};
+        msgs_t m = {0};
+        drain(&p, &c, &m);
+        msgs_for[k] = (uint32_t)m.n;
+        for (int i = 0; i < m.n; i++) {
+            ASSERT((uint64_t)m.h[i].npages * m.h[i].nbuf <= KVR_MAX_IOV);
+        }
+    }
+    /* 16, 64 and 128 scattered pages of 8 buffers (within the byte
+     * limits): one message each. */
+    ASSERT_EQ(msgs_for[0], 1);
+    ASSERT_EQ(msgs_for[1], 1);
+    ASSERT_EQ(msgs_for[2], 1);
+    kvr_plan_t p;
+    base(&p, src, dst, 100, items, 2);
+    p.src_rows = 16; /* page_size 16, sliced on the prefill */
+    kvr_plan_cursor_t c = {0};
+    msgs_t m = {0};
+    drain(&p, &c, &m);
+    for (int i = 0; i < m.n; i++) {
+        ASSERT((uint64_t)m.h[i].npages * 16 <= KVR_MAX_IOV);
+    }
+    base(&p, src, dst, 100, items, 2);
+    p.kv_none = 1;
+    p.aux = 1;
+    p.naux = 1;
+    p.aux_item = items;
+    memset(&c, 0, sizeof(c));
+    m.n = 0;
+    drain(&p, &c, &m);
+    ASSERT_EQ(m.n, 1);
+    ASSERT_EQ(m.h[0].kind, KVR_AM_KIND_AUX);
+}

@@ -6,15 +6,15 @@
 #include "../../csrc/wire.h"
 
 static const unsigned char kv_lens[3 * 8] = {
-    0x00, 0x10, 0, 0, 0, 0, 0, 0, /* 4096 */
-    0x00, 0x20, 0, 0, 0, 0, 0, 0, /* 8192 */
+    0x00, 0x10, 0,    0,    0,    0,    0,    0, /* 4096 */
+    0x00, 0x20, 0,    0,    0,    0,    0,    0, /* 8192 */
     0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff, 0xff,
 };
 static const unsigned char aux_lens[1 * 8] = {0x80, 0, 0, 0, 0, 0, 0, 0};
 static const unsigned char pages_bytes[4 * 4] = {
-    0, 0, 0, 0,             /* 0 */
+    0,    0,    0,    0,    /* 0 */
     0xff, 0xff, 0xff, 0x7f, /* INT32_MAX */
-    0, 0, 0, 0x80,          /* INT32_MIN */
+    0,    0,    0,    0x80, /* INT32_MIN */
     0xff, 0xff, 0xff, 0xff, /* -1 */
 };
 static const unsigned char worker_addr[5] = {1, 2, 3, 0, 5};
@@ -144,7 +144,8 @@ static int decode_exact(const void *buf, size_t len, kvr_msg_t *out, const char 
     /* pointers into the copy must stay inside it */
     if (rc == 0) {
         const unsigned char *lo = copy, *hi = copy + len;
-#define INSIDE(p, n) ASSERT((n) == 0 || ((const unsigned char *)(p) >= lo && (const unsigned char *)(p) + (n) <= hi))
+#define INSIDE(p, n)                                                                               \
+    ASSERT((n) == 0 || ((const unsigned char *)(p) >= lo && (const unsigned char *)(p) + (n) <= hi))
         INSIDE(out->str, out->str_len);
         INSIDE(out->peer, out->peer_len);
         INSIDE(out->addr, out->addr_len);
@@ -205,10 +206,10 @@ TEST_IMPL(wire_golden_bytes)
     n += put_le(g + n, 1, 2);
     n += put_le(g + n, KVR_MSG_ROOM_FAIL, 2);
     n += put_le(g + n, 0x1122334455667788ULL, 8);
-    n += put_le(g + n, 99, 8);          /* room */
-    n += put_le(g + n, 100, 8);         /* tag */
-    n += put_le(g + n, 3, 2);           /* code */
-    n += put_le(g + n, 0xffffffff, 4);  /* origin rank -1 */
+    n += put_le(g + n, 99, 8);         /* room */
+    n += put_le(g + n, 100, 8);        /* tag */
+    n += put_le(g + n, 3, 2);          /* code */
+    n += put_le(g + n, 0xffffffff, 4); /* origin rank -1 */
     n += put_le(g + n, 9, 2);
     memcpy(g + n, "peer lost", 9);
     n += 9;
@@ -261,8 +262,8 @@ TEST_IMPL(wire_every_truncation_rejected)
             const char *why = NULL;
             int rc = decode_exact(b.data, len, &d, &why);
             if (rc != -1 || why == NULL || why[0] == '\0') {
-                fprintf(stderr, "type %d truncated to %zu of %zu: rc %d why %s\n", type, len,
-                        b.len, rc, why ? why : "(null)");
+                fprintf(stderr, "type %d truncated to %zu of %zu: rc %d why %s\n", type, len, b.len,
+                        rc, why ? why : "(null)");
             }
             ASSERT_EQ(rc, -1);
             ASSERT(why != NULL && why[0] != '\0');
@@ -304,7 +305,10 @@ TEST_IMPL(wire_trailing_bytes_rejected)
         x[b.len] = 0;
         const char *why = NULL;
         ASSERT_EQ(decode_exact(x, b.len + 1, &d, &why), -1);
-        ASSERT(why != NULL && strcmp(why, "trailing bytes") == 0);
+        /* after a worker address a byte is the optional fields' flags */
+        int hello = type == KVR_MSG_HELLO || type == KVR_MSG_HELLO_OK;
+        ASSERT(why != NULL &&
+               strcmp(why, hello ? "explicit empty HELLO fields" : "trailing bytes") == 0);
         free(x);
     }
     kvr_wbuf_free(&b);
@@ -550,10 +554,10 @@ TEST_IMPL(wire_array_readers)
 
 TEST_IMPL(wire_type_names)
 {
-    const char *want[] = {"?", "BS_REGISTER", "BS_REGISTER_OK", "BS_QUERY", "BS_QUERY_REPLY",
-                          "HELLO", "HELLO_OK", "HELLO_REJECT", "ROOM_REQ", "ROOM_DONE",
-                          "ROOM_FAIL", "PING", "PONG", "BYE", "SIB_FAIL",
-                          "AUTH_REJECT"};
+    const char *want[] = {
+        "?",        "BS_REGISTER",  "BS_REGISTER_OK", "BS_QUERY",   "BS_QUERY_REPLY", "HELLO",
+        "HELLO_OK", "HELLO_REJECT", "ROOM_REQ",       "ROOM_DONE",  "ROOM_FAIL",      "PING",
+        "PONG",     "BYE",          "SIB_FAIL",       "AUTH_REJECT"};
     ASSERT_EQ(sizeof(want) / sizeof(want[0]), KVR_MSG_LAST);
     for (int t = 1; t < KVR_MSG_LAST; t++) {
         ASSERT(strcmp(kvr_msg_type_name(t), want[t]) == 0);
@@ -598,12 +602,13 @@ TEST_IMPL(am_header_round_trip)
         free(h);
     }
     /* golden layout */
-    kvr_am_header_t g = {KVR_AM_KIND_AUX, 0x0a0b, 0x01020304, 0x05060708,
-                         0x1112131415161718ULL, 0x2122232425262728ULL, 0x0c0d};
-    unsigned char want[KVR_AM_HEADER_LEN] = {
-        'K', 'V', 'R', 'W', 2, 0, 0x0b, 0x0a, 0x0d, 0x0c, 0, 0, 4, 3, 2, 1, 8, 7, 6, 5,
-        0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12, 0x11,
-        0x28, 0x27, 0x26, 0x25, 0x24, 0x23, 0x22, 0x21};
+    kvr_am_header_t g = {
+        KVR_AM_KIND_AUX,       0x0a0b, 0x01020304, 0x05060708, 0x1112131415161718ULL,
+        0x2122232425262728ULL, 0x0c0d};
+    unsigned char want[KVR_AM_HEADER_LEN] = {'K',  'V',  'R',  'W',  2,    0,    0x0b, 0x0a, 0x0d,
+                                             0x0c, 0,    0,    4,    3,    2,    1,    8,    7,
+                                             6,    5,    0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12,
+                                             0x11, 0x28, 0x27, 0x26, 0x25, 0x24, 0x23, 0x22, 0x21};
     unsigned char got[KVR_AM_HEADER_LEN];
     kvr_am_header_encode(got, &g);
     ASSERT(memcmp(got, want, sizeof(want)) == 0);
@@ -661,8 +666,8 @@ TEST_IMPL(am_header_rejects)
  * explicit zero (a second encoding of "not there") is refused with
  * zero_why.  Decodes `with` into *d.
  */
-static void check_optional_u32_tail(const kvr_msg_t *without, const kvr_msg_t *with,
-                                    uint32_t value, const char *zero_why, kvr_msg_t *d)
+static void check_optional_u32_tail(const kvr_msg_t *without, const kvr_msg_t *with, uint32_t value,
+                                    const char *zero_why, kvr_msg_t *d)
 {
     kvr_wbuf_t b, b0;
     kvr_wbuf_init(&b);
@@ -724,54 +729,101 @@ TEST_IMPL(wire_room_req_prefix)
     ASSERT_EQ(d.prefix_len, 0);
 }
 
-TEST_IMPL(wire_hello_tcp_rx_seg)
+/* The optional fields after a HELLO's worker address: a flags byte, then
+ * each field present, in flag order (tcp receive size, shared-memory sizes,
+ * head layout); none: no byte.  A HELLO_OK carries only the head layout. */
+static void hello_fields(kvr_msg_t *m, unsigned x)
 {
-    kvr_msg_t m = sample(KVR_MSG_HELLO), with = m, d;
-    with.tcp_rx_seg = 512u << 10;
-    check_optional_u32_tail(&m, &with, 512u << 10, "explicit zero tcp receive size", &d);
-    ASSERT_U64_EQ(d.tcp_rx_seg, 512u << 10);
-    ASSERT_EQ(d.addr_len, m.addr_len);
-    kvr_msg_t ok = sample(KVR_MSG_HELLO_OK); /* carries no such field */
-    ok.tcp_rx_seg = 9;
-    check_no_u32_tail(&ok, &d);
-    ASSERT_EQ(d.tcp_rx_seg, 0);
+    if (x & 1) {
+        m->tcp_rx_seg = 512u << 10;
+    }
+    if (x & 2) {
+        m->has_shm = 1;
+        m->shm_seg = 32u << 10;
+        m->shm_fifo = 256;
+    }
+    if (x & 4) {
+        m->layout.tp_size = 4;
+        m->layout.tp_rank = 3;
+        m->layout.heads = 1;
+        m->layout.total_heads = 2;
+    }
 }
 
-/* A HELLO's shared-memory sizes follow its tcp receive size: 8 bytes,
- * zeros allowed (no such transport); fewer are trailing bytes. */
-TEST_IMPL(wire_hello_shm_sizes)
+TEST_IMPL(wire_hello_fields)
 {
-    kvr_msg_t m = sample(KVR_MSG_HELLO), d;
-    m.tcp_rx_seg = 512u << 10;
+    kvr_msg_t base = sample(KVR_MSG_HELLO), d;
     kvr_wbuf_t b0, b;
     kvr_wbuf_init(&b0);
-    kvr_wbuf_init(&b);
     const char *why = NULL;
-    ASSERT_EQ(kvr_wire_encode(&b0, &m), 0);
+    ASSERT_EQ(kvr_wire_encode(&b0, &base), 0);
     ASSERT_EQ(decode_exact(b0.data, b0.len, &d, &why), 0);
-    ASSERT_EQ(d.has_shm, 0);
-    m.has_shm = 1;
-    m.shm_seg = 32u << 10;
-    m.shm_fifo = 256;
-    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
-    ASSERT_EQ(b.len, b0.len + 8);
-    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
-    ASSERT_EQ(d.has_shm, 1);
-    ASSERT_EQ(d.shm_seg, 32u << 10);
-    ASSERT_EQ(d.shm_fifo, 256);
-    ASSERT_U64_EQ(d.tcp_rx_seg, 512u << 10);
-    for (size_t cut = 1; cut < 8; cut++) {
-        ASSERT_EQ(decode_exact(b.data, b0.len + cut, &d, &why), -1);
+    ASSERT(d.tcp_rx_seg == 0 && d.has_shm == 0 && d.layout.heads == 0);
+    for (unsigned x = 1; x < 8; x++) {
+        kvr_msg_t m = base;
+        hello_fields(&m, x);
+        kvr_wbuf_init(&b);
+        ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+        size_t want = 1 + (x & 1 ? 4 : 0) + (x & 2 ? 8 : 0) + (x & 4 ? 16 : 0);
+        ASSERT_EQ(b.len, b0.len + want);
+        ASSERT(memcmp(b.data, b0.data, b0.len) == 0);
+        ASSERT_EQ(b.data[b0.len], x);
+        ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
+        ASSERT_EQ(d.tcp_rx_seg, m.tcp_rx_seg);
+        ASSERT(d.has_shm == m.has_shm && d.shm_seg == m.shm_seg && d.shm_fifo == m.shm_fifo);
+        ASSERT(d.layout.tp_size == m.layout.tp_size && d.layout.tp_rank == m.layout.tp_rank &&
+               d.layout.heads == m.layout.heads && d.layout.total_heads == m.layout.total_heads);
+        for (size_t cut = 1; cut < want; cut++) {
+            ASSERT_EQ(decode_exact(b.data, b0.len + cut, &d, &why), -1);
+            ASSERT(why != NULL && strncmp(why, "truncated ", 10) == 0);
+        }
+        unsigned char more[1024];
+        ASSERT(b.len + 1 <= sizeof(more));
+        memcpy(more, b.data, b.len);
+        more[b.len] = 0;
+        ASSERT_EQ(decode_exact(more, b.len + 1, &d, &why), -1);
         ASSERT(why != NULL && strcmp(why, "trailing bytes") == 0);
+        kvr_wbuf_free(&b);
     }
-    kvr_wbuf_free(&b);
+    /* one encoding per message: no explicit nothing, no zero size, no zero
+     * heads; flags this version does not know are refused */
+    static const struct {
+        unsigned char x;
+        size_t n;
+        const char *why;
+    } bad[] = {{0, 0, "explicit empty HELLO fields"},
+               {8, 4, "unknown HELLO fields"},
+               {1, 4, "explicit zero tcp receive size"},
+               {4, 16, "explicit zero heads"}};
+    unsigned char buf[1024];
+    ASSERT(b0.len + 17 <= sizeof(buf));
+    for (size_t i = 0; i < sizeof(bad) / sizeof(bad[0]); i++) {
+        memcpy(buf, b0.data, b0.len);
+        buf[b0.len] = bad[i].x;
+        memset(buf + b0.len + 1, 0, bad[i].n);
+        ASSERT_EQ(decode_exact(buf, b0.len + 1 + bad[i].n, &d, &why), -1);
+        ASSERT(why != NULL && strcmp(why, bad[i].why) == 0);
+    }
+    /* a HELLO_OK encodes only the head layout, and refuses the others */
+    kvr_msg_t ok = sample(KVR_MSG_HELLO_OK), okx = ok;
+    kvr_wbuf_t c0;
+    kvr_wbuf_init(&c0);
     kvr_wbuf_init(&b);
-    m.shm_seg = 0;
-    m.shm_fifo = 0;
-    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    ASSERT_EQ(kvr_wire_encode(&c0, &ok), 0);
+    hello_fields(&okx, 7);
+    ASSERT_EQ(kvr_wire_encode(&b, &okx), 0);
+    ASSERT_EQ(b.len, c0.len + 17);
+    ASSERT_EQ(b.data[c0.len], 4);
     ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
-    ASSERT(d.has_shm == 1 && d.shm_seg == 0 && d.shm_fifo == 0);
+    ASSERT(d.tcp_rx_seg == 0 && d.has_shm == 0 && d.layout.heads == 1);
+    ASSERT(c0.len + 5 <= sizeof(buf));
+    memcpy(buf, c0.data, c0.len);
+    buf[c0.len] = 1;
+    memcpy(buf + c0.len + 1, "\0\0\2\0", 4);
+    ASSERT_EQ(decode_exact(buf, c0.len + 5, &d, &why), -1);
+    ASSERT(strcmp(why, "unknown HELLO fields") == 0);
     kvr_wbuf_free(&b);
+    kvr_wbuf_free(&c0);
     kvr_wbuf_free(&b0);
 }
 
@@ -781,7 +833,7 @@ TEST_IMPL(wire_constructors)
     kvr_wbuf_t b;
     kvr_wbuf_init(&b);
     unsigned char lens[8] = {0, 16, 0, 0, 0, 0, 0, 0}, pages[8] = {5, 0, 0, 0, 9, 0, 0, 0};
-    kvr_wire_layout_t layout = {16, 1, lens, 0, NULL};
+    kvr_wire_layout_t layout = {16, 1, lens, 0, NULL, 0, 0, 0, 0};
     char addr[3] = {1, 2, 3};
     kvr_msg_t ms[] = {
         kvr_msg_rank(KVR_MSG_PING, 3),
