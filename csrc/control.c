@@ -533,7 +533,7 @@ struct kvr_bootstrap {
     int stop_fd;
     int port;
     pthread_t thread;
-    kvr_table_t ranks; /* rank -> kvr_bs_entry_t* */
+    kvr_table_t ranks; /* kvr_bs_key (DP, TP, PP rank) -> kvr_bs_entry_t* */
     atomic_ullong registered;
     atomic_ullong dropped;
     atomic_ullong auth_rejected;
@@ -557,6 +557,13 @@ static void kvr_bs_reply(kvr_bootstrap_t *bs, zmq_msg_t *ident, kvr_msg_t *reply
         }
     }
     kvr_wbuf_free(&b);
+}
+
+/* A registration's key: prefill ranks are (DP group, TP rank, PP stage);
+ * the wire keeps DP and PP within 16 bits. */
+static uint64_t kvr_bs_key(const kvr_msg_t *m)
+{
+    return (uint64_t)m->dp_rank << 48 | (uint64_t)m->pp_rank << 32 | m->rank;
 }
 
 static void kvr_bs_handle(kvr_bootstrap_t *bs, zmq_msg_t frames[2], int nf)
@@ -588,10 +595,10 @@ static void kvr_bs_handle(kvr_bootstrap_t *bs, zmq_msg_t frames[2], int nf)
         return;
     }
     if (m.type == KVR_MSG_BS_REGISTER) {
-        kvr_bs_entry_t *e = kvr_table_get(&bs->ranks, m.rank);
+        kvr_bs_entry_t *e = kvr_table_get(&bs->ranks, kvr_bs_key(&m));
         if (e == NULL) {
             e = calloc(1, sizeof(*e));
-            if (e == NULL || kvr_table_put(&bs->ranks, m.rank, e) != 0) {
+            if (e == NULL || kvr_table_put(&bs->ranks, kvr_bs_key(&m), e) != 0) {
                 free(e);
                 return;
             }
@@ -605,7 +612,7 @@ static void kvr_bs_handle(kvr_bootstrap_t *bs, zmq_msg_t frames[2], int nf)
         reply = kvr_msg_rank(KVR_MSG_BS_REGISTER_OK, m.rank);
         kvr_bs_reply(bs, &frames[0], &reply);
     } else if (m.type == KVR_MSG_BS_QUERY) {
-        kvr_bs_entry_t *e = kvr_table_get(&bs->ranks, m.rank);
+        kvr_bs_entry_t *e = kvr_table_get(&bs->ranks, kvr_bs_key(&m));
         reply = e != NULL ? kvr_msg_bs_reply(m.rank, 1, e->epoch, e->endpoint)
                           : kvr_msg_bs_reply(m.rank, 0, 0, NULL);
         kvr_bs_reply(bs, &frames[0], &reply);

@@ -375,6 +375,10 @@ static int kvr_engine_check_params(const kvr_engine_params_t *p, char *err, size
     if (p->rank < 0) {
         return kvr_err(err, errlen, KVR_EVALUE, "engine_rank must be >= 0");
     }
+    if (p->dp_rank > KVR_WIRE_MAX_DP_PP) {
+        return kvr_err(err, errlen, KVR_EVALUE, "attn_dp_rank=%u is above %d", p->dp_rank,
+                       KVR_WIRE_MAX_DP_PP);
+    }
     if (p->cfg.deadline_floor_bps == 0 || p->cfg.heartbeat_interval_ms == 0 ||
         p->cfg.heartbeat_timeout_ms == 0) {
         return kvr_err(err, errlen, KVR_EVALUE,
@@ -477,6 +481,7 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
     }
     e->mode = p->mode;
     e->rank = p->rank;
+    e->dp_rank = p->dp_rank;
     e->cfg = p->cfg;
     e->page_size = p->page_size;
     e->heads = (kvr_heads_t){p->tp_size, p->tp_rank, p->heads, p->total_heads};

@@ -76,6 +76,7 @@ enum {
 typedef struct {
     int mode;                   /* KVR_MODE_* */
     int rank;                   /* engine (TP) rank */
+    uint32_t dp_rank;           /* prefill: its DP group, registered with its rank */
     const char *host;           /* address to bind the control socket on */
     const char *bootstrap_addr; /* "host:port"; prefill registers there */
     uint32_t page_size;
@@ -189,8 +190,8 @@ void kvr_handle_release(kvr_handle_t *h);
  * (0 for none); the pages are those of the rest.  It travels with the
  * request for the prefill's scheduler (kvr_handle_prefix_len).
  * kvr_handle_recv_init: bootstrap_addr, unless NULL or empty, replaces the
- * rendezvous named at open (the one of the prefill DP group asked for);
- * prefill_tp_size, unless 0, the prefill's TP size: the room reads this
+ * rendezvous named at open; prefill_dp_rank (0..65535) the prefill DP group
+ * whose ranks serve the room (one server may hold several); prefill_tp_size, unless 0, the prefill's TP size: the room reads this
  * rank's heads from the prefill ranks the head layouts say (group.c). */
 int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *bootstrap_addr,
                          uint32_t prefill_tp_size, char *err, size_t errlen);

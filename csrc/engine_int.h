@@ -111,6 +111,7 @@ typedef struct kvr_peer {
      * the link carries; heads 0: whole pages, rank to rank. */
     kvr_slice_t slice, peer_slice;
     int query_rank;             /* decode: the prefill rank asked for (-1: ours) */
+    uint32_t query_dp;          /* decode: the prefill DP group asked in */
     uint32_t want_tp;           /* decode: the prefill TP size rooms asked for (0: none) */
     uint32_t links;             /* prefill: decode ranks a room of ours goes to */
     struct kvr_peer *next;      /* e->peers */
@@ -247,6 +248,7 @@ typedef struct kvr_sib_out {
 struct kvr_engine {
     int mode;
     int rank;
+    uint32_t dp_rank;    /* prefill: the DP group registered with the rank */
     uint64_t epoch;
     kvr_config_t cfg;
     char host[128];
@@ -431,6 +433,10 @@ int kvr_layout_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *why, size
  * follows every peer's key (kvr_peer_new, kvr_peer_rekey). */
 kvr_peer_t *kvr_peer_find(kvr_engine_t *e, int kind, const char *key);
 kvr_peer_t *kvr_peer_new(kvr_engine_t *e, int kind, const char *key);
+/* Decode: the peer for prefill rank `rank` (-1: ours) of DP group dp at the
+ * bootstrap server addr, made (to be resolved by the engine thread) if
+ * new; NULL if memory ran out. */
+kvr_peer_t *kvr_prefill_peer_get(kvr_engine_t *e, const char *addr, uint32_t dp, int rank);
 /* Gives peer p a new key (a recycled decode peer); -1 if memory ran out
  * (p then has no key and is found by no lookup). */
 int kvr_peer_rekey(kvr_engine_t *e, kvr_peer_t *p, const char *key);
@@ -553,8 +559,10 @@ int kvr_peer_link(kvr_engine_t *e, kvr_peer_t *p, const kvr_wire_layout_t *l, ch
 /* Room r's slice of its own pages (peer_side 0) or its peer's (1); NULL
  * for whole pages. */
 const kvr_slice_t *kvr_room_slice(const kvr_room_t *r, int peer_side);
-/* Decode: room h reads from prefill_tp prefill ranks: one leg per link. */
-int kvr_group_open_locked(kvr_engine_t *e, kvr_room_t *h, uint32_t prefill_tp, char *err,
+/* Decode: room h reads from prefill_tp prefill ranks of DP group
+ * prefill_dp: one leg per link. */
+int kvr_group_open_locked(kvr_engine_t *e, kvr_room_t *h, uint32_t prefill_dp,
+                          uint32_t prefill_tp, char *err,
                           size_t errlen);
 /* Decode: h's pages and aux row, handed to its legs; -1 out of memory. */
 int kvr_group_meta_locked(kvr_engine_t *e, kvr_room_t *h);

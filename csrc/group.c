@@ -140,25 +140,8 @@ static uint64_t kvr_slice_page_bytes(const kvr_engine_t *e, uint32_t n, uint32_t
     return bytes;
 }
 
-/* The peer of the decode's leg to prefill rank `rank` at bootstrap_addr. */
-static kvr_peer_t *kvr_group_peer(kvr_engine_t *e, const char *addr, uint32_t rank,
-                                  uint32_t tp)
-{
-    char key[160];
-    snprintf(key, sizeof(key), "%s#%u", addr, rank);
-    kvr_peer_t *p = kvr_peer_find(e, KVR_PEER_IS_PREFILL, key);
-    if (p == NULL && (p = kvr_peer_new(e, KVR_PEER_IS_PREFILL, key)) != NULL) {
-        p->query_rank = (int)rank;
-        kvr_peer_set_state(p, KVR_PEER_FAILED); /* the engine thread resolves it */
-    }
-    if (p != NULL) {
-        p->want_tp = tp;
-    }
-    return p;
-}
-
-int kvr_group_open_locked(kvr_engine_t *e, kvr_room_t *h, uint32_t prefill_tp, char *err,
-                          size_t errlen)
+int kvr_group_open_locked(kvr_engine_t *e, kvr_room_t *h, uint32_t prefill_dp,
+                          uint32_t prefill_tp, char *err, size_t errlen)
 {
     KVR_ASSERT_LOCKED(e);
     if (e->heads.heads == 0) {
@@ -186,7 +169,8 @@ int kvr_group_open_locked(kvr_engine_t *e, kvr_room_t *h, uint32_t prefill_tp, c
     for (uint32_t i = 0; i < n; i++) {
         kvr_room_t *leg = kvr_room_new(sizeof(kvr_eroom_t), h->id, kvr_new_tag_locked(e),
                                        KVR_ROLE_DECODE);
-        kvr_peer_t *p = kvr_group_peer(e, h->bootstrap_addr, links[i].prefill, prefill_tp);
+        kvr_peer_t *p = kvr_prefill_peer_get(e, h->bootstrap_addr, prefill_dp,
+                                             (int)links[i].prefill);
         if (leg == NULL || p == NULL || kvr_table_put(&e->tags, leg->tag, leg) != 0) {
             kvr_room_free(leg);
             return kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
@@ -197,6 +181,7 @@ int kvr_group_open_locked(kvr_engine_t *e, kvr_room_t *h, uint32_t prefill_tp, c
         leg->refs = 1; /* the lead's */
         leg->lead = h;
         kvr_room_ref(h);
+        p->want_tp = prefill_tp;
         leg->peer = p;
         leg->init_called = 1;
         h->legs[h->nlegs++] = leg;

@@ -170,9 +170,6 @@ int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *boots
     if (rc) {
         return rc;
     }
-    /* The caller names the rendezvous of the prefill DP group the decode
-     * asked for (bootstrap_addr); one rendezvous serves one DP group. */
-    (void)prefill_dp_rank;
     if (h->init_called) {
         rc = kvr_err(err, errlen, KVR_ERUNTIME, "init() was already called for room %" PRIu64,
                      h->id);
@@ -191,9 +188,15 @@ int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *boots
                      h->bootstrap_addr);
         goto out;
     }
+    if (prefill_dp_rank < 0 || prefill_dp_rank > KVR_WIRE_MAX_DP_PP) {
+        rc = kvr_err(err, errlen, KVR_EVALUE, "prefill_dp_rank=%d is not in [0, %d]",
+                     prefill_dp_rank, KVR_WIRE_MAX_DP_PP);
+        goto out;
+    }
     if (prefill_tp_size > 0 && !h->failing) {
         /* Heads from prefill ranks chosen by the head layouts (group.c). */
-        rc = kvr_group_open_locked(e, h, prefill_tp_size, err, errlen);
+        rc = kvr_group_open_locked(e, h, (uint32_t)prefill_dp_rank, prefill_tp_size, err,
+                                   errlen);
         h->init_called = rc == 0;
         goto out;
     }
@@ -201,14 +204,10 @@ int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *boots
     if (h->failing) {
         goto out;
     }
-    kvr_peer_t *p = kvr_peer_find(e, KVR_PEER_IS_PREFILL, h->bootstrap_addr);
+    kvr_peer_t *p = kvr_prefill_peer_get(e, h->bootstrap_addr, (uint32_t)prefill_dp_rank, -1);
     if (p == NULL) {
-        p = kvr_peer_new(e, KVR_PEER_IS_PREFILL, h->bootstrap_addr);
-        if (p == NULL) {
-            rc = kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
-            goto out;
-        }
-        kvr_peer_set_state(p, KVR_PEER_FAILED); /* the engine thread resolves it */
+        rc = kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+        goto out;
     }
     h->peer = p;
     kvr_work_push_locked(e, h);

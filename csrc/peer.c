@@ -195,6 +195,28 @@ kvr_peer_t *kvr_peer_new(kvr_engine_t *e, int kind, const char *key)
     return p;
 }
 
+/* The key: the server's "host:port", then "#rank" for a rank not ours and
+ * "#dpN" for a DP group other than 0 (kvr_peer_bs_endpoint reads the
+ * server back from it). */
+kvr_peer_t *kvr_prefill_peer_get(kvr_engine_t *e, const char *addr, uint32_t dp, int rank)
+{
+    char key[sizeof(((kvr_peer_t *)0)->key)], r[16] = "", d[16] = "";
+    if (rank >= 0) {
+        snprintf(r, sizeof(r), "#%d", rank);
+    }
+    if (dp > 0) {
+        snprintf(d, sizeof(d), "#dp%u", dp);
+    }
+    snprintf(key, sizeof(key), "%.128s%s%s", addr, r, d);
+    kvr_peer_t *p = kvr_peer_find(e, KVR_PEER_IS_PREFILL, key);
+    if (p == NULL && (p = kvr_peer_new(e, KVR_PEER_IS_PREFILL, key)) != NULL) {
+        p->query_rank = rank;
+        p->query_dp = dp;
+        kvr_peer_set_state(p, KVR_PEER_FAILED); /* the engine thread resolves it */
+    }
+    return p;
+}
+
 /* Puts x on a dead list; 0, or -1 if out of memory. */
 static int kvr_dead_push(kvr_deadlist_t *d, void *x)
 {
@@ -406,7 +428,13 @@ int kvr_peer_resolve(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen)
     kvr_peer_disconnect(e, p);
     kvr_peer_set_state(p, KVR_PEER_RESOLVING);
     p->epoch = 0;
-    snprintf(p->name, sizeof(p->name), "%s", p->key);
+    if (p->query_dp > 0) {
+        snprintf(p->name, sizeof(p->name), "%.*s (prefill DP group %u, rank %d)",
+                 (int)strcspn(p->key, "#"), p->key, p->query_dp,
+                 p->query_rank >= 0 ? p->query_rank : e->rank);
+    } else {
+        snprintf(p->name, sizeof(p->name), "%s", p->key);
+    }
     kvr_peer_bs_endpoint(p, ep, sizeof(ep));
     if (kvr_ctl_connect(e->ctl, ep, NULL, 0, p, &p->bs_conn, err, errlen) != 0) {
         kvr_peer_set_state(p, KVR_PEER_FAILED);
@@ -418,11 +446,11 @@ int kvr_peer_resolve(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen)
 }
 
 /* Asks the bootstrap server (on conn) which prefill instance serves peer
- * p's rank (ours, unless the peer names another). */
+ * p's rank (ours, unless the peer names another) in p's DP group. */
 void kvr_bs_query(kvr_engine_t *e, const kvr_peer_t *p, kvr_ctl_conn_t *conn)
 {
     int rank = p->query_rank >= 0 ? p->query_rank : e->rank;
-    kvr_msg_t m = kvr_msg_rank(KVR_MSG_BS_QUERY, (uint32_t)rank);
+    kvr_msg_t m = kvr_msg_bs(KVR_MSG_BS_QUERY, p->query_dp, (uint32_t)rank, 0, NULL);
     kvr_send_conn_locked(e, conn, &m);
 }
 

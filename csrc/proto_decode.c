@@ -238,8 +238,9 @@ static void kvr_on_registered_locked(kvr_engine_t *e, const kvr_msg_t *m)
     e->reg_auth_error[0] = '\0';
     if (!e->registered) {
         kvr_log_write(&e->log, KVR_LOG_INFO,
-                      "prefill rank %d registered with the bootstrap server %s as %s",
-                      e->rank, e->bootstrap_addr, kvr_ctl_endpoint(e->ctl));
+                      "prefill rank %d of DP group %u registered with the bootstrap server %s "
+                      "as %s",
+                      e->rank, e->dp_rank, e->bootstrap_addr, kvr_ctl_endpoint(e->ctl));
     }
     e->registered = 1;
 }
@@ -261,7 +262,11 @@ static void kvr_on_bs_reply_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
     p->conn_ep[m->str_len] = '\0';
     kvr_peer_disconnect(e, p); /* retires the bootstrap connection */
     p->epoch = m->peer_epoch;
-    snprintf(p->name, sizeof(p->name), "prefill rank %u at %.120s", m->rank,
+    char dp[32] = "";
+    if (p->query_dp > 0) {
+        snprintf(dp, sizeof(dp), " of DP group %u", p->query_dp);
+    }
+    snprintf(p->name, sizeof(p->name), "prefill rank %u%s at %.100s", m->rank, dp,
              strncmp(p->conn_ep, "tcp://", 6) == 0 ? p->conn_ep + 6 : p->conn_ep);
     if (kvr_peer_worker(e, p, err, sizeof(err)) != 0) {
         char what[400];

@@ -738,7 +738,8 @@ void kvr_register_tick_locked(kvr_engine_t *e, uint64_t now)
         now < e->next_register_ns) {
         return;
     }
-    kvr_msg_t m = kvr_msg_text(KVR_MSG_BS_REGISTER, (uint32_t)e->rank, 0, kvr_ctl_endpoint(e->ctl));
+    kvr_msg_t m = kvr_msg_bs(KVR_MSG_BS_REGISTER, e->dp_rank, (uint32_t)e->rank, 0,
+                             kvr_ctl_endpoint(e->ctl));
     kvr_send_conn_locked(e, e->bs_conn, &m);
     e->next_register_ns = now + 200 * KVR_MS;
 }

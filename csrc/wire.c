@@ -123,13 +123,23 @@ static void kvr_put_hello_fields(kvr_wbuf_t *b, const kvr_msg_t *m)
     }
 }
 
+/* BS_REGISTER's and BS_QUERY's DP and PP ranks, when either is > 0. */
+static void kvr_put_dp_pp(kvr_wbuf_t *b, const kvr_msg_t *m)
+{
+    if (m->dp_rank || m->pp_rank) {
+        kvr_put_u32(b, m->dp_rank);
+        kvr_put_u32(b, m->pp_rank);
+    }
+}
+
 int kvr_wire_encode(kvr_wbuf_t *b, const kvr_msg_t *m)
 {
     /* Never send what the decoder would refuse. */
     if (((m->type == KVR_MSG_HELLO || m->type == KVR_MSG_HELLO_OK) &&
          (m->addr_len == 0 || m->addr_len > KVR_WIRE_MAX_ADDR)) ||
         m->layout.nkv > KVR_WIRE_MAX_BUFFERS || m->layout.naux > KVR_WIRE_MAX_BUFFERS ||
-        m->npages > KVR_WIRE_MAX_PAGES || (kvr_wire_carries_failure(m->type) && m->code == 0)) {
+        m->npages > KVR_WIRE_MAX_PAGES || (kvr_wire_carries_failure(m->type) && m->code == 0) ||
+        m->dp_rank > KVR_WIRE_MAX_DP_PP || m->pp_rank > KVR_WIRE_MAX_DP_PP) {
         return -1;
     }
     b->len = 0;
@@ -142,9 +152,13 @@ int kvr_wire_encode(kvr_wbuf_t *b, const kvr_msg_t *m)
     case KVR_MSG_BS_REGISTER:
         kvr_put_u32(b, m->rank);
         kvr_put_str(b, m->str, m->str_len);
+        kvr_put_dp_pp(b, m);
+        break;
+    case KVR_MSG_BS_QUERY:
+        kvr_put_u32(b, m->rank);
+        kvr_put_dp_pp(b, m);
         break;
     case KVR_MSG_BS_REGISTER_OK:
-    case KVR_MSG_BS_QUERY:
     case KVR_MSG_PING:
     case KVR_MSG_PONG:
     case KVR_MSG_BYE:
@@ -307,6 +321,21 @@ static void kvr_rd_hello_fields(kvr_rd_t *r, kvr_msg_t *m)
     }
 }
 
+/* The optional DP and PP ranks (8 bytes; fewer left are trailing bytes). */
+static void kvr_rd_dp_pp(kvr_rd_t *r, kvr_msg_t *m)
+{
+    if (r->why || r->left < 8) {
+        return;
+    }
+    m->dp_rank = (uint32_t)kvr_rd_int(r, 4, "");
+    m->pp_rank = (uint32_t)kvr_rd_int(r, 4, "");
+    if (m->dp_rank == 0 && m->pp_rank == 0) {
+        r->why = "explicit zero DP and PP ranks";
+    } else if (m->dp_rank > KVR_WIRE_MAX_DP_PP || m->pp_rank > KVR_WIRE_MAX_DP_PP) {
+        r->why = "DP or PP rank above 65535";
+    }
+}
+
 int kvr_wire_decode(const void *buf, size_t len, kvr_msg_t *m, const char **why)
 {
     kvr_rd_t r = {buf, len, NULL};
@@ -334,9 +363,13 @@ int kvr_wire_decode(const void *buf, size_t len, kvr_msg_t *m, const char **why)
     case KVR_MSG_BS_REGISTER:
         m->rank = (uint32_t)kvr_rd_int(&r, 4, "truncated rank");
         kvr_rd_str(&r, &m->str, &m->str_len, "bad endpoint");
+        kvr_rd_dp_pp(&r, m);
+        break;
+    case KVR_MSG_BS_QUERY:
+        m->rank = (uint32_t)kvr_rd_int(&r, 4, "truncated rank");
+        kvr_rd_dp_pp(&r, m);
         break;
     case KVR_MSG_BS_REGISTER_OK:
-    case KVR_MSG_BS_QUERY:
     case KVR_MSG_PING:
     case KVR_MSG_PONG:
     case KVR_MSG_BYE:
@@ -519,6 +552,15 @@ kvr_msg_t kvr_msg_text(int type, uint32_t rank, int code, const char *str)
     m.code = (uint16_t)code;
     m.str = str;
     m.str_len = kvr_msg_strlen(str);
+    return m;
+}
+
+kvr_msg_t kvr_msg_bs(int type, uint32_t dp_rank, uint32_t rank, uint32_t pp_rank,
+                     const char *endpoint)
+{
+    kvr_msg_t m = kvr_msg_text(type, rank, 0, endpoint);
+    m.dp_rank = dp_rank;
+    m.pp_rank = pp_rank;
     return m;
 }
 

@@ -26,11 +26,12 @@
 #define KVR_WIRE_MAX_PAGES (1u << 24)
 #define KVR_WIRE_MAX_STR 1024
 #define KVR_WIRE_MAX_ADDR 65536
+#define KVR_WIRE_MAX_DP_PP 65535
 
 typedef enum {
-    KVR_MSG_BS_REGISTER = 1,  /* prefill -> bootstrap: rank, endpoint */
+    KVR_MSG_BS_REGISTER = 1,  /* prefill -> bootstrap: rank, endpoint[, dp, pp] */
     KVR_MSG_BS_REGISTER_OK,   /* bootstrap -> prefill: rank */
-    KVR_MSG_BS_QUERY,         /* decode -> bootstrap: rank */
+    KVR_MSG_BS_QUERY,         /* decode -> bootstrap: rank[, dp, pp] */
     KVR_MSG_BS_QUERY_REPLY,   /* bootstrap -> decode: rank, found, peer_epoch, endpoint */
     KVR_MSG_HELLO,            /* decode -> prefill: rank, layout, worker address[, fields] */
     KVR_MSG_HELLO_OK,         /* prefill -> decode: rank, layout, worker address[, fields] */
@@ -67,6 +68,11 @@ typedef struct {
     uint16_t type;
     uint64_t epoch;
     uint32_t rank;
+    /* BS_REGISTER, BS_QUERY: the DP group and PP stage of the (TP) rank
+     * registered or asked for, each at most KVR_WIRE_MAX_DP_PP.  On the
+     * wire (two u32 after the rest) only when either is > 0, so a message
+     * of DP 0, PP 0 is encoded as before. */
+    uint32_t dp_rank, pp_rank;
     uint64_t room;
     uint64_t tag;
     int64_t aux_index;
@@ -109,6 +115,10 @@ typedef struct {
  */
 /* PING, PONG, BYE, BS_QUERY, BS_REGISTER_OK: the sender's rank only. */
 kvr_msg_t kvr_msg_rank(int type, uint32_t rank);
+/* BS_REGISTER (endpoint: ours) and BS_QUERY (endpoint NULL): TP rank
+ * `rank` of DP group dp_rank, PP stage pp_rank. */
+kvr_msg_t kvr_msg_bs(int type, uint32_t dp_rank, uint32_t rank, uint32_t pp_rank,
+                     const char *endpoint);
 /* BS_REGISTER (str: our endpoint), HELLO_REJECT (code, str: the reason),
  * AUTH_REJECT (str: the reason). */
 kvr_msg_t kvr_msg_text(int type, uint32_t rank, int code, const char *str);

@@ -37,6 +37,7 @@ static void check_same(const kvr_msg_t *a, const kvr_msg_t *b)
     CHECK(a->peer_epoch == b->peer_epoch);
     CHECK(a->code == b->code);
     CHECK(a->origin_rank == b->origin_rank);
+    CHECK(a->dp_rank == b->dp_rank && a->pp_rank == b->pp_rank);
     CHECK(a->str_len == b->str_len);
     CHECK(same_bytes(a->str, b->str, a->str_len));
     CHECK(a->peer_len == b->peer_len);
@@ -67,6 +68,7 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     CHECK(m.npages <= KVR_WIRE_MAX_PAGES);
     CHECK(m.layout.nkv <= KVR_WIRE_MAX_BUFFERS && m.layout.naux <= KVR_WIRE_MAX_BUFFERS);
     CHECK(m.addr_len <= KVR_WIRE_MAX_ADDR);
+    CHECK(m.dp_rank <= KVR_WIRE_MAX_DP_PP && m.pp_rank <= KVR_WIRE_MAX_DP_PP);
     CHECK(inside(m.str, m.str_len, data, size));
     CHECK(inside(m.peer, m.peer_len, data, size));
     CHECK(inside(m.addr, m.addr_len, data, size));

@@ -107,7 +107,12 @@ class KVArgs:
     docs/layouts.md): kv_head_num KV heads in this rank's pages out of
     total_kv_head_num, engine_rank being the rank among tp_size ranks; a
     page of a KV buffer is [page_size tokens][kv_head_num][bytes per head].
-    is_mla: one latent cache every rank holds whole (one "head" of one)."""
+    is_mla: one latent cache every rank holds whole (one "head" of one).
+
+    attn_dp_rank (prefill): the DP group this rank belongs to.  Several
+    prefill DP groups may register with one bootstrap server (each rank by
+    its DP group and engine_rank); a decode room picks one with
+    KVReceiver.init(prefill_dp_rank)."""
 
     def __init__(
         self,
@@ -124,8 +129,10 @@ class KVArgs:
         kv_head_num: Optional[int] = None,
         total_kv_head_num: Optional[int] = None,
         is_mla: bool = False,
+        attn_dp_rank: int = 0,
     ):
         self.engine_rank = int(engine_rank)
+        self.attn_dp_rank = _dp_rank("attn_dp_rank", attn_dp_rank)
         self.kv_data_ptrs = _int_list("kv_data_ptrs", kv_data_ptrs)
         self.kv_data_lens = _int_list("kv_data_lens", kv_data_lens)
         self.kv_item_lens = _int_list("kv_item_lens", kv_item_lens)
@@ -207,6 +214,15 @@ class KVArgs:
 
 
 MEM_KINDS = {"auto": 0, "host": 1, "cuda": 2}
+
+# The largest DP group number the bootstrap registration carries.
+MAX_DP_RANK = _core.MAX_DP_RANK
+
+
+def _dp_rank(name: str, value: Any) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_DP_RANK:
+        raise ValueError(f"{name}={value!r} must be an integer in [0, {MAX_DP_RANK}]")
+    return value
 
 
 def _heads(tp_size: int, rank: int, heads: Optional[int], total: Optional[int], mla: bool):
@@ -323,6 +339,7 @@ class KVManager:
             self.config.resolved(),
             [MEM_KINDS[k] for k in args.mem_kinds],
             args.heads,
+            args.attn_dp_rank,
         )
         # The core's events reach logging.getLogger("kvrecv") through one
         # thread per manager that waits (without the GIL) for them.  It holds
@@ -439,10 +456,13 @@ class KVReceiver(_Room):
         super().__init__(mgr, bootstrap_addr, bootstrap_room, "decode")
 
     def init(self, prefill_dp_rank: int = 0, prefill_tp_size: Optional[int] = None) -> None:
-        """Starts resolving the prefill peer without blocking.  With
-        prefill_tp_size (and a head layout in the manager's KVArgs), the
-        room reads this rank's heads from the prefill ranks that hold them,
-        whatever the two TP sizes (docs/layouts.md)."""
+        """Starts resolving the prefill peer without blocking: the ranks of
+        prefill DP group prefill_dp_rank (KVArgs.attn_dp_rank) registered
+        with the bootstrap server.  With prefill_tp_size (and a head layout
+        in the manager's KVArgs), the room reads this rank's heads from the
+        prefill ranks of that group that hold them, whatever the two TP
+        sizes (docs/layouts.md)."""
+        prefill_dp_rank = _dp_rank("prefill_dp_rank", prefill_dp_rank)
         if prefill_tp_size is None:
             self.recv_init(prefill_dp_rank)
             return

@@ -116,7 +116,8 @@ def main() -> int:
         import hetero_peer as hp
         h = spec["heads"]
         kv, aux = hp.prefill_buffers(int(spec.get("seed", 1)), h["tp"], rank, h["total"])
-        args = hp.kv_args(kvrecv, kv, aux, h["tp"], rank, h["total"], h.get("mla", False))
+        args = hp.kv_args(kvrecv, kv, aux, h["tp"], rank, h["total"], h.get("mla", False),
+                          h.get("dp", 0))
     elif role == "prefill":
         kv, aux = source_buffers(int(spec.get("seed", 1)), scale=scale)
         args = KVArgs.from_buffers(rank, kv, item_lens(scale=scale), aux, [AUX_ITEM])

@@ -71,8 +71,8 @@ def expected_decode(seed: int, tp: int, rank: int, total: int, src_pages, dst_pa
     return out
 
 
-def kv_args(kvrecv, kv, aux, tp: int, rank: int, total: int, mla: bool = False):
+def kv_args(kvrecv, kv, aux, tp: int, rank: int, total: int, mla: bool = False, dp: int = 0):
     heads = {"is_mla": True} if mla else {"kv_head_num": len(rank_heads(tp, rank, total)),
                                           "total_kv_head_num": total}
     return kvrecv.KVArgs.from_buffers(rank, kv, [item_len(tp, total)] * NBUF, aux, [AUX_ITEM],
-                                      page_size=PAGE_SIZE, tp_size=tp, **heads)
+                                      page_size=PAGE_SIZE, tp_size=tp, attn_dp_rank=dp, **heads)

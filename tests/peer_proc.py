@@ -6,6 +6,7 @@ import json
 import os
 import signal
 import sys
+import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -15,6 +16,7 @@ PEER_SCRIPT = os.path.join(HERE, "failure_peer.py")
 # processes derive, so the tests can check every byte.
 import failure_peer as peer_mod  # noqa: E402
 from child import JsonLineChild  # noqa: E402
+from kvrecv import KVPoll  # noqa: E402
 
 
 class PeerProcess(JsonLineChild):
@@ -47,6 +49,16 @@ class PeerProcess(JsonLineChild):
 
     def stats(self) -> dict:
         return self.call("stats")
+
+    def wait_room(self, room, timeout=20):
+        """Polls this rank's room until Success or Failed (or timeout);
+        returns the last state as an int."""
+        t0 = time.monotonic()
+        while True:
+            st = self.call("poll", room=room)["state"]
+            if st in (KVPoll.Success, KVPoll.Failed) or time.monotonic() - t0 > timeout:
+                return st
+            time.sleep(0.005)
 
     def freeze(self):
         """SIGSTOP: the process keeps its sockets and memory but stops

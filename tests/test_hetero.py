@@ -123,13 +123,7 @@ def _open(addr, prefills, decodes, rid, send=True):
 
 
 def _wait_prefill(p, rid, timeout=20):
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout:
-        st = p.call("poll", room=rid)["state"]
-        if st in (int(KVPoll.Success), int(KVPoll.Failed)):
-            return st
-        time.sleep(0.005)
-    return st
+    return p.wait_room(rid, timeout)
 
 
 def _check_bytes(decodes, src=SRC, dst=DST):

@@ -153,8 +153,9 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     static char *kwlist[] = {"mode", "engine_rank", "kv_data_ptrs", "kv_data_lens",
                              "kv_item_lens", "aux_data_ptrs", "aux_data_lens", "aux_item_lens",
                              "page_size", "host", "bootstrap_addr", "config", "mem_kinds",
-                             "heads", NULL};
+                             "heads", "dp_rank", NULL};
     int mode, rank;
+    unsigned int dp_rank = 0;
     unsigned int page_size = 1;
     PyObject *kp, *kl, *ki, *ap, *al, *ai, *cfg = Py_None, *kinds = Py_None, *heads = Py_None;
     uint64_t *head_list = NULL;
@@ -163,9 +164,9 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
         PyErr_SetString(PyExc_RuntimeError, "Manager is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiOOOOOO|IssOOO", kwlist, &mode, &rank, &kp, &kl,
-                                     &ki, &ap, &al, &ai, &page_size, &host, &bs, &cfg,
-                                     &kinds, &heads)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiOOOOOO|IssOOOI", kwlist, &mode, &rank, &kp,
+                                     &kl, &ki, &ap, &al, &ai, &page_size, &host, &bs, &cfg,
+                                     &kinds, &heads, &dp_rank)) {
         return -1;
     }
     kvr_engine_params_t p;
@@ -199,6 +200,7 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     }
     p.mode = mode;
     p.rank = rank;
+    p.dp_rank = dp_rank;
     p.host = host;
     p.bootstrap_addr = bs;
     p.page_size = page_size;

@@ -4,6 +4,7 @@
 
 #include "../cuda.h"
 #include "../transport.h"
+#include "../wire.h"
 
 kvr_py_state_t *kvr_py_state_of_type(PyTypeObject *tp)
 {
@@ -337,7 +338,8 @@ static int kvr_module_exec(PyObject *m)
         return -1;
     }
     if (PyModule_AddIntConstant(m, "MODE_PREFILL", KVR_MODE_PREFILL) < 0 ||
-        PyModule_AddIntConstant(m, "MODE_DECODE", KVR_MODE_DECODE) < 0) {
+        PyModule_AddIntConstant(m, "MODE_DECODE", KVR_MODE_DECODE) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_DP_RANK", KVR_WIRE_MAX_DP_PP) < 0) {
         return -1;
     }
     return 0;

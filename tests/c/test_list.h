@@ -25,6 +25,7 @@
     X(wire_every_truncation_rejected, 60, 0)                                  \
     X(wire_trailing_bytes_rejected, 10, 0)                                    \
     X(wire_room_req_prefix, 10, 0)                                    \
+    X(wire_bs_dp_pp, 10, 0)                                                   \
     X(wire_hello_fields, 10, 0)                                       \
     X(wire_bad_header, 10, 0)                                                 \
     X(wire_failure_code_zero, 10, 0)                                          \

@@ -117,6 +117,8 @@ static void assert_same(const kvr_msg_t *a, const kvr_msg_t *b)
     ASSERT_U64_EQ(a->peer_epoch, b->peer_epoch);
     ASSERT_EQ(a->code, b->code);
     ASSERT_EQ(a->origin_rank, b->origin_rank);
+    ASSERT_EQ(a->dp_rank, b->dp_rank);
+    ASSERT_EQ(a->pp_rank, b->pp_rank);
     ASSERT_EQ(a->str_len, b->str_len);
     ASSERT(bytes_eq(a->str, b->str, a->str_len));
     ASSERT_EQ(a->peer_len, b->peer_len);
@@ -729,6 +731,83 @@ TEST_IMPL(wire_room_req_prefix)
     ASSERT_EQ(d.prefix_len, 0);
 }
 
+/* BS_REGISTER's and BS_QUERY's DP and PP ranks: two u32 after the rest,
+ * only when either is > 0 (DP 0, PP 0 encodes as before). */
+TEST_IMPL(wire_bs_dp_pp)
+{
+    kvr_wbuf_t b, b0;
+    kvr_wbuf_init(&b);
+    kvr_wbuf_init(&b0);
+    kvr_msg_t d;
+    const char *why = NULL;
+    /* The old encodings, byte for byte. */
+    kvr_msg_t reg = kvr_msg_bs(KVR_MSG_BS_REGISTER, 0, 3, 0, "tcp://h:1");
+    kvr_msg_t old_reg = kvr_msg_text(KVR_MSG_BS_REGISTER, 3, 0, "tcp://h:1");
+    ASSERT_EQ(kvr_wire_encode(&b0, &old_reg), 0);
+    ASSERT_EQ(kvr_wire_encode(&b, &reg), 0);
+    ASSERT_EQ(b.len, KVR_WIRE_HEADER_LEN + 4 + 2 + 9);
+    ASSERT(b.len == b0.len && memcmp(b.data, b0.data, b.len) == 0);
+    kvr_msg_t q = kvr_msg_bs(KVR_MSG_BS_QUERY, 0, 1, 0, NULL);
+    kvr_msg_t old_q = kvr_msg_rank(KVR_MSG_BS_QUERY, 1);
+    ASSERT_EQ(kvr_wire_encode(&b0, &old_q), 0);
+    ASSERT_EQ(kvr_wire_encode(&b, &q), 0);
+    ASSERT(b.len == b0.len && memcmp(b.data, b0.data, b.len) == 0);
+    /* A query of TP rank 1 in DP group 2, PP stage 1, laid out by hand. */
+    unsigned char g[64];
+    size_t n = 0;
+    n += put_le(g + n, 0x5752564b, 4);
+    n += put_le(g + n, 1, 2);
+    n += put_le(g + n, KVR_MSG_BS_QUERY, 2);
+    n += put_le(g + n, 0, 8);
+    n += put_le(g + n, 1, 4);
+    n += put_le(g + n, 2, 4);
+    n += put_le(g + n, 1, 4);
+    q = kvr_msg_bs(KVR_MSG_BS_QUERY, 2, 1, 1, NULL);
+    ASSERT_EQ(kvr_wire_encode(&b, &q), 0);
+    ASSERT(b.len == n && memcmp(b.data, g, n) == 0);
+    ASSERT_EQ(decode_exact(g, n, &d, &why), 0);
+    ASSERT(d.rank == 1 && d.dp_rank == 2 && d.pp_rank == 1);
+    /* Each rank alone, at the limit, survives the trip. */
+    reg = kvr_msg_bs(KVR_MSG_BS_REGISTER, KVR_WIRE_MAX_DP_PP, 7, 0, "tcp://h:2");
+    ASSERT_EQ(kvr_wire_encode(&b, &reg), 0);
+    ASSERT_EQ(kvr_wire_decode(b.data, b.len, &d, &why), 0);
+    assert_same(&reg, &d);
+    reg = kvr_msg_bs(KVR_MSG_BS_REGISTER, 0, 7, KVR_WIRE_MAX_DP_PP, "tcp://h:2");
+    ASSERT_EQ(kvr_wire_encode(&b, &reg), 0);
+    ASSERT_EQ(kvr_wire_decode(b.data, b.len, &d, &why), 0);
+    assert_same(&reg, &d);
+    /* Fewer than 8 bytes more are trailing; 8 zero bytes say nothing. */
+    unsigned char x[64];
+    memcpy(x, g, n);
+    for (size_t cut = n - 7; cut < n; cut++) {
+        ASSERT_EQ(decode_exact(x, cut, &d, &why), -1);
+        ASSERT(strcmp(why, "trailing bytes") == 0);
+    }
+    memset(x + n - 8, 0, 8);
+    ASSERT_EQ(decode_exact(x, n, &d, &why), -1);
+    ASSERT(strcmp(why, "explicit zero DP and PP ranks") == 0);
+    /* Above 16 bits: neither encoded nor decoded (the server keys on them). */
+    memcpy(x, g, n);
+    put_le(x + n - 8, KVR_WIRE_MAX_DP_PP + 1, 4);
+    ASSERT_EQ(decode_exact(x, n, &d, &why), -1);
+    ASSERT(strcmp(why, "DP or PP rank above 65535") == 0);
+    memcpy(x, g, n);
+    put_le(x + n - 4, 0xffffffffu, 4);
+    ASSERT_EQ(decode_exact(x, n, &d, &why), -1);
+    ASSERT(strcmp(why, "DP or PP rank above 65535") == 0);
+    q = kvr_msg_bs(KVR_MSG_BS_QUERY, KVR_WIRE_MAX_DP_PP + 1, 1, 0, NULL);
+    ASSERT_EQ(kvr_wire_encode(&b, &q), -1);
+    q = kvr_msg_bs(KVR_MSG_BS_QUERY, 0, 1, KVR_WIRE_MAX_DP_PP + 1, NULL);
+    ASSERT_EQ(kvr_wire_encode(&b, &q), -1);
+    /* Other types neither carry nor read them. */
+    kvr_msg_t ok = kvr_msg_rank(KVR_MSG_BS_REGISTER_OK, 3);
+    ok.dp_rank = 2;
+    ASSERT_EQ(kvr_wire_encode(&b, &ok), 0);
+    ASSERT_EQ(b.len, KVR_WIRE_HEADER_LEN + 4);
+    kvr_wbuf_free(&b);
+    kvr_wbuf_free(&b0);
+}
+
 /* The optional fields after a HELLO's worker address: a flags byte, then
  * each field present, in flag order (tcp receive size, shared-memory sizes,
  * head layout); none: no byte.  A HELLO_OK carries only the head layout. */
@@ -844,6 +923,8 @@ TEST_IMPL(wire_constructors)
         kvr_msg_room_done(42, 7),
         kvr_msg_fail(KVR_MSG_SIB_FAIL, 42, 0, KVR_PEER_LOST, 2, "lost", "10.0.0.1:5"),
         kvr_msg_fail(KVR_MSG_ROOM_FAIL, 42, 7, KVR_TIMEOUT, 1, "late", NULL),
+        kvr_msg_bs(KVR_MSG_BS_REGISTER, 2, 3, 1, "tcp://h:1"),
+        kvr_msg_bs(KVR_MSG_BS_QUERY, 2, 3, 0, NULL),
     };
     for (size_t i = 0; i < sizeof(ms) / sizeof(ms[0]); i++) {
         kvr_msg_t d;
@@ -862,6 +943,8 @@ TEST_IMPL(wire_constructors)
     ASSERT_EQ(ms[4].aux_index, -1);
     ASSERT_EQ(ms[6].peer_len, 10);
     ASSERT_EQ(ms[7].peer_len, 0);
+    ASSERT(ms[8].dp_rank == 2 && ms[8].rank == 3 && ms[8].pp_rank == 1 && ms[8].str_len == 9);
+    ASSERT(ms[9].dp_rank == 2 && ms[9].pp_rank == 0 && ms[9].str_len == 0);
     /* A reason longer than the wire takes counts as the longest it takes. */
     static char big[KVR_WIRE_MAX_STR + 100];
     memset(big, 'x', sizeof(big) - 1);
