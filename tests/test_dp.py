@@ -12,7 +12,6 @@ from group 1, with and without the prefill's TP size given.
 
 from __future__ import annotations
 
-
 import numpy as np
 import pytest
 
