@@ -175,6 +175,11 @@ int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *boots
                      h->id);
         goto out;
     }
+    if (prefill_dp_rank < 0 || prefill_dp_rank > KVR_WIRE_MAX_DP_PP) {
+        rc = kvr_err(err, errlen, KVR_EVALUE, "prefill_dp_rank=%d is not in [0, %d]",
+                     prefill_dp_rank, KVR_WIRE_MAX_DP_PP);
+        goto out;
+    }
     if (bootstrap_addr != NULL && bootstrap_addr[0] != '\0') {
         if (strlen(bootstrap_addr) >= sizeof(h->bootstrap_addr)) {
             rc = kvr_err(err, errlen, KVR_EVALUE, "bootstrap_addr '%.64s...' is too long",
@@ -186,11 +191,6 @@ int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *boots
     if (h->bootstrap_addr[0] == '\0' || strchr(h->bootstrap_addr, ':') == NULL) {
         rc = kvr_err(err, errlen, KVR_EVALUE, "bootstrap_addr '%s' is not host:port",
                      h->bootstrap_addr);
-        goto out;
-    }
-    if (prefill_dp_rank < 0 || prefill_dp_rank > KVR_WIRE_MAX_DP_PP) {
-        rc = kvr_err(err, errlen, KVR_EVALUE, "prefill_dp_rank=%d is not in [0, %d]",
-                     prefill_dp_rank, KVR_WIRE_MAX_DP_PP);
         goto out;
     }
     if (prefill_tp_size > 0 && !h->failing) {
