@@ -534,15 +534,24 @@ def test_data_path_blackholed_control_alive(pair, how):
     print(f"data path dark ({landed} bytes landed, {how}): decode rooms Failed "
           f"{times} s after they were opened ({t_dark - t_open:.3f} s before the path went dark)")
     cls, code = (KVTimeoutError, "TIMEOUT") if how == "deadline" else (KVAbortedError, "ABORTED")
+    want = "no completion within its deadline" if how == "deadline" else "aborted by decode"
+    stalled = []
     for rid, o in got.items():
         assert o["state"] == FAILED, f"room {rid}: {o['state']} 60 s after the data path went dark"
         e = failure(o)
-        assert isinstance(e, cls) and e.code == code, (rid, repr(e))
-        want = "no completion within its deadline" if how == "deadline" else "aborted by decode"
-        assert want in e.failure_reason, e.failure_reason
+        if (how == "deadline" and isinstance(e, KVPeerLostError)
+                and "lost: its data path stalled" in e.failure_reason):
+            # A room whose deadline came later than the first one's plus the
+            # heartbeat timeout: the first room's operations could not drain,
+            # which fails the peer, and so the later rooms, with that cause.
+            stalled.append(rid)
+        else:
+            assert isinstance(e, cls) and e.code == code, (rid, repr(e))
+            assert want in e.failure_reason, e.failure_reason
         assert times[int(rid)] < bound, (
             f"room {rid}: Failed {times[int(rid)]:.3f} s after it was opened (bound "
             f"{bound:.3f} s): {times}")
+    assert len(stalled) < len(got), "the stall is found only after a room's deadline"
     got = pf.call("wait", timeout=60)["rooms"]
     ptimes = {int(r): (o["t"] - t_open if o["t"] else None) for r, o in got.items()}
     print(f"data path dark ({how}): prefill rooms Failed {ptimes} s after they were opened")
