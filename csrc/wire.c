@@ -386,7 +386,7 @@ int kvr_wire_decode(const void *buf, size_t len, kvr_msg_t *m, const char **why)
         kvr_rd_take(&r, (size_t)m->npages * 4, &m->pages, "truncated page list");
         if (!r.why && r.left >= 4) { /* the optional prefix length */
             m->prefix_len = (uint32_t)kvr_rd_int(&r, 4, "truncated prefix length");
-            if (!r.why && r.left > 0) { /* then the optional state slots */
+            if (!r.why && r.left >= 2) { /* then the optional state slots */
                 m->nstates = (uint32_t)kvr_rd_int(&r, 2, "truncated state count");
                 if (!r.why && (m->nstates == 0 || m->nstates > KVR_MAX_STATES)) {
                     r.why = "bad state count";
