@@ -159,14 +159,14 @@ _NO_STATE = ("this manager registered no state buffers (kv_args.state_types is e
              "state_indices={!r} cannot be transferred")
 # The state types kvrecv moves: one slot per request, buffers of their own
 # item length (state.c).
-_STATE_TYPES = ("MAMBA",)
+_STATE_TYPES = ("mamba",)
 
 
 def _state_args(args: Any) -> dict:
     """The KVArgs state fields from sglang's KVArgs; NotImplementedError
     for a state type kvrecv does not move."""
     types = list(getattr(args, "state_types", None) or ())
-    names = [getattr(t, "name", str(t)) for t in types]
+    names = [str(getattr(t, "value", t)) for t in types]  # sglang's StateType is a str enum
     bad = [n for n in names if n not in _STATE_TYPES]
     if bad:
         raise NotImplementedError(

@@ -265,3 +265,73 @@ def test_state_row_not_asked_is_protocol(pair):
     assert all((buf == fp.CANARY).all() for buf in dec.state[1])
     s.clear()
     r.clear()
+
+
+def test_state_through_the_sglang_adapter():
+    """sglang's KVArgs (state_types MAMBA, state_data_ptrs/lens/item_lens per
+    state type) and its state_indices (one array of one slot per state
+    type, given with the last chunk on the prefill): the rows land."""
+    import types
+
+    from kvrecv.sglang import (KVRecvArgs, KVRecvBootstrapServer, KVRecvManager,
+                               KVRecvReceiver, KVRecvSender)
+
+    class Mode:
+        PREFILL, DECODE = "prefill", "decode"
+
+    def sg_args(kv, aux, state):
+        a = KVRecvArgs()
+        a.engine_rank = 0
+        a.kv_data_ptrs = [b.ctypes.data for b in kv]
+        a.kv_data_lens = [b.nbytes for b in kv]
+        a.kv_item_lens = fp.item_lens()
+        a.aux_data_ptrs = [b.ctypes.data for b in aux]
+        a.aux_data_lens = [b.nbytes for b in aux]
+        a.aux_item_lens = [fp.AUX_ITEM]
+        a.page_size = 1
+        a.state_types = ["mamba", "mamba"]
+        a.state_data_ptrs = [[b.ctypes.data for b in c] for c in state]
+        a.state_data_lens = [[b.nbytes for b in c] for c in state]
+        a.state_item_lens = sp.ITEMS
+        return a
+
+    server = KVRecvBootstrapServer(host="127.0.0.1", port=0)
+    sargs = types.SimpleNamespace(host="127.0.0.1", disaggregation_bootstrap_port=server.port,
+                                  kvrecv_config=KVConfig(**CONFIG), tp_size=1)
+    kv, aux = fp.source_buffers(SEED)
+    src_state = sp.source(SEED)
+    dkv, daux = fp.canary_buffers()
+    dstate = sp.canary()
+    made = [server]
+    try:
+        pre = KVRecvManager(sg_args(kv, aux, src_state), Mode.PREFILL, sargs, False)
+        made.append(pre)
+        dec = KVRecvManager(sg_args(dkv, daux, dstate), Mode.DECODE, sargs, False)
+        made.append(dec)
+        addr = f"127.0.0.1:{server.port}"
+        assert dec.try_ensure_parallel_info(addr)
+        recv = KVRecvReceiver(dec, addr, 81)
+        send = KVRecvSender(pre, addr, 81, [0], 0)
+        send.init(len(SRC), 0)
+        recv.init(0)
+        _wait_state(recv, (KVPoll.WaitingForInput,), 20)
+        recv.send_metadata(np.asarray(DST, dtype=np.int32), 1,
+                           [np.array([4]), np.array([0])], decode_prefix_len=0)
+        send.send(np.asarray(SRC[:3], dtype=np.int32), state_indices=None)
+        send.send(np.asarray(SRC[3:], dtype=np.int32),
+                  state_indices=[np.array([1]), np.array([3])])
+        st, el = _wait_state(recv, TERMINAL, 20)
+        assert st == KVPoll.Success, f"{st!r} after {el:.2f} s"
+        assert fp.pages_equal(kv, dkv, SRC, DST)
+        for c, (d, s) in enumerate(((4, 1), (0, 3))):
+            for b in range(len(sp.ITEMS[c])):
+                assert np.array_equal(sp.row(dstate[c][b], d), sp.row(src_state[c][b], s))
+        for c, keep in enumerate(({4}, {0})):
+            for buf in dstate[c]:
+                for slot in set(range(sp.SLOTS)) - keep:
+                    assert (sp.row(buf, slot) == fp.CANARY).all(), (c, slot)
+        recv.clear()
+        send.clear()
+    finally:
+        for obj in reversed(made):
+            obj.close()
