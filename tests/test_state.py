@@ -335,3 +335,63 @@ def test_state_through_the_sglang_adapter():
     finally:
         for obj in reversed(made):
             obj.close()
+
+
+@pytest.mark.parametrize("dtp", [1, 2])
+def test_state_with_head_layouts(dtp):
+    """Head layouts and init(prefill_tp_size=1): with decode TP 1 the room
+    is read over one link and the state rows land byte for byte; with
+    decode TP 2 it fails with LAYOUT_MISMATCH saying state moves between
+    equal TP sizes only, naming both, before any byte moves."""
+    import hetero_peer as hp
+    import kvrecv
+
+    def args(kv, aux, state, tp, rank):
+        return kvrecv.KVArgs.from_buffers(
+            rank, kv, [hp.item_len(tp, 8)] * hp.NBUF, aux, [hp.AUX_ITEM],
+            page_size=hp.PAGE_SIZE, tp_size=tp, kv_head_num=len(hp.rank_heads(tp, rank, 8)),
+            total_kv_head_num=8, state_buffers=state, state_item_lens=sp.ITEMS)
+
+    bs = BootstrapServer(port=0)
+    made = [bs]
+    try:
+        kv, aux = hp.prefill_buffers(SEED, 1, 0, 8)
+        pre = KVManager(args(kv, aux, sp.source(SEED), 1, 0), "prefill",
+                        bootstrap_addr=bs.address, config=KVConfig(**CONFIG))
+        made.append(pre)
+        dkv, daux = hp.decode_buffers(dtp, 8)
+        dstate = sp.canary()
+        dec = KVManager(args(dkv, daux, dstate, dtp, 0), "decode", config=KVConfig(**CONFIG))
+        made.append(dec)
+        r = KVReceiver(dec, bs.address, 91)
+        r.init(prefill_tp_size=1)
+        if dtp == 1:
+            _wait_state(r, (KVPoll.WaitingForInput,), 20)
+            r.send_metadata(np.asarray(DST, dtype=np.int32), state_indices=[[3], [1]])
+            s = KVSender(pre, bs.address, 91)
+            s.init(len(SRC))
+            s.send(np.asarray(SRC[:2], dtype=np.int32))
+            s.send(np.asarray(SRC[2:], dtype=np.int32), state_indices=[2, 4])
+            st, el = _wait_state(r, TERMINAL, 20)
+            assert st == KVPoll.Success, f"{st!r} after {el:.2f} s"
+            want = hp.expected_decode(SEED, 1, 0, 8, SRC, DST)
+            assert all(np.array_equal(a, b) for a, b in zip(want, dkv))
+            src_state = sp.source(SEED)
+            for c, (d, s_) in enumerate(((3, 2), (1, 4))):
+                for b in range(len(sp.ITEMS[c])):
+                    assert np.array_equal(sp.row(dstate[c][b], d), sp.row(src_state[c][b], s_))
+            r.clear()
+            s.clear()
+            return
+        st, _ = _wait_state(r, TERMINAL, 20)
+        assert st == KVPoll.Failed
+        e = _failure(r)
+        assert type(e) is KVLayoutError, e.failure_reason
+        assert e.failure_reason.endswith("state buffers move between equal TP sizes only: "
+                                         "prefill TP 1, decode TP 2"), e.failure_reason
+        assert all((b == fp.CANARY).all() for c in dstate for b in c)
+        assert all((b == hp.CANARY).all() for b in dkv)
+        r.clear()
+    finally:
+        for obj in reversed(made):
+            obj.close()
