@@ -84,7 +84,8 @@ void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint
     r->ndst = npages;
     r->dst_pages = pages;
     r->started_ns = kvr_now_ns();
-    uint64_t bytes = (uint64_t)npages * e->page_bytes + kvr_state_bytes(e, aux_index, r->dst_states);
+    uint64_t bytes =
+        (uint64_t)npages * e->page_bytes + kvr_state_bytes(e, aux_index, r->dst_states);
     r->deadline_ns = kvr_deadline_ns(e, r->started_ns, bytes);
     kvr_timer_arm_locked(e, r);
     kvr_room_advance(r, KVR_POLL_WAITING);

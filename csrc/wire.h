@@ -37,7 +37,8 @@ typedef enum {
     KVR_MSG_HELLO,            /* decode -> prefill: rank, layout, worker address[, fields] */
     KVR_MSG_HELLO_OK,         /* prefill -> decode: rank, layout, worker address[, fields] */
     KVR_MSG_HELLO_REJECT,     /* prefill -> decode: rank, code, reason */
-    KVR_MSG_ROOM_REQ,         /* decode -> prefill: room, tag, aux_index, pages[, prefix_len[, states]] */
+    KVR_MSG_ROOM_REQ,         /* decode -> prefill: room, tag, aux_index, pages[,
+                               * prefix_len[, state slots]] */
     KVR_MSG_ROOM_DONE,        /* decode -> prefill: room, tag */
     KVR_MSG_ROOM_FAIL,        /* either way: room, tag, code, origin_rank, reason, peer */
     KVR_MSG_PING,             /* decode -> prefill: rank */
