@@ -369,6 +369,10 @@ static int kvr_engine_check_params(const kvr_engine_params_t *p, char *err, size
     if (p->nkv == 0) {
         return kvr_err(err, errlen, KVR_EVALUE, "kv_data_ptrs is empty: at least one KV buffer");
     }
+    if (p->nstate > p->naux) {
+        return kvr_err(err, errlen, KVR_EVALUE, "%u state buffers among %u row buffers",
+                       p->nstate, p->naux);
+    }
     if (p->nkv > KVR_WIRE_MAX_BUFFERS || p->naux > KVR_WIRE_MAX_BUFFERS) {
         return kvr_err(err, errlen, KVR_EVALUE, "more than %d buffers", KVR_WIRE_MAX_BUFFERS);
     }
@@ -394,9 +398,19 @@ static int kvr_engine_copy_buffers(kvr_engine_t *e, const kvr_engine_params_t *p
 {
     int rc = kvr_validate_buffers("kv", p->nkv, p->kv_ptrs, p->kv_lens, p->kv_item_lens,
                                   &e->min_pages, &e->page_bytes, err, errlen);
+    uint32_t plain = p->naux - p->nstate; /* aux buffers before the state buffers */
     if (rc == 0) {
-        rc = kvr_validate_buffers("aux", p->naux, p->aux_ptrs, p->aux_lens, p->aux_item_lens,
+        rc = kvr_validate_buffers("aux", plain, p->aux_ptrs, p->aux_lens, p->aux_item_lens,
                                   &e->aux_rows, &e->aux_bytes, err, errlen);
+    }
+    if (rc == 0) {
+        int64_t rows;
+        uint64_t bytes;
+        rc = kvr_validate_buffers("state", p->nstate, p->aux_ptrs + plain, p->aux_lens + plain,
+                                  p->aux_item_lens + plain, &rows, &bytes, err, errlen);
+    }
+    if (rc == 0) {
+        rc = kvr_state_setup(e, p, err, errlen);
     }
     if (rc != 0) {
         return rc;
@@ -723,6 +737,7 @@ void kvr_engine_free(kvr_engine_t *e)
     free(e->aux_item);
     free(e->layout_kv);
     free(e->layout_aux);
+    free(e->state_comp);
     free(e);
 }
 

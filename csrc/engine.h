@@ -84,6 +84,11 @@ typedef struct {
     const uint64_t *kv_ptrs, *kv_lens, *kv_item_lens;
     uint32_t naux;
     const uint64_t *aux_ptrs, *aux_lens, *aux_item_lens;
+    /* Per-request state buffers (state.c): the last nstate of the naux
+     * "aux" buffers, buffer naux - nstate + i of state component
+     * state_comp[i] (components 0.. in order, at most KVR_MAX_STATES). */
+    uint32_t nstate;
+    const uint32_t *state_comp;
     /* KVR_MEM_* per buffer; NULL: every buffer auto (detected with
      * cudaPointerGetAttributes when the CUDA runtime loads, else host). */
     const uint8_t *kv_kinds, *aux_kinds;
@@ -195,15 +200,21 @@ void kvr_handle_release(kvr_handle_t *h);
  * rank's heads from the prefill ranks the head layouts say (group.c). */
 int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *bootstrap_addr,
                          uint32_t prefill_tp_size, char *err, size_t errlen);
+/* states: the slot of each of the first nstates state components (-1:
+ * none), checked against the registered slots (state.c). */
 int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, int64_t aux_index,
-                             uint32_t prefix_len, char *err, size_t errlen);
+                             const int64_t *states, uint32_t nstates, uint32_t prefix_len,
+                             char *err, size_t errlen);
 /* Prefill side.  kvr_handle_prefix_len: the decode's prefix_len, once its
  * request arrived (poll() left Bootstrapping); 0 before.  (Decode: the one
  * given to send_metadata.)  Takes the lock. */
 uint32_t kvr_handle_prefix_len(kvr_handle_t *h);
 int kvr_handle_send_init(kvr_handle_t *h, int64_t num_pages, int64_t aux_index, char *err,
                          size_t errlen);
-int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, size_t errlen);
+/* states (nstates 0: not given): this side's state slots, needed by the
+ * time the last page is handed over. */
+int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, const int64_t *states,
+                    uint32_t nstates, char *err, size_t errlen);
 
 /* Both sides.  poll never blocks and never fails.  On the decode, a room
  * waiting for data gets UCX progressed from the caller (config

@@ -202,6 +202,7 @@ typedef struct kvr_pending {
     kvr_peer_t *peer;
     uint64_t tag;
     int64_t aux_index;
+    int64_t states[KVR_MAX_STATES];
     uint32_t npages;
     int32_t *pages;
     uint32_t prefix_len;
@@ -266,6 +267,12 @@ struct kvr_engine {
     uint64_t aux_bytes;  /* sum of aux item lengths */
     unsigned char *layout_kv; /* little-endian copies for the wire */
     unsigned char *layout_aux;
+    /* State buffers (state.c): the last nstate of the naux row buffers
+     * above (aux_rows and aux_bytes count the aux buffers before them). */
+    uint32_t nstate, nstates;           /* buffers, components */
+    uint32_t *state_comp;               /* component of each state buffer */
+    int64_t state_rows[KVR_MAX_STATES]; /* slots every buffer of a component has */
+    uint64_t state_bytes[KVR_MAX_STATES]; /* sum of its item lengths */
 
     pthread_mutex_t lock;   /* kvr_engine_lock / kvr_engine_unlock */
 #ifdef KVRECV_DEBUG
@@ -486,7 +493,8 @@ void kvr_on_recv_done(void *arg, kvr_tp_op_t *tp_op, size_t len, int failed,
                       const char *status_text);
 void kvr_on_send_done(void *arg, kvr_tp_op_t *op, int failed, const char *status_text);
 uint32_t kvr_msg_pieces(const kvr_engine_t *e, const kvr_am_header_t *h,
-                        const int32_t *pages, int64_t row, const kvr_slice_t *s,
+                        const int32_t *pages, int64_t aux, const int64_t *states,
+                        const kvr_slice_t *s,
                         kvr_tp_iov_t *out, uint64_t *bytes);
 void kvr_op_send_locked(kvr_engine_t *e, kvr_room_t *r, kvr_op_t *op,
                         const kvr_tp_iov_t *iov, uint32_t niov, int host);
@@ -513,7 +521,8 @@ void kvr_gpu_free(kvr_engine_t *e);
 void kvr_rejected_fail_locked(kvr_engine_t *e, kvr_room_t *r);
 void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r);
 void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint64_t tag,
-                             int64_t aux_index, uint32_t npages, int32_t *pages);
+                             int64_t aux_index, const int64_t *states, uint32_t npages,
+                             int32_t *pages);
 void kvr_pending_free(kvr_engine_t *e, kvr_pending_t *pd);
 /* A message from peer p (a decode on our ROUTER, or the prefill on our
  * connection) that either side may get: ROOM_FAIL, BYE; anything else is
@@ -548,6 +557,20 @@ void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void
 /* group.c: head layouts, links and the legs of a room                 */
 /* ------------------------------------------------------------------ */
 /* Checks a head layout at creation (no engine yet). */
+/* state.c: per-request state buffers (any thread; engine description
+ * only).  Setup at creation (ValueError text); the row of row buffer b
+ * (aux, then state) for aux row `aux` and per-component slots `states`
+ * (-1: none); the bytes of the rows asked for; a caller's slots of n
+ * components checked against the registered ones; slots copied (the rest
+ * -1); 1 if any slot is asked for. */
+int kvr_state_setup(kvr_engine_t *e, const kvr_engine_params_t *p, char *err, size_t errlen);
+int64_t kvr_state_row(const kvr_engine_t *e, uint32_t b, int64_t aux, const int64_t *states);
+uint64_t kvr_state_bytes(const kvr_engine_t *e, int64_t aux, const int64_t *states);
+int kvr_state_check(const kvr_engine_t *e, const int64_t *states, uint32_t n, char *err,
+                    size_t errlen);
+void kvr_state_copy(int64_t *dst, const int64_t *src, uint32_t n);
+int kvr_state_any(const int64_t *states);
+
 int kvr_heads_params_check(const kvr_engine_params_t *p, char *err, size_t errlen);
 /* Compares a peer's head layout with ours (both given): 0, or -1 with the
  * difference naming both sides' numbers. */

@@ -98,6 +98,14 @@ int kvr_peer_link(kvr_engine_t *e, kvr_peer_t *p, const kvr_wire_layout_t *l, ch
                  theirs.tp_size);
         return -1;
     }
+    if (e->nstate > 0 && ph->tp_size != dh->tp_size) {
+        /* A state slot holds this rank's heads of it (sglang slices Mamba
+         * state by heads too); slicing state rows is not done yet. */
+        snprintf(why, n,
+                 "state buffers move between equal TP sizes only: prefill TP %u, decode TP %u",
+                 ph->tp_size, dh->tp_size);
+        return -1;
+    }
     kvr_link_t links[KVR_MAX_LEGS];
     uint32_t k = kvr_heads_links(ph, dh, 1, dh->tp_rank, links, KVR_MAX_LEGS);
     for (uint32_t i = 0; i < k && i < KVR_MAX_LEGS; i++) {
@@ -205,11 +213,13 @@ int kvr_group_meta_locked(kvr_engine_t *e, kvr_room_t *h)
         }
         leg->npages = h->npages;
         leg->prefix_len = h->prefix_len;
-        /* The aux row comes with the first leg, which always reads heads. */
+        /* The aux row and state slots come with the first leg, which always
+         * reads heads (state buffers only with equal TP: kvr_peer_link). */
         leg->aux_index = i == 0 ? h->aux_index : -1;
+        kvr_state_copy(leg->states, h->states, i == 0 ? KVR_MAX_STATES : 0);
         leg->expected = (uint64_t)h->npages *
                             kvr_slice_page_bytes(e, kvr_eroom(leg)->leg_heads, e->heads.heads) +
-                        (leg->aux_index >= 0 ? e->aux_bytes : 0);
+                        kvr_state_bytes(e, leg->aux_index, leg->states);
         leg->meta_set = 1;
         kvr_work_push_locked(e, leg);
     }
@@ -268,6 +278,7 @@ static void kvr_group_sync_leg(kvr_engine_t *e, kvr_room_t *h, kvr_room_t *leg)
             return;
         }
     }
+    memcpy(leg->src_states, h->src_states, sizeof(leg->src_states));
     if (h->given > leg->given) {
         memcpy(leg->src_pages + leg->given, h->src_pages + leg->given,
                (size_t)(h->given - leg->given) * sizeof(int32_t));

@@ -111,8 +111,8 @@ int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
         for (kvr_pending_t *q = pd; q != NULL; q = q->next) { /* several: head layouts */
             if (q->peer != NULL && q->peer->state == KVR_PEER_READY) {
                 r->prefix_len = q->prefix_len;
-                kvr_bind_request_locked(e, r, q->peer, q->tag, q->aux_index, q->npages,
-                                        q->pages);
+                kvr_bind_request_locked(e, r, q->peer, q->tag, q->aux_index, q->states,
+                                        q->npages, q->pages);
                 q->pages = NULL;
             }
         }
@@ -216,7 +216,8 @@ out:
 }
 
 int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, int64_t aux_index,
-                             uint32_t prefix_len, char *err, size_t errlen)
+                             const int64_t *states, uint32_t nstates, uint32_t prefix_len,
+                             char *err, size_t errlen)
 {
     kvr_engine_t *e = kvr_handle_engine(h);
     int rc = kvr_handle_enter(h, err, errlen);
@@ -241,7 +242,7 @@ int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, in
                      KVR_WIRE_MAX_PAGES);
         goto out;
     }
-    if (aux_index >= 0 && e->naux == 0) {
+    if (aux_index >= 0 && e->naux == e->nstate) {
         rc = kvr_err(err, errlen, KVR_EVALUE, "aux_index=%" PRId64 " but no aux buffers are registered",
                      aux_index);
         goto out;
@@ -252,7 +253,13 @@ int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, in
                      aux_index, e->aux_rows);
         goto out;
     }
-    if (n == 0 && (aux_index < 0 || e->naux == 0)) {
+    rc = kvr_state_check(e, states, nstates, err, errlen);
+    if (rc != 0) {
+        goto out;
+    }
+    int64_t slots[KVR_MAX_STATES];
+    kvr_state_copy(slots, states, nstates);
+    if (n == 0 && (aux_index < 0 || e->naux == e->nstate) && !kvr_state_any(slots)) {
         rc = kvr_err(err, errlen, KVR_EVALUE, "kv_indices is empty and there is no aux row: nothing to transfer");
         goto out;
     }
@@ -269,8 +276,9 @@ int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, in
     }
     h->npages = (uint32_t)n;
     h->aux_index = aux_index;
+    memcpy(h->states, slots, sizeof(slots));
     h->prefix_len = prefix_len;
-    h->expected = (uint64_t)n * e->page_bytes + (aux_index >= 0 ? e->aux_bytes : 0);
+    h->expected = (uint64_t)n * e->page_bytes + kvr_state_bytes(e, aux_index, h->states);
     h->meta_set = 1;
     if (h->nlegs > 0 && kvr_group_meta_locked(e, h) != 0) {
         kvr_room_failf_locked(e, h, KVR_TRANSPORT, 1, "out of memory handing pages to the legs");
@@ -298,7 +306,7 @@ int kvr_handle_send_init(kvr_handle_t *h, int64_t num_pages, int64_t aux_index, 
                      num_pages, KVR_WIRE_MAX_PAGES);
         goto out;
     }
-    if (aux_index >= 0 && (e->naux == 0 || aux_index >= e->aux_rows)) {
+    if (aux_index >= 0 && (e->naux == e->nstate || aux_index >= e->aux_rows)) {
         rc = kvr_err(err, errlen, KVR_EVALUE,
                      "aux_index=%" PRId64 " is outside the registered aux rows [0, %" PRId64 ")",
                      aux_index, e->aux_rows);
@@ -327,7 +335,8 @@ out:
     return kvr_handle_unlock_wake(e, rc);
 }
 
-int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, size_t errlen)
+int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, const int64_t *states,
+                    uint32_t nstates, char *err, size_t errlen)
 {
     kvr_engine_t *e = kvr_handle_engine(h);
     int wake = 0;
@@ -346,6 +355,9 @@ int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, 
         goto out;
     }
     rc = kvr_handle_pages_check(e, pages, n, err, errlen);
+    if (rc == 0) {
+        rc = kvr_state_check(e, states, nstates, err, errlen);
+    }
     if (rc != 0) {
         goto out;
     }
@@ -354,6 +366,9 @@ int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, char *err, 
     }
     if (n) {
         memcpy(h->src_pages + h->given, pages, n * sizeof(int32_t));
+    }
+    if (nstates) {
+        kvr_state_copy(h->src_states, states, nstates); /* sglang: with the last chunk */
     }
     h->given += (uint32_t)n;
     if (h->given == h->total_pages && n) {

@@ -112,10 +112,16 @@ int kvr_layout_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *why, size
         return -1;
     }
     if (l->naux != e->naux) {
-        snprintf(why, n, "%u aux buffers here, %u there", e->naux, l->naux);
+        snprintf(why, n, "%u aux and state buffers here, %u there", e->naux, l->naux);
         return -1;
     }
-    return kvr_items_diff("aux", e->naux, e->aux_item, l->aux_item_lens, why, n);
+    /* The state buffers (state.c) follow the aux buffers. */
+    uint32_t plain = e->naux - e->nstate;
+    return kvr_items_diff("aux", plain, e->aux_item, l->aux_item_lens, why, n) != 0 ||
+                   kvr_items_diff("state", e->nstate, e->aux_item + plain,
+                                  l->aux_item_lens + (size_t)plain * 8, why, n) != 0
+               ? -1
+               : 0;
 }
 
 /* FNV-1a over the kind and the key: the index's 64-bit key.  Peers whose

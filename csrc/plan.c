@@ -232,7 +232,10 @@ int kvr_post_plan(const kvr_plan_t *p, kvr_plan_cursor_t *c, kvr_am_header_t *h)
     if (c->posted != p->total_pages || c->aux_done) {
         return 0;
     }
-    if (!p->aux || c->aux_buf >= p->naux) {
+    while (c->aux_buf < p->naux && !kvr_plan_row_wanted(p, c->aux_buf)) {
+        c->aux_buf++;
+    }
+    if (c->aux_buf >= p->naux) {
         c->aux_done = 1;
         return 0;
     }
@@ -240,10 +243,26 @@ int kvr_post_plan(const kvr_plan_t *p, kvr_plan_cursor_t *c, kvr_am_header_t *h)
     h->pos = 0;
     h->npages = 1;
     h->buf = (uint16_t)c->aux_buf;
-    h->nbuf = kvr_plan_buf_group(p->aux_item, p->naux, c->aux_buf, 1, 1, p->merge);
+    uint16_t nb = kvr_plan_buf_group(p->aux_item, p->naux, c->aux_buf, 1, 1, p->merge);
+    h->nbuf = 1;
+    while (h->nbuf < nb && kvr_plan_row_wanted(p, c->aux_buf + h->nbuf)) {
+        h->nbuf++; /* a message covers only rows asked for */
+    }
     c->aux_buf += h->nbuf;
+    while (c->aux_buf < p->naux && !kvr_plan_row_wanted(p, c->aux_buf)) {
+        c->aux_buf++;
+    }
     c->aux_done = c->aux_buf >= p->naux;
     return 1;
+}
+
+int kvr_plan_row_wanted(const kvr_plan_t *p, uint32_t b)
+{
+    uint32_t base = p->naux - p->nstate;
+    if (b < base) {
+        return p->aux;
+    }
+    return p->dst_states != NULL && p->dst_states[p->state_comp[b - base]] >= 0;
 }
 
 void kvr_plan_hold(kvr_plan_cursor_t *c, const kvr_am_header_t *h)

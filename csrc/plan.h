@@ -10,7 +10,8 @@
  * as one contiguous message per buffer; shorter runs in a row are coalesced
  * into one scattered message per buffer of at most cap bytes.  Buffers
  * share a message while it stays within merge bytes and KVR_MAX_IOV pieces.
- * After the last position, the aux rows (if the decode asked for one).
+ * After the last position, the rows of the row buffers the decode asked
+ * for: the aux row, and the slot of each state component it named.
  *
  * Thread: any; the functions touch only their arguments.
  */
@@ -93,7 +94,12 @@ typedef struct {
     uint32_t given;             /* positions handed to send() so far */
     uint32_t total_pages;       /* positions of the room */
     int aux;                    /* the decode asked for an aux row */
-    uint32_t nkv, naux;
+    uint32_t nkv, naux;         /* naux: row buffers, aux then state */
+    /* State buffers (state.c): the last nstate row buffers, of components
+     * state_comp; the decode asked for those whose dst_states slot >= 0. */
+    uint32_t nstate;
+    const uint32_t *state_comp;
+    const int64_t *dst_states;
     const uint64_t *kv_item, *aux_item; /* item lengths per buffer */
     uint64_t kv_item_max;       /* the widest KV item (> 0) */
     uint64_t run_bytes;         /* a run this long goes alone */
@@ -112,8 +118,8 @@ typedef struct {
     uint32_t posted;  /* positions whose messages were all planned */
     uint32_t end;     /* end of the position range in progress (0: none) */
     uint32_t buf;     /* next KV buffer of that range */
-    uint32_t aux_buf; /* next aux buffer */
-    int aux_done;     /* the aux rows are planned (or none was asked for) */
+    uint32_t aux_buf; /* next row buffer (aux, then state) */
+    int aux_done;     /* the rows are planned (or none was asked for) */
 } kvr_plan_cursor_t;
 
 /*
@@ -132,6 +138,9 @@ void kvr_plan_hold(kvr_plan_cursor_t *c, const kvr_am_header_t *h);
  * npages pages with `pieces` pieces per buffer: at least one; more while the
  * message stays within `merge` bytes and KVR_MAX_IOV pieces.
  */
+/* 1 if the decode asked for a row of row buffer b (aux or state). */
+int kvr_plan_row_wanted(const kvr_plan_t *p, uint32_t b);
+
 uint16_t kvr_plan_buf_group(const uint64_t *items, uint32_t n, uint32_t b, uint32_t npages,
                             uint32_t pieces, uint64_t merge);
 

@@ -29,7 +29,8 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
     }
     uint64_t len = 0;
     const kvr_slice_t *s = h->kind == KVR_AM_KIND_KV ? kvr_room_slice(r, 0) : NULL;
-    uint32_t niov = kvr_msg_pieces(e, h, r->src_pages, r->src_aux, s, NULL, &len);
+    uint32_t niov = kvr_msg_pieces(e, h, r->src_pages, r->src_aux, r->src_states, s, NULL,
+                                  &len);
     kvr_op_t *op = kvr_op_new(r, len, niov);
     if (op == NULL) {
         if (slot != NULL) {
@@ -38,10 +39,10 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory posting data");
         return 0;
     }
-    kvr_msg_pieces(e, h, r->src_pages, r->src_aux, s, op->iov, &len);
+    kvr_msg_pieces(e, h, r->src_pages, r->src_aux, r->src_states, s, op->iov, &len);
     kvr_am_header_t wire = *h;
     if (e->test_corrupt != KVR_TEST_CORRUPT_NONE) {
-        kvr_test_corrupt_header(&wire, e->test_corrupt, r->ndst, e->nkv);
+        kvr_test_corrupt_header(&wire, e->test_corrupt, r->ndst, e->nkv, e->naux);
     }
     if (e->test_forge_tag != 0) {
         wire.tag = e->test_forge_tag;
@@ -84,10 +85,10 @@ static void kvr_post_limits(const kvr_engine_t *e, const kvr_room_t *r, kvr_plan
     uint64_t run_bytes = e->cfg.coalesce_run_bytes, cap = e->cfg.coalesce_bytes;
     uint32_t max_pages = UINT32_MAX;
     int shm = kvr_tp_ep_is_shm(r->peer->ep);
-    int aux = r->dst_aux >= 0;
+    int aux = r->dst_aux >= 0 || kvr_state_any(r->dst_states);
     if (shm && e->ndev == 0 && e->kv_item_max <= KVR_TP_SHM_EAGER_BYTES &&
         (!aux || e->aux_item_max <= KVR_TP_SHM_EAGER_BYTES) &&
-        (uint64_t)r->total_pages * e->page_bytes + (aux ? e->aux_bytes : 0) <=
+        (uint64_t)r->total_pages * e->page_bytes + kvr_state_bytes(e, r->dst_aux, r->dst_states) <=
             KVR_SHM_EAGER_ROOM_BYTES) {
         /* A small room over shared memory goes as eager messages of at
          * most KVR_TP_SHM_EAGER_BYTES, one fragment of UCX's segment each:
@@ -125,9 +126,12 @@ static void kvr_post_limits(const kvr_engine_t *e, const kvr_room_t *r, kvr_plan
     p->dst_pages = r->dst_pages;
     p->given = r->given;
     p->total_pages = r->total_pages;
-    p->aux = aux;
+    p->aux = r->dst_aux >= 0;
     p->nkv = e->nkv;
     p->naux = e->naux;
+    p->nstate = e->nstate;
+    p->state_comp = e->state_comp;
+    p->dst_states = r->dst_states;
     p->kv_item = e->kv_item;
     p->aux_item = e->aux_item;
     p->kv_item_max = e->kv_item_max;
@@ -191,6 +195,17 @@ static int kvr_post_ready_locked(kvr_engine_t *e, kvr_room_t *r)
                               r->dst_aux);
         return 0;
     }
+    for (uint32_t c = 0; c < e->nstates && r->given == r->total_pages; c++) {
+        if (r->dst_states[c] >= 0 && r->src_states[c] < 0) {
+            /* Checked once every page was handed over: sglang gives the
+             * state slots with the last chunk. */
+            kvr_room_failf_locked(e, r, KVR_LAYOUT_MISMATCH, 1,
+                                  "decode asked for slot %" PRId64 " of state component %u but "
+                                  "the prefill sender gave no state_indices for it",
+                                  r->dst_states[c], c);
+            return 0;
+        }
+    }
     return 1;
 }
 
@@ -213,7 +228,8 @@ void kvr_post_locked(kvr_engine_t *e, kvr_room_t *r)
         kvr_plan_cursor_t next = kvr_eroom(r)->post;
         if (!kvr_post_plan(&plan, &next, &h)) {
             kvr_eroom(r)->post = next;
-            if (plan.kv_none && r->dst_aux < 0 && r->given == r->total_pages) {
+            if (plan.kv_none && !plan.aux && !kvr_state_any(r->dst_states) &&
+                r->given == r->total_pages) {
                 /* Nothing of ours for this decode rank: done once every
                  * page was handed over (the decode expects no bytes). */
                 r->done_received = 1;

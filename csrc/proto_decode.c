@@ -70,9 +70,17 @@ void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len,
             why = "run outside the room";
             goto protocol;
         }
-    } else if ((uint32_t)h.buf + h.nbuf > e->naux || r->aux_index < 0 || h.npages != 1) {
+    } else if ((uint32_t)h.buf + h.nbuf > e->naux || h.npages != 1) {
         why = "aux row does not match the room";
         goto protocol;
+    } else {
+        for (uint32_t b = h.buf; b < (uint32_t)h.buf + h.nbuf; b++) {
+            if (kvr_state_row(e, b, r->aux_index, r->states) < 0) {
+                why = b < e->naux - e->nstate ? "aux row does not match the room"
+                                              : "state row the room did not ask for";
+                goto protocol;
+            }
+        }
     }
     uint64_t want = 0;
     const kvr_slice_t *s = h.kind == KVR_AM_KIND_KV ? kvr_room_slice(r, 0) : NULL;
@@ -80,7 +88,7 @@ void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len,
         why = "KV data for a link that carries none";
         goto protocol;
     }
-    uint32_t niov = kvr_msg_pieces(e, &h, r->pages, r->aux_index, s, NULL, &want);
+    uint32_t niov = kvr_msg_pieces(e, &h, r->pages, r->aux_index, r->states, s, NULL, &want);
     if ((uint64_t)len != want) {
         why = h.kind == KVR_AM_KIND_KV ? "run length does not match item_len"
                                        : "aux row does not match the room";
@@ -100,7 +108,7 @@ void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len,
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory receiving data");
         goto reject;
     }
-    kvr_msg_pieces(e, &h, r->pages, r->aux_index, s, op->iov, &want);
+    kvr_msg_pieces(e, &h, r->pages, r->aux_index, r->states, s, op->iov, &want);
     kvr_room_advance(r, KVR_POLL_TRANSFERRING); /* first byte */
     r->peer->last_data_ns = kvr_now_ns();
     e->stats.data_rendezvous += rndv != 0;
@@ -158,7 +166,8 @@ void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r)
     KVR_ASSERT_LOCKED(e);
     kvr_msg_t m = kvr_msg_room_req(r->id, r->tag, r->aux_index, r->npages,
                                    (const unsigned char *)r->pages, /* little-endian host */
-                                   r->prefix_len);
+                                   r->prefix_len, kvr_state_any(r->states) ? e->nstates : 0,
+                                   (const unsigned char *)r->states);
     kvr_send_ctrl_to_peer(e, r->peer, &m);
     r->req_sent = 1;
     r->started_ns = kvr_now_ns();

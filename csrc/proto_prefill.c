@@ -48,7 +48,8 @@ void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r)
         return;
     }
     const kvr_plan_cursor_t *c = &kvr_eroom(r)->post;
-    if (!r->inited || c->posted < r->total_pages || (r->dst_aux >= 0 && !c->aux_done)) {
+    int rows = r->dst_aux >= 0 || kvr_state_any(r->dst_states);
+    if (!r->inited || c->posted < r->total_pages || (rows && !c->aux_done)) {
         /* The decode cannot hold bytes this side never sent: it lies, or
          * it is talking about another room. */
         kvr_room_failf_locked(e, r, KVR_PROTOCOL, 1,
@@ -56,7 +57,7 @@ void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r)
                               "(%u of %u pages%s posted)",
                               r->peer ? r->peer->name : "the decode", c->posted,
                               r->total_pages,
-                              r->dst_aux >= 0 && !c->aux_done ? ", the aux row not" : "");
+                              rows && !c->aux_done ? ", the aux and state rows not" : "");
         return;
     }
     if (kvr_room_succeed(r)) {
@@ -65,7 +66,8 @@ void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r)
 }
 
 void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint64_t tag,
-                             int64_t aux_index, uint32_t npages, int32_t *pages)
+                             int64_t aux_index, const int64_t *states, uint32_t npages,
+                             int32_t *pages)
 {
     KVR_ASSERT_LOCKED(e);
     if (p->slice.heads && (r = kvr_group_leg_locked(e, r, p, tag)) == NULL) {
@@ -78,10 +80,12 @@ void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint
     p->nrooms++;
     r->dst_tag = tag;
     r->dst_aux = aux_index;
+    memcpy(r->dst_states, states, sizeof(r->dst_states));
     r->ndst = npages;
     r->dst_pages = pages;
     r->started_ns = kvr_now_ns();
-    uint64_t bytes = (uint64_t)npages * e->page_bytes + (aux_index >= 0 ? e->aux_bytes : 0);
+    uint64_t bytes =
+        (uint64_t)npages * e->page_bytes + kvr_state_bytes(e, aux_index, r->dst_states);
     r->deadline_ns = kvr_deadline_ns(e, r->started_ns, bytes);
     kvr_timer_arm_locked(e, r);
     kvr_room_advance(r, KVR_POLL_WAITING);
@@ -423,6 +427,24 @@ static void kvr_on_room_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
                               m->aux_index);
         return;
     }
+    /* State slots are the decode's own, like its pages: checked there
+     * against its registration; here only that they name components this
+     * side has. */
+    int64_t states[KVR_MAX_STATES];
+    if (m->nstates > e->nstates) {
+        kvr_refuse_req_locked(e, p, m, KVR_LAYOUT_MISMATCH,
+                              "it asks for %u state components, this prefill has %u",
+                              m->nstates, e->nstates);
+        return;
+    }
+    for (uint32_t c = 0; c < KVR_MAX_STATES; c++) {
+        states[c] = c < m->nstates ? (int64_t)kvr_wire_u64_at(m->states, c) : -1;
+        if (states[c] < -1) {
+            kvr_refuse_req_locked(e, p, m, KVR_PROTOCOL,
+                                  "state_indices[%u]=%" PRId64 " is negative", c, states[c]);
+            return;
+        }
+    }
     kvr_room_t *r = kvr_table_get(&e->rooms, m->room);
     int fresh = r != NULL && !r->bound && !kvr_room_terminal(r) && !r->failing;
     if (r != NULL && !fresh) {
@@ -499,7 +521,7 @@ static void kvr_on_room_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
     }
     if (fresh) {
         r->prefix_len = m->prefix_len;
-        kvr_bind_request_locked(e, r, p, m->tag, m->aux_index, m->npages, pages);
+        kvr_bind_request_locked(e, r, p, m->tag, m->aux_index, states, m->npages, pages);
         return;
     }
     kvr_pending_t *pd = calloc(1, sizeof(*pd));
@@ -511,6 +533,7 @@ static void kvr_on_room_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
     p->nrooms++;
     pd->tag = m->tag;
     pd->aux_index = m->aux_index;
+    memcpy(pd->states, states, sizeof(states));
     pd->npages = m->npages;
     e->pending_pages += m->npages;
     pd->pages = pages;

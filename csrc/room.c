@@ -17,6 +17,9 @@ kvr_room_t *kvr_room_new(size_t size, uint64_t id, uint64_t tag, int role)
     r->aux_index = -1;
     r->src_aux = -1;
     r->dst_aux = -1;
+    for (int i = 0; i < KVR_MAX_STATES; i++) {
+        r->states[i] = r->src_states[i] = r->dst_states[i] = -1;
+    }
     atomic_init(&r->visible, KVR_POLL_BOOTSTRAPPING);
     return r;
 }

@@ -102,6 +102,7 @@ typedef struct kvr_room {
     int32_t *pages;         /* destination pages (positions -> page) */
     uint32_t npages;
     int64_t aux_index;
+    int64_t states[KVR_MAX_STATES]; /* state slots (state.c), -1: none */
     uint64_t expected;      /* bytes */
     uint64_t received;
     unsigned char *claimed; /* one bit per (buffer, position) accepted (kvr_room_claim) */
@@ -112,10 +113,12 @@ typedef struct kvr_room {
     int32_t *src_pages;     /* source pages given so far */
     uint32_t given;         /* pages handed over by send() */
     int64_t src_aux;
+    int64_t src_states[KVR_MAX_STATES]; /* given by send(); -1: none */
     int bound;              /* decode's request arrived */
     int32_t *dst_pages;
     uint32_t ndst;
     int64_t dst_aux;
+    int64_t dst_states[KVR_MAX_STATES];
     uint64_t dst_tag;
     int done_received;
     uint64_t rejected_ns;   /* the decode refused a data message (0: never) */

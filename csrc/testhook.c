@@ -1,7 +1,15 @@
 #include "testhook.h"
 
-void kvr_test_corrupt_header(kvr_am_header_t *h, int mode, uint32_t room_pages, uint32_t nkv)
+void kvr_test_corrupt_header(kvr_am_header_t *h, int mode, uint32_t room_pages, uint32_t nkv,
+                             uint32_t naux)
 {
+    if (mode == KVR_TEST_CORRUPT_STATE) {
+        if (h->kind == KVR_AM_KIND_AUX) {
+            h->buf = (uint16_t)(naux - 1);
+            h->nbuf = 1;
+        }
+        return;
+    }
     if (h->kind != KVR_AM_KIND_KV) {
         return;
     }

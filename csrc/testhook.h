@@ -22,6 +22,7 @@ enum {
     KVR_TEST_CORRUPT_BYTES = 3, /* more bytes than the header's positions cover */
     KVR_TEST_CORRUPT_DUP = 4,   /* every KV message sent twice */
     KVR_TEST_CORRUPT_EPOCH = 5, /* another instance's epoch */
+    KVR_TEST_CORRUPT_STATE = 6, /* row messages name the last row buffer (a state row) */
     KVR_TEST_CORRUPT_LAST
 };
 
@@ -30,6 +31,7 @@ enum {
  * of room_pages positions over nkv KV buffers (DUP leaves it as it is: the
  * caller posts the message twice).  Aux messages are left alone.
  */
-void kvr_test_corrupt_header(kvr_am_header_t *h, int mode, uint32_t room_pages, uint32_t nkv);
+void kvr_test_corrupt_header(kvr_am_header_t *h, int mode, uint32_t room_pages, uint32_t nkv,
+                             uint32_t naux);
 
 #endif

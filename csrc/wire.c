@@ -192,8 +192,12 @@ int kvr_wire_encode(kvr_wbuf_t *b, const kvr_msg_t *m)
         kvr_put_u64(b, (uint64_t)m->aux_index);
         kvr_put_u32(b, m->npages);
         kvr_wbuf_put(b, m->pages, (size_t)m->npages * 4);
-        if (m->prefix_len) {
+        if (m->prefix_len || m->nstates) {
             kvr_put_u32(b, m->prefix_len);
+        }
+        if (m->nstates) {
+            kvr_put_u16(b, (uint16_t)m->nstates);
+            kvr_wbuf_put(b, m->states, (size_t)m->nstates * 8);
         }
         break;
     case KVR_MSG_ROOM_DONE:
@@ -415,7 +419,13 @@ int kvr_wire_decode(const void *buf, size_t len, kvr_msg_t *m, const char **why)
         kvr_rd_take(&r, (size_t)m->npages * 4, &m->pages, "truncated page list");
         if (!r.why && r.left >= 4) { /* the optional prefix length */
             m->prefix_len = (uint32_t)kvr_rd_int(&r, 4, "truncated prefix length");
-            if (m->prefix_len == 0) {
+            if (!r.why && r.left >= 2) { /* then the optional state slots */
+                m->nstates = (uint32_t)kvr_rd_int(&r, 2, "truncated state count");
+                if (!r.why && (m->nstates == 0 || m->nstates > KVR_MAX_STATES)) {
+                    r.why = "bad state count";
+                }
+                kvr_rd_take(&r, (size_t)m->nstates * 8, &m->states, "truncated state slots");
+            } else if (m->prefix_len == 0) {
                 r.why = "explicit zero prefix length";
             }
         }
@@ -583,7 +593,8 @@ kvr_msg_t kvr_msg_hello(int type, uint32_t rank, const kvr_wire_layout_t *layout
 }
 
 kvr_msg_t kvr_msg_room_req(uint64_t room, uint64_t tag, int64_t aux_index, uint32_t npages,
-                           const unsigned char *pages, uint32_t prefix_len)
+                           const unsigned char *pages, uint32_t prefix_len, uint32_t nstates,
+                           const unsigned char *states)
 {
     kvr_msg_t m = kvr_msg_room_done(room, tag);
     m.type = KVR_MSG_ROOM_REQ;
@@ -591,6 +602,8 @@ kvr_msg_t kvr_msg_room_req(uint64_t room, uint64_t tag, int64_t aux_index, uint3
     m.npages = npages;
     m.pages = pages;
     m.prefix_len = prefix_len;
+    m.nstates = nstates;
+    m.states = states;
     return m;
 }
 

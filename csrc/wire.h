@@ -27,6 +27,8 @@
 #define KVR_WIRE_MAX_STR 1024
 #define KVR_WIRE_MAX_ADDR 65536
 #define KVR_WIRE_MAX_DP_PP 65535
+/* Most per-request state components (state.c) a room names a slot of. */
+#define KVR_MAX_STATES 8
 
 typedef enum {
     KVR_MSG_BS_REGISTER = 1,  /* prefill -> bootstrap: rank, endpoint[, dp, pp] */
@@ -36,7 +38,8 @@ typedef enum {
     KVR_MSG_HELLO,            /* decode -> prefill: rank, layout, worker address[, fields] */
     KVR_MSG_HELLO_OK,         /* prefill -> decode: rank, layout, worker address[, fields] */
     KVR_MSG_HELLO_REJECT,     /* prefill -> decode: rank, code, reason */
-    KVR_MSG_ROOM_REQ,         /* decode -> prefill: room, tag, aux_index, pages[, prefix_len] */
+    KVR_MSG_ROOM_REQ,         /* decode -> prefill: room, tag, aux_index, pages[,
+                               * prefix_len[, state slots]] */
     KVR_MSG_ROOM_DONE,        /* decode -> prefill: room, tag */
     KVR_MSG_ROOM_FAIL,        /* either way: room, tag, code, origin_rank, reason, peer */
     KVR_MSG_PING,             /* decode -> prefill: rank */
@@ -83,6 +86,11 @@ typedef struct {
      * On the wire only when > 0 (so a request without one is encoded as
      * before, and there is still one encoding per message). */
     uint32_t prefix_len;
+    /* ROOM_REQ: the decode's slot per state component (state.c), -1 for a
+     * component it does not ask for; on the wire only when nstates > 0
+     * (then prefix_len is there too, 0 allowed). */
+    uint32_t nstates;
+    const unsigned char *states; /* nstates x little-endian int64 */
     /* HELLO: the decode's UCX tcp receive buffer size in bytes (0: not
      * known, UINT32_MAX: no tcp); on the wire only when > 0, like
      * prefix_len. */
@@ -129,7 +137,8 @@ kvr_msg_t kvr_msg_hello(int type, uint32_t rank, const kvr_wire_layout_t *layout
                         uint32_t addr_len);
 /* ROOM_REQ: pages is npages little-endian int32. */
 kvr_msg_t kvr_msg_room_req(uint64_t room, uint64_t tag, int64_t aux_index, uint32_t npages,
-                           const unsigned char *pages, uint32_t prefix_len);
+                           const unsigned char *pages, uint32_t prefix_len, uint32_t nstates,
+                           const unsigned char *states);
 /* ROOM_DONE. */
 kvr_msg_t kvr_msg_room_done(uint64_t room, uint64_t tag);
 /* ROOM_FAIL and SIB_FAIL: a room's root cause; peer may be NULL (""). */

@@ -112,7 +112,11 @@ class KVArgs:
     attn_dp_rank (prefill): the DP group this rank belongs to.  Several
     prefill DP groups may register with one bootstrap server (each rank by
     its DP group and engine_rank); a decode room picks one with
-    KVReceiver.init(prefill_dp_rank)."""
+    KVReceiver.init(prefill_dp_rank).
+
+    State buffers (hybrid models, sglang's state_* fields): per component
+    (state_types, e.g. Mamba), a list of buffers, each of its own item length,
+    indexed by the request's slot of that component (docs/layouts.md)."""
 
     def __init__(
         self,
@@ -130,6 +134,10 @@ class KVArgs:
         total_kv_head_num: Optional[int] = None,
         is_mla: bool = False,
         attn_dp_rank: int = 0,
+        state_data_ptrs: Sequence[Sequence[int]] = (),
+        state_data_lens: Sequence[Sequence[int]] = (),
+        state_item_lens: Sequence[Sequence[int]] = (),
+        state_types: Sequence[Any] = (),
     ):
         self.engine_rank = int(engine_rank)
         self.attn_dp_rank = _dp_rank("attn_dp_rank", attn_dp_rank)
@@ -152,7 +160,18 @@ class KVArgs:
                 "aux_data_ptrs, aux_data_lens and aux_item_lens have different lengths "
                 f"({len(self.aux_data_ptrs)}, {len(self.aux_data_lens)}, {len(self.aux_item_lens)})"
             )
-        self.mem_kinds = _mem_kinds(mem_kinds, len(self.kv_data_ptrs) + len(self.aux_data_ptrs))
+        self.state_types = list(state_types)
+        self.state_data_ptrs, self.state_data_lens, self.state_item_lens = (
+            [_int_list(f"{name}[{i}]", c) for i, c in enumerate(v)]
+            for name, v in (("state_data_ptrs", state_data_ptrs),
+                            ("state_data_lens", state_data_lens),
+                            ("state_item_lens", state_item_lens))
+        )
+        self.state = _state(self.state_data_ptrs, self.state_data_lens, self.state_item_lens)
+        nstate = len(self.state[0]) if self.state else 0
+        self.mem_kinds = _mem_kinds(
+            mem_kinds, len(self.kv_data_ptrs) + len(self.aux_data_ptrs) + nstate
+        )
         self.heads = _heads(self.tp_size, self.engine_rank, kv_head_num, total_kv_head_num, is_mla)
         for kind in ("kv", "aux"):
             lens = getattr(self, f"{kind}_data_lens")
@@ -175,6 +194,8 @@ class KVArgs:
         aux_item_lens: Sequence[int] = (),
         page_size: int = 1,
         tp_size: int = 1,
+        state_buffers: Sequence[Sequence[Any]] = (),
+        state_item_lens: Sequence[Sequence[int]] = (),
         **heads: Any,
     ) -> "KVArgs":
         """Builds KVArgs from writable buffers (numpy arrays, bytearrays,
@@ -207,8 +228,10 @@ class KVArgs:
 
         kp, kl = describe("kv_buffers", kv_buffers)
         ap, al = describe("aux_buffers", aux_buffers)
+        state = [describe(f"state_buffers[{i}]", c) for i, c in enumerate(state_buffers)]
         args = cls(engine_rank, kp, kl, kv_item_lens, ap, al, aux_item_lens, page_size, tp_size,
-                   **heads)
+                   state_data_ptrs=[p for p, _ in state], state_data_lens=[n for _, n in state],
+                   state_item_lens=state_item_lens, **heads)
         args._keepalive = keep
         return args
 
@@ -223,6 +246,26 @@ def _dp_rank(name: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= MAX_DP_RANK:
         raise ValueError(f"{name}={value!r} must be an integer in [0, {MAX_DP_RANK}]")
     return value
+
+
+def _state(ptrs: list, lens: list, items: list):
+    """The state buffers for the core, flat: (ptrs, lens, item lens,
+    component of each), or None when there are none."""
+    if not (len(ptrs) == len(lens) == len(items)):
+        raise ValueError(
+            "state_data_ptrs, state_data_lens and state_item_lens have different numbers of "
+            f"components ({len(ptrs)}, {len(lens)}, {len(items)})"
+        )
+    flat: tuple = ([], [], [], [])
+    for c, (p, n, i) in enumerate(zip(ptrs, lens, items)):
+        if not (len(p) == len(n) == len(i)) or not p:
+            raise ValueError(
+                f"state component {c}: state_data_ptrs, state_data_lens and state_item_lens "
+                f"have {len(p)}, {len(n)} and {len(i)} buffers (equal, at least one)"
+            )
+        for k, v in enumerate((p, n, i, [c] * len(p))):
+            flat[k].extend(v)
+    return flat if flat[0] else None
 
 
 def _heads(tp_size: int, rank: int, heads: Optional[int], total: Optional[int], mla: bool):
@@ -247,7 +290,7 @@ def _heads(tp_size: int, rank: int, heads: Optional[int], total: Optional[int], 
 
 def _mem_kinds(value: Any, n: int) -> list:
     """One kind for every buffer, or one per buffer (KV buffers first, then
-    aux): "host", "cuda" (device memory; needs the CUDA runtime) or "auto"
+    aux, then state): "host", "cuda" (device memory; needs the CUDA runtime) or "auto"
     (asks CUDA where it can, else host)."""
     if isinstance(value, str):
         value = [value] * n
@@ -258,7 +301,7 @@ def _mem_kinds(value: Any, n: int) -> list:
     value = list(value)
     if len(value) != n:
         raise ValueError(f"mem_kinds has {len(value)} entries for {n} buffers (KV buffers first, "
-                         "then aux)")
+                         "then aux, then state)")
     for i, k in enumerate(value):
         if not isinstance(k, str):
             raise TypeError(f"mem_kinds[{i}] must be a str, not {type(k).__name__}")
@@ -340,6 +383,7 @@ class KVManager:
             [MEM_KINDS[k] for k in args.mem_kinds],
             args.heads,
             args.attn_dp_rank,
+            args.state,
         )
         # The core's events reach logging.getLogger("kvrecv") through one
         # thread per manager that waits (without the GIL) for them.  It holds

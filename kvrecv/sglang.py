@@ -16,11 +16,12 @@ tokens it already holds, N travels with its request, and the prefill's
 ``pop_decode_prefix_len()`` returns it so the prefill scheduler sends from
 token N on (``init()`` with the remaining page count).
 
-What is not supported (rejected cleanly rather than moving wrong bytes):
-hybrid-model state buffers.  A manager whose ``kv_args.state_types`` is
-non-empty is refused; with none registered, ``state_indices`` may be None or
-empty, and a room given non-empty ``state_indices`` fails with a reason that
-says so.
+Hybrid-model state: Mamba state buffers (``kv_args.state_types`` MAMBA,
+``state_data_ptrs/lens/item_lens``) move with the room, one slot per state
+type from ``state_indices`` on both sides, between equal attention TP sizes
+(docs/layouts.md).  Other state types (sliding window, DSA, ...) are refused
+at creation; a manager with none registered fails a room given non-empty
+``state_indices`` with a reason that says so.
 """
 
 from __future__ import annotations
@@ -154,8 +155,27 @@ def _has_state(state_indices) -> bool:
 # (a bound: the addresses come from the requests).
 _MAX_BOOTSTRAP_FAILURES = 1024
 
-_NO_STATE = ("kvrecv registered no state buffers (it moves dense KV caches only; a manager "
-             "with state_types is refused), so state_indices={!r} cannot be transferred")
+_NO_STATE = ("this manager registered no state buffers (kv_args.state_types is empty), so "
+             "state_indices={!r} cannot be transferred")
+# The state types kvrecv moves: one slot per request, buffers of their own
+# item length (state.c).
+_STATE_TYPES = ("mamba",)
+
+
+def _state_args(args: Any) -> dict:
+    """The KVArgs state fields from sglang's KVArgs; NotImplementedError
+    for a state type kvrecv does not move."""
+    types = list(getattr(args, "state_types", None) or ())
+    names = [str(getattr(t, "value", t)) for t in types]  # sglang's StateType is a str enum
+    bad = [n for n in names if n not in _STATE_TYPES]
+    if bad:
+        raise NotImplementedError(
+            f"kvrecv moves state types {list(_STATE_TYPES)} only (one slot per request); "
+            f"state_types {bad!r} are not supported")
+    if not types:
+        return {}
+    return {k: [_seq(c) for c in getattr(args, k)]
+            for k in ("state_data_ptrs", "state_data_lens", "state_item_lens")}
 
 
 @dataclasses.dataclass
@@ -197,7 +217,7 @@ class KVRecvManager(KVManager):
     overrides the address this rank advertises; ``kvrecv_config`` may carry a
     KVConfig, and KVRECV_* environment variables override its fields.
 
-    Refused at creation, with the reason: state buffers (hybrid models), a
+    Refused at creation, with the reason: state types other than Mamba, a
     prefill with more than one DP group, PP or CP stage (kvrecv's rendezvous
     pairs decode rank r with prefill rank r of one group).
 
@@ -216,10 +236,7 @@ class KVRecvManager(KVManager):
     def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any = None,
                  is_mla_backend: Optional[bool] = False):
         mode = mode_name(disaggregation_mode)
-        state_types = getattr(args, "state_types", None)
-        if state_types:
-            raise NotImplementedError(
-                f"kvrecv moves dense KV caches only; state buffers {list(state_types)!r} are not supported")
+        state = _state_args(args)
         par = _parallel(server_args)
         if mode == "prefill" and (par["dp_size"] > 1 or par["pp_size"] > 1 or par["cp_size"] > 1):
             raise NotImplementedError(
@@ -239,6 +256,7 @@ class KVRecvManager(KVManager):
                 page_size=int(getattr(args, "page_size", 1) or 1),
                 tp_size=par["attn_tp_size"],
                 **_head_layout(args, is_mla_backend, par["attn_tp_size"]),
+                **state,
             )
         host = getattr(server_args, "host", None)
         port = int(getattr(server_args, "disaggregation_bootstrap_port", 8998) or 8998)
@@ -560,7 +578,7 @@ class KVRecvSender(_RoomMixin, KVSender):
 
     def send(self, kv_indices, state_indices: Optional[list] = None, num_kv_tokens=None,
              token_position_offset: int = 0, **_ignored) -> None:
-        if _has_state(state_indices):
+        if _has_state(state_indices) and not self.mgr.kvrecv_args.state:
             self._fail_local(_NO_STATE.format(state_indices))
             return
         pages = [int(i) for i in kv_indices]
@@ -575,9 +593,11 @@ class KVRecvSender(_RoomMixin, KVSender):
             self._held = []
         elif pages and self._posted + len(pages) >= self._num_kv_indices:
             self._held, pages = pages[-1:], pages[:-1]
-        if pages:
+        # sglang gives the state slots with the last chunk only.
+        states = state_indices if _has_state(state_indices) else None
+        if pages or states:
             self._posted += len(pages)
-            KVSender.send(self, pages)
+            KVSender.send(self, pages, states)
 
     def pop_decode_prefix_len(self) -> int:
         """Tokens of the request the decode already holds (its radix-cache
@@ -653,10 +673,11 @@ class KVRecvReceiver(_RoomMixin, KVReceiver):
                       decode_prefix_len: Optional[int] = None, **_ignored) -> None:
         """kv_indices: the decode pages after the decode_prefix_len tokens it
         already holds (sglang passes the pages of that delta)."""
-        if _has_state(state_indices):
+        if _has_state(state_indices) and not self.mgr.kvrecv_args.state:
             self._fail_local(_NO_STATE.format(state_indices))
             return
-        KVReceiver.send_metadata(self, kv_indices, aux_index, decode_prefix_len or 0)
+        KVReceiver.send_metadata(self, kv_indices, aux_index, decode_prefix_len or 0,
+                                 state_indices if _has_state(state_indices) else None)
 
     def failure_exception(self):
         """The room's failure.  A room aborted before init() (sglang's

@@ -118,6 +118,10 @@ def main() -> int:
         kv, aux = hp.prefill_buffers(int(spec.get("seed", 1)), h["tp"], rank, h["total"])
         args = hp.kv_args(kvrecv, kv, aux, h["tp"], rank, h["total"], h.get("mla", False),
                           h.get("dp", 0))
+    elif spec.get("state"):  # a prefill with state buffers (tests/state_peer.py)
+        import state_peer as sp
+        kv, aux = source_buffers(int(spec.get("seed", 1)))
+        args = sp.kv_args(KVArgs, rank, kv, aux, sp.source(int(spec.get("seed", 1))))
     elif role == "prefill":
         kv, aux = source_buffers(int(spec.get("seed", 1)), scale=scale)
         args = KVArgs.from_buffers(rank, kv, item_lens(scale=scale), aux, [AUX_ITEM])
@@ -149,7 +153,8 @@ def main() -> int:
                 rooms[cmd["room"]] = s
                 reply({"state": int(s.poll())})
             elif op == "send":
-                rooms[cmd["room"]].send(np.asarray(cmd["pages"], dtype=np.int32))
+                rooms[cmd["room"]].send(np.asarray(cmd["pages"], dtype=np.int32),
+                                        state_indices=cmd.get("state"))
                 reply({"state": int(rooms[cmd["room"]].poll())})
             elif op == "open_receiver":
                 r = KVReceiver(mgr, bootstrap, cmd["room"])

@@ -25,11 +25,12 @@ class PeerProcess(JsonLineChild):
     (SIGSTOP) and SIGKILLed for real."""
 
     def __init__(self, role, bootstrap, seed=1, config=None, scale=64, startup_timeout=60,
-                 rank=0, kv_path=None, heads=None):
+                 rank=0, kv_path=None, heads=None, state=False):
         # kv_path (decode): its KV buffers live in that file, which the test
         # maps too (to refill them while the child is frozen).
         spec = {"role": role, "bootstrap": bootstrap, "rank": rank, "seed": seed,
-                "config": config or {}, "scale": scale, "kv_path": kv_path, "heads": heads}
+                "config": config or {}, "scale": scale, "kv_path": kv_path, "heads": heads,
+                "state": state}
         env = dict(os.environ)
         env["PYTHONPATH"] = ROOT + os.pathsep + env.get("PYTHONPATH", "")
         self._frozen = False

@@ -271,9 +271,10 @@ def test_mode_name():
 
 
 def test_state_buffers_rejected():
+    """State types other than Mamba (tests/test_state.py moves Mamba's)."""
     a = sglang_kv_args(Side(STD, rank=0))
-    a.state_types = ["mamba"]
-    with pytest.raises(NotImplementedError, match="state"):
+    a.state_types = ["mamba", "swa"]
+    with pytest.raises(NotImplementedError, match=r"state_types \['swa'\] are not supported"):
         KVRecvManager(a, DisaggregationMode.DECODE, types.SimpleNamespace(), False)
 
 

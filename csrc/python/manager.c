@@ -147,26 +147,83 @@ static int kvr_cfg_secret(PyObject *cfg, kvr_config_t *c)
     return rc;
 }
 
+/* state: None, or (ptrs, lens, item lens, components) of the state buffers
+ * (state.c), appended to the aux buffers bufs[3..5] (ns[3] of them);
+ * *comp gets the components.  Returns 0, or -1 with the error set. */
+static int kvr_py_state_args(PyObject *state, uint64_t **bufs, uint32_t *ns, uint32_t **comp,
+                             uint32_t *nstate)
+{
+    if (state == Py_None) {
+        return 0;
+    }
+    static const char *names[4] = {"state_data_ptrs", "state_data_lens", "state_item_lens",
+                                   "state components"};
+    uint64_t *lists[4] = {NULL, NULL, NULL, NULL};
+    uint32_t n[4] = {0, 0, 0, 0};
+    int rc = -1;
+    if (!PyTuple_Check(state) || PyTuple_GET_SIZE(state) != 4) {
+        PyErr_SetString(PyExc_TypeError, "state must be (ptrs, lens, item_lens, components)");
+        return -1;
+    }
+    for (int i = 0; i < 4; i++) {
+        if (kvr_py_u64_list(PyTuple_GET_ITEM(state, i), names[i], &lists[i], &n[i]) < 0) {
+            goto out;
+        }
+    }
+    if (n[0] != n[1] || n[0] != n[2] || n[0] != n[3]) {
+        PyErr_Format(PyExc_ValueError,
+                     "state_data_ptrs, state_data_lens and state_item_lens have different "
+                     "lengths (%u, %u, %u)", n[0], n[1], n[2]);
+        goto out;
+    }
+    *comp = PyMem_Calloc(n[0] ? n[0] : 1, sizeof(uint32_t));
+    if (*comp == NULL) {
+        PyErr_NoMemory();
+        goto out;
+    }
+    for (int i = 0; i < 3; i++) {
+        uint64_t *grown = PyMem_Realloc(bufs[3 + i], ((size_t)ns[3] + n[0] + 1) * sizeof(uint64_t));
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            goto out;
+        }
+        memcpy(grown + ns[3], lists[i], (size_t)n[0] * sizeof(uint64_t));
+        bufs[3 + i] = grown;
+    }
+    for (uint32_t i = 0; i < n[0]; i++) {
+        (*comp)[i] = lists[3][i] > UINT32_MAX ? UINT32_MAX : (uint32_t)lists[3][i];
+    }
+    ns[3] += n[0];
+    *nstate = n[0];
+    rc = 0;
+out:
+    for (int i = 0; i < 4; i++) {
+        PyMem_Free(lists[i]);
+    }
+    return rc;
+}
+
 static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
 {
     kvr_py_manager_t *self = (kvr_py_manager_t *)op;
     static char *kwlist[] = {"mode", "engine_rank", "kv_data_ptrs", "kv_data_lens",
                              "kv_item_lens", "aux_data_ptrs", "aux_data_lens", "aux_item_lens",
                              "page_size", "host", "bootstrap_addr", "config", "mem_kinds",
-                             "heads", "dp_rank", NULL};
+                             "heads", "dp_rank", "state", NULL};
     int mode, rank;
     unsigned int dp_rank = 0;
     unsigned int page_size = 1;
     PyObject *kp, *kl, *ki, *ap, *al, *ai, *cfg = Py_None, *kinds = Py_None, *heads = Py_None;
+    PyObject *state = Py_None;
     uint64_t *head_list = NULL;
     const char *host = "127.0.0.1", *bs = "";
     if (self->engine != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Manager is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiOOOOOO|IssOOOI", kwlist, &mode, &rank, &kp,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiOOOOOO|IssOOOIO", kwlist, &mode, &rank, &kp,
                                      &kl, &ki, &ap, &al, &ai, &page_size, &host, &bs, &cfg,
-                                     &kinds, &heads, &dp_rank)) {
+                                     &kinds, &heads, &dp_rank, &state)) {
         return -1;
     }
     kvr_engine_params_t p;
@@ -174,6 +231,7 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     uint64_t *bufs[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
     uint64_t *kind_list = NULL;
     uint8_t *kind_bytes = NULL;
+    uint32_t *state_comp = NULL;
     uint32_t ns[6] = {0, 0, 0, 0, 0, 0};
     PyObject *lists[6] = {kp, kl, ki, ap, al, ai};
     static const char *names[6] = {"kv_data_ptrs", "kv_data_lens", "kv_item_lens",
@@ -198,6 +256,10 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
                      ns[3], ns[4], ns[5]);
         goto out;
     }
+    if (kvr_py_state_args(state, bufs, ns, &state_comp, &p.nstate) < 0) {
+        goto out;
+    }
+    p.state_comp = state_comp;
     p.mode = mode;
     p.rank = rank;
     p.dp_rank = dp_rank;
@@ -288,6 +350,7 @@ out:
     PyMem_Free(kind_list);
     PyMem_Free(kind_bytes);
     PyMem_Free(head_list);
+    PyMem_Free(state_comp);
     return ret;
 }
 

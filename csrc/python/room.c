@@ -1,4 +1,5 @@
 #include "module.h"
+#include "../wire.h" /* KVR_MAX_STATES */
 
 #include <string.h>
 
@@ -262,6 +263,85 @@ static int kvr_py_aux(PyObject *obj, int64_t *out)
     return 0;
 }
 
+/* One state slot: a non-negative int, or a sequence of one (sglang's
+ * Mamba slot list).  Returns 0, or -1 with the error set. */
+static int kvr_py_state_slot(PyObject *v, uint32_t c, int64_t *out)
+{
+    Py_INCREF(v);
+    if (PySequence_Check(v)) { /* before PyIndex_Check: a numpy array has __index__ */
+        Py_ssize_t len = PySequence_Size(v);
+        if (len != 1) {
+            if (len >= 0) {
+                PyErr_Format(PyExc_ValueError,
+                             "state_indices[%u] has %zd slots: one slot per state component "
+                             "is supported (a Mamba state slot)",
+                             c, len);
+            }
+            Py_DECREF(v);
+            return -1;
+        }
+        PyObject *item = PySequence_GetItem(v, 0);
+        Py_DECREF(v);
+        if (item == NULL) {
+            return -1;
+        }
+        v = item;
+    }
+    long long s = -1;
+    int overflow = 0;
+    if (!PyBool_Check(v) && PyIndex_Check(v)) {
+        PyObject *idx = PyNumber_Index(v);
+        if (idx != NULL) {
+            s = PyLong_AsLongLongAndOverflow(idx, &overflow);
+            Py_DECREF(idx);
+        }
+    } else {
+        PyErr_Format(PyExc_TypeError, "state_indices[%u] must be an integer, a list of one, "
+                     "or None, not %.100s", c, Py_TYPE(v)->tp_name);
+    }
+    Py_DECREF(v);
+    if (PyErr_Occurred()) {
+        return -1;
+    }
+    if (overflow || s < 0) {
+        PyErr_Format(PyExc_ValueError, "state_indices[%u] must be a non-negative slot", c);
+        return -1;
+    }
+    *out = s;
+    return 0;
+}
+
+/* state_indices: None (no state), or one entry per state component: None
+ * (not asked for) or its slot (kvr_py_state_slot).  *n gets the entries. */
+static int kvr_py_states(PyObject *obj, int64_t *out, uint32_t *n)
+{
+    *n = 0;
+    if (obj == NULL || obj == Py_None) {
+        return 0;
+    }
+    PyObject *seq = PySequence_Fast(obj, "state_indices must be a list or None");
+    if (seq == NULL) {
+        return -1;
+    }
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    int rc = 0;
+    if (len > KVR_MAX_STATES) {
+        PyErr_Format(PyExc_ValueError, "state_indices has %zd components, at most %d", len,
+                     KVR_MAX_STATES);
+        rc = -1;
+    }
+    for (Py_ssize_t i = 0; rc == 0 && i < len; i++) {
+        PyObject *v = PySequence_Fast_GET_ITEM(seq, i);
+        out[i] = -1;
+        if (v != Py_None) {
+            rc = kvr_py_state_slot(v, (uint32_t)i, &out[i]);
+        }
+    }
+    Py_DECREF(seq);
+    *n = rc == 0 ? (uint32_t)len : 0;
+    return rc;
+}
+
 #define KVR_CALL(expr)                                                                        \
     do {                                                                                      \
         char err_[512] = "";                                                                  \
@@ -307,15 +387,17 @@ static PyObject *kvr_room_recv_init(PyObject *op, PyObject *args, PyObject *kwds
 
 static PyObject *kvr_room_send_metadata(PyObject *op, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"kv_indices", "aux_index", "decode_prefix_len", NULL};
-    PyObject *ind, *aux = Py_None, *prefix = Py_None;
-    int64_t auxv;
+    static char *kwlist[] = {"kv_indices", "aux_index", "decode_prefix_len", "state_indices",
+                             NULL};
+    PyObject *ind, *aux = Py_None, *prefix = Py_None, *st = Py_None;
+    int64_t auxv, states[KVR_MAX_STATES];
+    uint32_t nstates;
     uint32_t prefix_len = 0;
     int32_t *pages;
     size_t n;
     kvr_handle_t *h = kvr_room_handle((kvr_py_room_t *)op);
     if (h == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kwds, "O|OO", kwlist, &ind, &aux, &prefix) ||
+        !PyArg_ParseTupleAndKeywords(args, kwds, "O|OOO", kwlist, &ind, &aux, &prefix, &st) ||
         kvr_room_role_check(h, KVR_MODE_DECODE, "send_metadata") < 0) {
         return NULL;
     }
@@ -339,13 +421,15 @@ static PyObject *kvr_room_send_metadata(PyObject *op, PyObject *args, PyObject *
         }
         prefix_len = (uint32_t)v;
     }
-    if (kvr_py_aux(aux, &auxv) < 0 || kvr_py_indices(ind, "kv_indices", &pages, &n) < 0) {
+    if (kvr_py_aux(aux, &auxv) < 0 || kvr_py_states(st, states, &nstates) < 0 ||
+        kvr_py_indices(ind, "kv_indices", &pages, &n) < 0) {
         return NULL;
     }
     char errbuf[512] = "";
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = kvr_handle_send_metadata(h, pages, n, auxv, prefix_len, errbuf, sizeof(errbuf));
+    rc = kvr_handle_send_metadata(h, pages, n, auxv, states, nstates, prefix_len, errbuf,
+                                  sizeof(errbuf));
     Py_END_ALLOW_THREADS
     PyMem_Free(pages);
     if (rc != 0) {
@@ -389,22 +473,25 @@ static PyObject *kvr_room_send_init(PyObject *op, PyObject *args, PyObject *kwds
 
 static PyObject *kvr_room_send(PyObject *op, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"kv_indices", NULL};
-    PyObject *ind;
+    static char *kwlist[] = {"kv_indices", "state_indices", NULL};
+    PyObject *ind, *st = Py_None;
     int32_t *pages;
     size_t n;
+    int64_t states[KVR_MAX_STATES];
+    uint32_t nstates;
     kvr_handle_t *h = kvr_room_handle((kvr_py_room_t *)op);
-    if (h == NULL || !PyArg_ParseTupleAndKeywords(args, kwds, "O", kwlist, &ind) ||
+    if (h == NULL || !PyArg_ParseTupleAndKeywords(args, kwds, "O|O", kwlist, &ind, &st) ||
         kvr_room_role_check(h, KVR_MODE_PREFILL, "send") < 0) {
         return NULL;
     }
-    if (kvr_py_indices(ind, "kv_indices", &pages, &n) < 0) {
+    if (kvr_py_states(st, states, &nstates) < 0 ||
+        kvr_py_indices(ind, "kv_indices", &pages, &n) < 0) {
         return NULL;
     }
     char errbuf[512] = "";
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = kvr_handle_send(h, pages, n, errbuf, sizeof(errbuf));
+    rc = kvr_handle_send(h, pages, n, states, nstates, errbuf, sizeof(errbuf));
     Py_END_ALLOW_THREADS
     PyMem_Free(pages);
     if (rc != 0) {

@@ -54,6 +54,7 @@
     X(plan_coalesce_and_cut, 10, 0)                                           \
     X(plan_merge_buffers, 10, 0)                                              \
     X(plan_resume_and_aux, 10, 0)                                             \
+    X(plan_state_rows, 10, 0)                                                 \
     X(plan_hold_retries_same, 10, 0)                                          \
     X(plan_random_cover, 60, 0)                                               \
     X(plan_heads_links, 10, 0)                                                \

@@ -166,6 +166,55 @@ TEST_IMPL(plan_resume_and_aux)
     ASSERT_EQ(kvr_post_plan(&p, &c, &h), 0);
 }
 
+/* State buffers (the last row buffers): only the rows the decode asked for
+ * go, each message covering buffers asked for only, after the last page. */
+TEST_IMPL(plan_state_rows)
+{
+    int32_t src[2] = {0, 1}, dst[2] = {4, 5};
+    /* 1 aux buffer, then state buffers of components 0, 0, 1, 2, 2. */
+    uint64_t items[1] = {64}, rows[6] = {8, 48, 200, 72, 16, 16};
+    uint32_t comp[5] = {0, 0, 1, 2, 2};
+    int64_t want[KVR_MAX_STATES] = {3, -1, 0, -1, -1, -1, -1, -1};
+    kvr_plan_t p;
+    base(&p, src, dst, 2, items, 1);
+    p.given = 1;
+    p.naux = 6;
+    p.aux_item = rows;
+    p.nstate = 5;
+    p.state_comp = comp;
+    p.dst_states = want;
+    p.merge = UINT64_MAX;
+    ASSERT_EQ(kvr_plan_row_wanted(&p, 0), 0); /* no aux row asked for */
+    ASSERT_EQ(kvr_plan_row_wanted(&p, 1), 1);
+    ASSERT_EQ(kvr_plan_row_wanted(&p, 3), 0);
+    ASSERT_EQ(kvr_plan_row_wanted(&p, 5), 1);
+    kvr_plan_cursor_t c = {0};
+    msgs_t m = {0};
+    drain(&p, &c, &m);
+    ASSERT_EQ(m.n, 1); /* the first page; no row before the last */
+    ASSERT_EQ(c.aux_done, 0);
+    p.given = 2;
+    drain(&p, &c, &m);
+    /* page 2, then component 0's two buffers in one message, then
+     * component 2's two (component 1 between them is not asked for). */
+    ASSERT_EQ(m.n, 4);
+    ASSERT_EQ(m.h[2].kind, KVR_AM_KIND_AUX);
+    ASSERT_EQ(m.h[2].buf, 1);
+    ASSERT_EQ(m.h[2].nbuf, 2);
+    ASSERT_EQ(m.h[3].kind, KVR_AM_KIND_AUX);
+    ASSERT_EQ(m.h[3].buf, 4);
+    ASSERT_EQ(m.h[3].nbuf, 2);
+    ASSERT_EQ(c.aux_done, 1);
+    /* Nothing asked for: no row message, and the plan is done. */
+    int64_t none[KVR_MAX_STATES] = {-1, -1, -1, -1, -1, -1, -1, -1};
+    kvr_plan_cursor_t c2 = {0};
+    msgs_t m2 = {0};
+    p.dst_states = none;
+    drain(&p, &c2, &m2);
+    ASSERT_EQ(m2.n, 1); /* the two pages, consecutive on both sides */
+    ASSERT_EQ(c2.aux_done, 1);
+}
+
 /* A message that could not be posted is planned again, the same. */
 TEST_IMPL(plan_hold_retries_same)
 {

@@ -113,6 +113,9 @@ static void assert_same(const kvr_msg_t *a, const kvr_msg_t *b)
     ASSERT_EQ(a->aux_index, b->aux_index);
     ASSERT_EQ(a->npages, b->npages);
     ASSERT(bytes_eq(a->pages, b->pages, (size_t)a->npages * 4));
+    ASSERT_EQ(a->prefix_len, b->prefix_len);
+    ASSERT_EQ(a->nstates, b->nstates);
+    ASSERT(bytes_eq(a->states, b->states, (size_t)a->nstates * 8));
     ASSERT_EQ(a->found, b->found);
     ASSERT_U64_EQ(a->peer_epoch, b->peer_epoch);
     ASSERT_EQ(a->code, b->code);
@@ -912,6 +915,8 @@ TEST_IMPL(wire_constructors)
     kvr_wbuf_t b;
     kvr_wbuf_init(&b);
     unsigned char lens[8] = {0, 16, 0, 0, 0, 0, 0, 0}, pages[8] = {5, 0, 0, 0, 9, 0, 0, 0};
+    /* State slots 3 and -1 (component 1 not asked for). */
+    unsigned char slots[16] = {3, 0, 0, 0, 0, 0, 0, 0, 255, 255, 255, 255, 255, 255, 255, 255};
     kvr_wire_layout_t layout = {16, 1, lens, 0, NULL, 0, 0, 0, 0};
     char addr[3] = {1, 2, 3};
     kvr_msg_t ms[] = {
@@ -919,7 +924,8 @@ TEST_IMPL(wire_constructors)
         kvr_msg_text(KVR_MSG_HELLO_REJECT, 3, KVR_LAYOUT_MISMATCH, "no"),
         kvr_msg_bs_reply(3, 1, 0xfeed, "tcp://h:1"),
         kvr_msg_hello(KVR_MSG_HELLO_OK, 3, &layout, addr, 3),
-        kvr_msg_room_req(42, 7, -1, 2, pages, 11),
+        kvr_msg_room_req(42, 7, -1, 2, pages, 11, 0, NULL),
+        kvr_msg_room_req(43, 7, 1, 2, pages, 0, 2, slots),
         kvr_msg_room_done(42, 7),
         kvr_msg_fail(KVR_MSG_SIB_FAIL, 42, 0, KVR_PEER_LOST, 2, "lost", "10.0.0.1:5"),
         kvr_msg_fail(KVR_MSG_ROOM_FAIL, 42, 7, KVR_TIMEOUT, 1, "late", NULL),
@@ -941,10 +947,12 @@ TEST_IMPL(wire_constructors)
     ASSERT_U64_EQ(ms[2].peer_epoch, 0xfeed);
     ASSERT_EQ(ms[4].prefix_len, 11);
     ASSERT_EQ(ms[4].aux_index, -1);
-    ASSERT_EQ(ms[6].peer_len, 10);
-    ASSERT_EQ(ms[7].peer_len, 0);
-    ASSERT(ms[8].dp_rank == 2 && ms[8].rank == 3 && ms[8].pp_rank == 1 && ms[8].str_len == 9);
-    ASSERT(ms[9].dp_rank == 2 && ms[9].pp_rank == 0 && ms[9].str_len == 0);
+    ASSERT_EQ(ms[5].nstates, 2);
+    ASSERT_EQ(ms[5].prefix_len, 0);
+    ASSERT_EQ(ms[7].peer_len, 10);
+    ASSERT_EQ(ms[8].peer_len, 0);
+    ASSERT(ms[9].dp_rank == 2 && ms[9].rank == 3 && ms[9].pp_rank == 1 && ms[9].str_len == 9);
+    ASSERT(ms[10].dp_rank == 2 && ms[10].pp_rank == 0 && ms[10].str_len == 0);
     /* A reason longer than the wire takes counts as the longest it takes. */
     static char big[KVR_WIRE_MAX_STR + 100];
     memset(big, 'x', sizeof(big) - 1);
