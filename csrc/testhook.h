@@ -22,6 +22,8 @@ enum {
     KVR_TEST_CORRUPT_BYTES = 3, /* more bytes than the header's positions cover */
     KVR_TEST_CORRUPT_DUP = 4,   /* every KV message sent twice */
     KVR_TEST_CORRUPT_EPOCH = 5, /* another instance's epoch */
+    KVR_TEST_CORRUPT_SRC = 6,   /* read descriptors name an unmapped source (cma.c) */
+    KVR_TEST_CORRUPT_LEASE = 7, /* read descriptors name a word that is not the lease */
     KVR_TEST_CORRUPT_LAST
 };
 

@@ -654,9 +654,17 @@ TEST_IMPL(am_header_rejects)
     ASSERT_EQ(kvr_am_header_decode(x, KVR_AM_HEADER_LEN, &d, &why), -1);
     ASSERT(strcmp(why, "data header names no buffers") == 0);
     memcpy(x, good, KVR_AM_HEADER_LEN);
-    put_le(x + 10, 1, 2);
+    put_le(x + 10, 2, 2);
     ASSERT_EQ(kvr_am_header_decode(x, KVR_AM_HEADER_LEN, &d, &why), -1);
-    ASSERT(strcmp(why, "data header has a nonzero reserved field") == 0);
+    ASSERT(strcmp(why, "data header has unknown flags") == 0);
+    /* a read descriptor: KV only */
+    memcpy(x, good, KVR_AM_HEADER_LEN);
+    put_le(x + 10, KVR_AM_FLAG_READ, 2);
+    ASSERT_EQ(kvr_am_header_decode(x, KVR_AM_HEADER_LEN, &d, &why), 0);
+    ASSERT_EQ(d.flags, KVR_AM_FLAG_READ);
+    put_le(x + 4, KVR_AM_KIND_AUX, 2);
+    ASSERT_EQ(kvr_am_header_decode(x, KVR_AM_HEADER_LEN, &d, &why), -1);
+    ASSERT(strcmp(why, "data header asks to read an aux row") == 0);
 }
 
 /*

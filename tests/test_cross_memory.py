@@ -1,0 +1,199 @@
+"""Cross-memory reads (csrc/cma.c): with cross_memory_bytes set on both
+sides of one host, contiguous pieces at least that long go as read
+descriptors, which the decode checks as data and reads from the prefill's
+pages itself.  Byte-exact rooms through the path (in one process and across
+two), the path off on either side, a prefill in another pid namespace (the
+offer's probe fails: the bytes come through UCX), and descriptors that break
+the rules: outside the room (PROTOCOL), from an unmapped source, with a
+lease that is not the room's (TRANSPORT); no byte outside the room's pages.
+The prefill killed mid-room is in test_peer_death.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from kvrecv import (KVPoll, KVProtocolError, KVReceiver, KVSender, KVTransportError)
+from kvtest import (CANARY, TRANSPORTS, Expected, Layout, Side, describe_failure, terminal,
+                    wait_all, wait_for)
+
+pytestmark = pytest.mark.timeout(90)
+
+READ = 64 << 10  # cross_memory_bytes of these tests
+# Odd item lengths (not multiples of a page of memory), 160 pages.
+ODD = Layout((12288, 20480, 20488), 160)
+
+
+def plans():
+    """(room, src pages, dst pages): a long run; scattered pages then a long
+    run ending at the last page on both sides; a contiguous source into
+    scattered destination pages (one source piece: read, and scattered by
+    the read)."""
+    rng = np.random.default_rng(5)
+    scattered = rng.choice(np.arange(60, 100), 12, replace=False)
+    return [
+        (1, np.arange(0, 41), np.arange(100, 141)),
+        (2, np.concatenate([scattered, np.arange(130, 160)]),
+         np.concatenate([np.arange(0, 12), np.arange(130, 160)])),
+        (3, np.arange(41, 50), np.array([12, 14, 16, 18, 20, 22, 24, 26, 28])),
+    ]
+
+
+def long_run_bytes():
+    """The bytes of plans() that go as reads: 41 + 30 + 9 pages of every
+    buffer (each of those messages, one per buffer, is at least READ bytes;
+    the 12 scattered pages go as bytes)."""
+    return (41 + 30 + 9) * sum(ODD.kv_item_lens)
+
+
+def run_rooms(res, bs, prefill, decode, src, dst, rooms, expect_ok=True):
+    exp = Expected(dst)
+    rs, ss = [], []
+    for room, sp, dp in rooms:
+        r = KVReceiver(decode, bs.address, room)
+        r.init()
+        rs.append(r)
+    for r, (room, sp, dp) in zip(rs, rooms):
+        assert wait_for(r, (KVPoll.WaitingForInput, KVPoll.Failed)) == KVPoll.WaitingForInput
+        r.send_metadata(dp.astype(np.int32))
+    for room, sp, dp in rooms:
+        s = KVSender(prefill, bs.address, room)
+        s.init(len(sp))
+        s.send(sp.astype(np.int32))
+        ss.append(s)
+        exp.apply(src, sp, dp)
+    states = wait_all(rs + ss, terminal(), timeout=30)
+    if expect_ok:
+        assert all(st == KVPoll.Success for st in states), [describe_failure(x) for x in rs + ss]
+        assert exp.mismatches(dst) == []
+    return rs, ss
+
+
+@pytest.fixture
+def shm(monkeypatch):
+    monkeypatch.setenv("UCX_TLS", TRANSPORTS["shm"])
+
+
+def test_large_runs_are_read_byte_exact(res, shm):
+    bs = res.server()
+    src, dst = Side(ODD, 0, seed=3), Side(ODD, 0)
+    prefill = res.manager(src, "prefill", bs.address, cross_memory_bytes=READ)
+    decode = res.manager(dst, "decode", cross_memory_bytes=READ)
+    run_rooms(res, bs, prefill, decode, src, dst, plans())
+    st = decode.stats()
+    # Every long run of every buffer, one read each; the rest came as bytes.
+    assert st["cma_bytes"] == long_run_bytes(), st
+    assert st["cma_reads"] == 3 * 3, st  # three messages, three buffers
+    assert st["bytes_moved"] == sum(len(p[1]) for p in plans()) * sum(ODD.kv_item_lens)
+
+
+def test_large_runs_are_read_from_another_process(res, shm):
+    bs = res.server()
+    dst = Side(ODD, 0)
+    decode = res.manager(dst, "decode", cross_memory_bytes=READ)
+    child = res.child_prefill(ODD, 0, 7, bs.address, config={"cross_memory_bytes": READ})
+    src = Side(ODD, 0, seed=7)  # the child's buffers, derived from its seed
+    exp = Expected(dst)
+    rs = []
+    for room, sp, dp in plans():
+        r = KVReceiver(decode, bs.address, room)
+        r.init()
+        assert wait_for(r, (KVPoll.WaitingForInput, KVPoll.Failed)) == KVPoll.WaitingForInput
+        r.send_metadata(dp.astype(np.int32))
+        rs.append(r)
+        exp.apply(src, sp, dp)
+    child.call("send", [(room, len(sp), None, [sp.tolist()]) for room, sp, _ in plans()])
+    states = wait_all(rs, terminal(), timeout=30)
+    assert all(s == KVPoll.Success for s in states), [describe_failure(r) for r in rs]
+    assert exp.mismatches(dst) == []
+    assert decode.stats()["cma_bytes"] == long_run_bytes(), decode.stats()
+
+
+@pytest.mark.parametrize("off", ["decode", "prefill"])
+def test_off_on_either_side_sends_bytes(res, shm, off):
+    bs = res.server()
+    src, dst = Side(ODD, 0, seed=3), Side(ODD, 0)
+    prefill = res.manager(src, "prefill", bs.address,
+                          cross_memory_bytes=0 if off == "prefill" else READ)
+    decode = res.manager(dst, "decode", cross_memory_bytes=0 if off == "decode" else READ)
+    run_rooms(res, bs, prefill, decode, src, dst, plans())
+    assert decode.stats()["cma_reads"] == 0
+
+
+def test_prefill_in_another_pid_namespace_sends_bytes(res, caplog):
+    """The prefill's pid means another process to the decode: the probe of
+    the offer reads the wrong memory (or none), the decode says HELLO again
+    without the offer, and the room comes through UCX.  Over tcp: the
+    shared-memory address of a process in another pid namespace is not one
+    kvrecv takes (ucxaddr.c); the offer does not depend on the transport."""
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "--pid", "--fork", "true"]).returncode != 0:
+        pytest.skip("cannot make a pid namespace here")
+    from failtest import _decode
+    from kvrecv import KVConfig
+    from peer_proc import PeerProcess, peer_mod
+    bs = res.server()
+    items = peer_mod.item_lens()
+    decode, dkv, _daux = _decode(config=KVConfig(cross_memory_bytes=64))
+    res._managers.append(decode)
+    child = PeerProcess("prefill", bs.address, seed=3, config={"cross_memory_bytes": 64},
+                        argv_prefix=[unshare, "--pid", "--fork", "--kill-child"])
+    try:
+        pages = list(range(0, 8))
+        r = KVReceiver(decode, bs.address, 11)
+        r.init()
+        assert wait_for(r, (KVPoll.WaitingForInput, KVPoll.Failed)) == KVPoll.WaitingForInput, \
+            describe_failure(r)
+        r.send_metadata(np.array(pages, dtype=np.int32))
+        child.call("open_sender", room=11, n=len(pages))
+        child.call("send", room=11, pages=pages)
+        assert wait_for(r, terminal(), timeout=30) == KVPoll.Success, describe_failure(r)
+        kv, _aux = peer_mod.source_buffers(3)
+        for b, item in enumerate(items):
+            got = dkv[b].reshape(-1, item)[pages]
+            assert (got == kv[b].reshape(-1, item)[pages]).all()
+        assert decode.stats()["cma_reads"] == 0
+        assert any("cannot read the memory of prefill rank 0" in m for m in caplog.messages), \
+            caplog.messages
+    finally:
+        child.close()
+
+
+# hook value, exception, what the decode says ({name}: the prefill's name)
+BAD = {
+    "outside_the_room": (1, KVProtocolError, "{name} sent a bad data message: run outside the room"),
+    "unmapped_source": (6, KVTransportError, "cross-memory read from {name} failed: Bad address"),
+    "not_the_lease": (7, KVTransportError, "{name} released the pages before they were read"),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(BAD))
+def test_bad_descriptor_fails_the_room(res, shm, mode):
+    hook, exc, why = BAD[mode]
+    bs = res.server()
+    src, dst = Side(ODD, 0, seed=3), Side(ODD, 0)
+    prefill = res.manager(src, "prefill", bs.address, cross_memory_bytes=READ)
+    decode = res.manager(dst, "decode", cross_memory_bytes=READ, deadline_base_ms=5000)
+    prefill._core._test_corrupt_data(hook)
+    room, sp, dp = plans()[0]  # one long run: descriptors only
+    rs, ss = run_rooms(res, bs, prefill, decode, src, dst, [(room, sp, dp)], expect_ok=False)
+    assert rs[0].poll() == KVPoll.Failed, describe_failure(rs[0])
+    with pytest.raises(exc) as ei:
+        rs[0].failure_exception()
+    name = "prefill rank 0 at " + prefill.endpoint[len("tcp://"):]
+    assert ei.value.failure_reason == f"room {room}: " + why.format(name=name)
+    assert wait_for(ss[0], terminal(), timeout=15) == KVPoll.Failed
+    # No byte outside the room's pages; a bad descriptor lands nothing.
+    keep = np.ones(ODD.num_pages, dtype=bool)
+    keep[dp] = False
+    for b, item in enumerate(ODD.kv_item_lens):
+        assert (dst.kv[b].reshape(-1, item)[keep] == CANARY).all()
+    if mode != "not_the_lease":
+        assert all((buf == CANARY).all() for buf in dst.kv)
+        assert decode.stats()["cma_reads"] == 0
