@@ -3,10 +3,10 @@
  *
  * Over UCX's shared-memory FIFO every byte of a large piece is copied
  * twice, once by each process.  When both sides set cross_memory_bytes and
- * share a host, a contiguous piece of at least that many bytes goes as a
- * read descriptor instead: a small data message (KVR_AM_FLAG_READ) whose
- * payload names the source address and the room's lease word in the
- * prefill; the decode checks the header exactly as for data (kvr_on_data:
+ * share a host, a message of at least that many bytes in at most
+ * KVR_CMA_MAX_PIECES source pieces goes as a read descriptor instead: a
+ * small eager data message (KVR_AM_FLAG_READ) whose payload names the
+ * room's lease word in the prefill and the source pieces; the decode checks the header exactly as for data (kvr_on_data:
  * positions inside the room, each (buffer, position) claimed once, the
  * room receiving) and reads the bytes into its own pages with
  * process_vm_readv: one kernel copy.  Every error of the read is the
@@ -48,11 +48,17 @@
 #include <errno.h>
 #include <inttypes.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/uio.h>
 #include <unistd.h>
 
-#define KVR_CMA_DESC_LEN 16 /* source address u64, lease address u64 */
+/* A descriptor's payload: the lease's address u64, then per source piece
+ * its address u64 and length u64 (host order: one host).  At most 1 KiB,
+ * so that UCX always sends it eagerly (the decode reads it in its
+ * handler). */
+#define KVR_CMA_MAX_PIECES 63
+#define KVR_CMA_DESC_MAX (8 + 16 * KVR_CMA_MAX_PIECES)
 
 /* The host's boot id (16 bytes); -1 if it cannot be read. */
 static int kvr_cma_boot_id(unsigned char out[16])
@@ -88,31 +94,36 @@ static int kvr_cma_enabled(const kvr_engine_t *e)
     return e->cfg.cross_memory_bytes > 0 && e->ndev == 0;
 }
 
-/* Reads len bytes at remote address src of process pid into the pieces
- * iov[0..n) (which it consumes); 0, or an errno. */
-static int kvr_cma_read(pid_t pid, struct iovec *iov, unsigned long n, uint64_t src, uint64_t len)
+/* Moves the pieces *v[0..*n) past their first `bytes` bytes. */
+static void kvr_cma_advance(struct iovec **v, unsigned long *n, size_t bytes)
 {
-    struct iovec rem = {(void *)(uintptr_t)src, (size_t)len};
-    while (rem.iov_len > 0) {
-        ssize_t got = process_vm_readv(pid, iov, n, &rem, 1, 0);
+    while (bytes > 0 && *n > 0) {
+        size_t take = bytes < (*v)->iov_len ? bytes : (*v)->iov_len;
+        (*v)->iov_base = (char *)(*v)->iov_base + take;
+        (*v)->iov_len -= take;
+        bytes -= take;
+        if ((*v)->iov_len == 0) {
+            (*v)++;
+            (*n)--;
+        }
+    }
+}
+
+/* Reads the remote pieces rem[0..nr) of process pid, in order, into the
+ * local pieces loc[0..nl) (same total); consumes both.  0, or an errno. */
+static int kvr_cma_read(pid_t pid, struct iovec *loc, unsigned long nl, struct iovec *rem,
+                        unsigned long nr)
+{
+    while (nr > 0 && nl > 0) {
+        ssize_t got = process_vm_readv(pid, loc, nl, rem, nr, 0);
         if (got < 0) {
             return errno;
         }
         if (got == 0) {
             return EFAULT; /* a partial read stopped at an unmapped page */
         }
-        rem.iov_base = (char *)rem.iov_base + got;
-        rem.iov_len -= (size_t)got;
-        for (size_t left = (size_t)got; left > 0 && n > 0;) {
-            size_t take = left < iov->iov_len ? left : iov->iov_len;
-            iov->iov_base = (char *)iov->iov_base + take;
-            iov->iov_len -= take;
-            left -= take;
-            if (iov->iov_len == 0) {
-                iov++;
-                n--;
-            }
-        }
+        kvr_cma_advance(&loc, &nl, (size_t)got);
+        kvr_cma_advance(&rem, &nr, (size_t)got);
     }
     return 0;
 }
@@ -145,8 +156,8 @@ int kvr_cma_probe(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *ok)
         return 0;
     }
     uint64_t v = 0;
-    struct iovec loc = {&v, sizeof(v)};
-    int err = kvr_cma_read((pid_t)ok->pid, &loc, 1, ok->probe_addr, sizeof(v));
+    struct iovec loc = {&v, sizeof(v)}, rem = {(void *)(uintptr_t)ok->probe_addr, sizeof(v)};
+    int err = kvr_cma_read((pid_t)ok->pid, &loc, 1, &rem, 1);
     if (err == 0 && v == p->epoch) {
         p->cma = 1;
         p->cma_pid = ok->pid;
@@ -164,23 +175,25 @@ int kvr_cma_post_locked(kvr_engine_t *e, kvr_room_t *r, kvr_op_t *op, kvr_am_hea
                         uint32_t niov)
 {
     KVR_ASSERT_LOCKED(e);
-    if (!r->peer->cma || !kvr_cma_enabled(e) || niov != 1 || wire->kind != KVR_AM_KIND_KV ||
-        op->len < e->cfg.cross_memory_bytes) {
-        return 0;
+    if (!r->peer->cma || !kvr_cma_enabled(e) || niov > KVR_CMA_MAX_PIECES ||
+        wire->kind != KVR_AM_KIND_KV || op->len < e->cfg.cross_memory_bytes ||
+        (op->bounce = malloc(8 + 16 * (size_t)niov)) == NULL) {
+        return 0; /* sent as bytes */
     }
     kvr_eroom_t *x = kvr_eroom(r);
     x->lease = r->dst_tag;
     wire->flags |= KVR_AM_FLAG_READ;
-    op->desc[0] = (uint64_t)(uintptr_t)op->iov[0].buf;
-    op->desc[1] = (uint64_t)(uintptr_t)&x->lease;
-    if (e->test_corrupt == KVR_TEST_CORRUPT_SRC) {
-        op->desc[0] = 4096; /* never mapped */
-    } else if (e->test_corrupt == KVR_TEST_CORRUPT_LEASE) {
-        op->desc[1] = (uint64_t)(uintptr_t)&e->epoch; /* not the room's tag */
+    uint64_t *d = op->bounce; /* freed with the op (kvr_op_unstage) */
+    d[0] = e->test_corrupt == KVR_TEST_CORRUPT_LEASE ? (uint64_t)(uintptr_t)&e->epoch
+                                                      : (uint64_t)(uintptr_t)&x->lease;
+    for (uint32_t i = 0; i < niov; i++) {
+        d[1 + 2 * i] = e->test_corrupt == KVR_TEST_CORRUPT_SRC ? 4096 /* never mapped */
+                                                               : (uint64_t)(uintptr_t)op->iov[i].buf;
+        d[2 + 2 * i] = op->iov[i].len;
     }
     /* UCX reads the iov until the send completes: it lives in the op. */
-    op->iov[0].buf = op->desc;
-    op->iov[0].len = sizeof(op->desc);
+    op->iov[0].buf = d;
+    op->iov[0].len = 8 + 16 * (size_t)niov;
     return 1;
 }
 
@@ -201,12 +214,25 @@ const char *kvr_cma_read_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_hea
     if (!r->peer->cma || !kvr_cma_enabled(e)) {
         return "read descriptor not offered";
     }
-    if (len != KVR_CMA_DESC_LEN || desc == NULL) {
+    if (desc == NULL || len < 8 + 16 || len > KVR_CMA_DESC_MAX || (len - 8) % 16 != 0) {
         return "read descriptor has the wrong length";
     }
-    uint64_t src, lease;
-    memcpy(&src, desc, 8); /* little-endian host, like the page lists */
-    memcpy(&lease, (const char *)desc + 8, 8);
+    uint64_t d[KVR_CMA_DESC_MAX / 8];
+    memcpy(d, desc, len);
+    unsigned long nr = (unsigned long)(len - 8) / 16;
+    struct iovec rem[KVR_CMA_MAX_PIECES];
+    uint64_t total = 0;
+    for (unsigned long i = 0; i < nr; i++) {
+        rem[i].iov_base = (void *)(uintptr_t)d[1 + 2 * i];
+        rem[i].iov_len = (size_t)d[2 + 2 * i];
+        if (d[2 + 2 * i] == 0 || d[2 + 2 * i] > want - total) {
+            return "read descriptor's pieces do not match the run length";
+        }
+        total += d[2 + 2 * i];
+    }
+    if (total != want) {
+        return "read descriptor's pieces do not match the run length";
+    }
     int claim = kvr_room_claim(r, 0, e->nkv, e->naux, h->buf, h->nbuf, h->pos, h->npages);
     if (claim == KVR_CLAIM_REPEATED) {
         return "data for positions already received";
@@ -220,11 +246,12 @@ const char *kvr_cma_read_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_hea
     kvr_msg_pieces(e, h, r->pages, r->aux_index, s, op->iov, &want);
     kvr_room_advance(r, KVR_POLL_TRANSFERRING); /* first byte */
     /* kvr_tp_iov_t is laid out as struct iovec (buf, len). */
-    int err = kvr_cma_read((pid_t)r->peer->cma_pid, (struct iovec *)op->iov, niov, src, want);
+    pid_t pid = (pid_t)r->peer->cma_pid;
+    int err = kvr_cma_read(pid, (struct iovec *)op->iov, niov, rem, nr);
     uint64_t word = 0;
-    struct iovec lw = {&word, sizeof(word)};
+    struct iovec lw = {&word, sizeof(word)}, lr = {(void *)(uintptr_t)d[0], sizeof(word)};
     if (err == 0) {
-        err = kvr_cma_read((pid_t)r->peer->cma_pid, &lw, 1, lease, sizeof(word));
+        err = kvr_cma_read(pid, &lw, 1, &lr, 1);
     }
     r->peer->last_data_ns = kvr_now_ns();
     if (err == 0 && word != r->tag) {

@@ -158,7 +158,6 @@ typedef struct kvr_op {
     kvr_tp_iov_t siov;          /* the contiguous staging piece UCX sees */
     /* UCX 1.13 reads an AM header until the send completes: it lives here. */
     unsigned char hdr[KVR_AM_HEADER_LEN];
-    uint64_t desc[2];           /* a read descriptor's payload (cma.c) */
     uint32_t niov;
     /* The pieces of the message: the sender's source runs, or the
      * receiver's destination runs (UCX reads them until completion). */
@@ -588,8 +587,8 @@ void kvr_cma_accept(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *hello, kvr_
 /* Decode: checks prefill p's HELLO_OK offer by reading its epoch; -1 if
  * the read failed (p will be offered nothing: say HELLO again). */
 int kvr_cma_probe(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *ok);
-/* Prefill: 1 if op (one piece, header *wire) goes as a read descriptor:
- * its iov and *wire are rewritten for that. */
+/* Prefill: 1 if op (niov source pieces, header *wire) goes as a read
+ * descriptor: its iov and *wire are rewritten for that. */
 int kvr_cma_post_locked(kvr_engine_t *e, kvr_room_t *r, kvr_op_t *op, kvr_am_header_t *wire,
                         uint32_t niov);
 /* Prefill: room r's pages are no longer its own to be read. */

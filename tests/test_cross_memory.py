@@ -33,8 +33,8 @@ ODD = Layout((12288, 20480, 20488), 160)
 def plans():
     """(room, src pages, dst pages): a long run; scattered pages then a long
     run ending at the last page on both sides; a contiguous source into
-    scattered destination pages (one source piece: read, and scattered by
-    the read)."""
+    scattered destination pages; two pages, whose first two buffers share
+    a message of exactly READ bytes (read) and whose third goes as bytes."""
     rng = np.random.default_rng(5)
     scattered = rng.choice(np.arange(60, 100), 12, replace=False)
     return [
@@ -42,14 +42,15 @@ def plans():
         (2, np.concatenate([scattered, np.arange(130, 160)]),
          np.concatenate([np.arange(0, 12), np.arange(130, 160)])),
         (3, np.arange(41, 50), np.array([12, 14, 16, 18, 20, 22, 24, 26, 28])),
+        (4, np.array([50, 52]), np.array([40, 42])),
     ]
 
 
 def long_run_bytes():
-    """The bytes of plans() that go as reads: 41 + 30 + 9 pages of every
-    buffer (each of those messages, one per buffer, is at least READ bytes;
-    the 12 scattered pages go as bytes)."""
-    return (41 + 30 + 9) * sum(ODD.kv_item_lens)
+    """The bytes of plans() that go as reads: every page of the first three
+    rooms (their messages, one per buffer, are at least READ bytes each)
+    and room 4's first two buffers (2 x 12288 + 2 x 20480 = READ)."""
+    return (41 + 42 + 9) * sum(ODD.kv_item_lens) + READ
 
 
 def run_rooms(res, bs, prefill, decode, src, dst, rooms, expect_ok=True):
@@ -80,6 +81,23 @@ def shm(monkeypatch):
     monkeypatch.setenv("UCX_TLS", TRANSPORTS["shm"])
 
 
+RANDOM = Layout((65536,) * 4, 64)
+
+
+def test_scattered_large_pages_are_read_byte_exact(res, shm):
+    """Random 64 KiB pages: a message of several source pieces is read with
+    one descriptor (up to 63 pieces) and scattered into the room's pages."""
+    bs = res.server()
+    src, dst = Side(RANDOM, 0, seed=4), Side(RANDOM, 0)
+    prefill = res.manager(src, "prefill", bs.address, cross_memory_bytes=READ)
+    decode = res.manager(dst, "decode", cross_memory_bytes=READ)
+    rng = np.random.default_rng(9)
+    sp, dp = rng.permutation(64)[:40], rng.permutation(64)[:40]
+    run_rooms(res, bs, prefill, decode, src, dst, [(21, sp, dp)])
+    st = decode.stats()
+    assert st["cma_bytes"] == st["bytes_moved"] == 40 * 4 * 65536, st
+
+
 def test_large_runs_are_read_byte_exact(res, shm):
     bs = res.server()
     src, dst = Side(ODD, 0, seed=3), Side(ODD, 0)
@@ -89,7 +107,7 @@ def test_large_runs_are_read_byte_exact(res, shm):
     st = decode.stats()
     # Every long run of every buffer, one read each; the rest came as bytes.
     assert st["cma_bytes"] == long_run_bytes(), st
-    assert st["cma_reads"] == 3 * 3, st  # three messages, three buffers
+    assert st["cma_reads"] == 4 * 3 + 1, st
     assert st["bytes_moved"] == sum(len(p[1]) for p in plans()) * sum(ODD.kv_item_lens)
 
 
@@ -168,6 +186,10 @@ def test_prefill_in_another_pid_namespace_sends_bytes(res, caplog):
 # hook value, exception, what the decode says ({name}: the prefill's name)
 BAD = {
     "outside_the_room": (1, KVProtocolError, "{name} sent a bad data message: run outside the room"),
+    "more_bytes_than_positions": (3, KVProtocolError, "{name} sent a bad data message: read "
+                                  "descriptor's pieces do not match the run length"),
+    "sent_twice": (4, KVProtocolError,
+                   "{name} sent a bad data message: data for positions already received"),
     "unmapped_source": (6, KVTransportError, "cross-memory read from {name} failed: Bad address"),
     "not_the_lease": (7, KVTransportError, "{name} released the pages before they were read"),
 }
@@ -194,6 +216,6 @@ def test_bad_descriptor_fails_the_room(res, shm, mode):
     keep[dp] = False
     for b, item in enumerate(ODD.kv_item_lens):
         assert (dst.kv[b].reshape(-1, item)[keep] == CANARY).all()
-    if mode != "not_the_lease":
+    if mode not in ("not_the_lease", "sent_twice"):  # those land a read first
         assert all((buf == CANARY).all() for buf in dst.kv)
         assert decode.stats()["cma_reads"] == 0
