@@ -24,6 +24,7 @@ enum {
     KVR_TEST_CORRUPT_EPOCH = 5, /* another instance's epoch */
     KVR_TEST_CORRUPT_SRC = 6,   /* read descriptors name an unmapped source (cma.c) */
     KVR_TEST_CORRUPT_LEASE = 7, /* read descriptors name a word that is not the lease */
+    KVR_TEST_CORRUPT_FLAG = 8,  /* data (not a descriptor) flagged as a read descriptor */
     KVR_TEST_CORRUPT_LAST
 };
 

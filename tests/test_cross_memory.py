@@ -38,12 +38,17 @@ def plans():
     rng = np.random.default_rng(5)
     scattered = rng.choice(np.arange(60, 100), 12, replace=False)
     return [
-        (1, np.arange(0, 41), np.arange(100, 141)),
+        (1, np.arange(0, 41), np.arange(60, 101)),
         (2, np.concatenate([scattered, np.arange(130, 160)]),
          np.concatenate([np.arange(0, 12), np.arange(130, 160)])),
         (3, np.arange(41, 50), np.array([12, 14, 16, 18, 20, 22, 24, 26, 28])),
         (4, np.array([50, 52]), np.array([40, 42])),
     ]
+
+
+def test_plans_have_disjoint_destinations():
+    dst = np.concatenate([d for _r, _s, d in plans()])
+    assert len(np.unique(dst)) == len(dst)
 
 
 def long_run_bytes():
@@ -193,6 +198,31 @@ BAD = {
     "unmapped_source": (6, KVTransportError, "cross-memory read from {name} failed: Bad address"),
     "not_the_lease": (7, KVTransportError, "{name} released the pages before they were read"),
 }
+
+
+@pytest.mark.parametrize("prefill_bytes,why", [
+    (0, "read descriptor not offered"),
+    (1 << 30, "read descriptor has the wrong length"),
+], ids=["not_offered", "bytes_flagged"])
+def test_data_flagged_as_a_read_fails_the_room(res, shm, prefill_bytes, why):
+    """Data bytes flagged as a read descriptor (test hook 8): to a decode
+    that was not offered reads (the prefill does not take part), and to one
+    that was (the prefill's threshold is never reached, so it sends bytes):
+    PROTOCOL, nothing lands."""
+    bs = res.server()
+    src, dst = Side(ODD, 0, seed=3), Side(ODD, 0)
+    prefill = res.manager(src, "prefill", bs.address, cross_memory_bytes=prefill_bytes)
+    decode = res.manager(dst, "decode", cross_memory_bytes=READ, deadline_base_ms=5000)
+    prefill._core._test_corrupt_data(8)
+    room, sp, dp = plans()[0]
+    rs, ss = run_rooms(res, bs, prefill, decode, src, dst, [(room, sp, dp)], expect_ok=False)
+    assert rs[0].poll() == KVPoll.Failed, describe_failure(rs[0])
+    with pytest.raises(KVProtocolError) as ei:
+        rs[0].failure_exception()
+    name = "prefill rank 0 at " + prefill.endpoint[len("tcp://"):]
+    assert ei.value.failure_reason == f"room {room}: {name} sent a bad data message: {why}"
+    assert all((buf == CANARY).all() for buf in dst.kv)
+    assert decode.stats()["cma_reads"] == 0
 
 
 @pytest.mark.parametrize("mode", sorted(BAD))

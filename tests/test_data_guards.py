@@ -105,8 +105,8 @@ def test_the_hook_is_off_by_default(res):
         assert wait_for(r, terminal()) == KVPoll.Success, describe_failure(r)
         r.clear()
         s.clear()
-    with pytest.raises(ValueError, match="no corruption mode 8"):
-        prefill._core._test_corrupt_data(8)
+    with pytest.raises(ValueError, match="no corruption mode 9"):
+        prefill._core._test_corrupt_data(9)
 
 
 def test_data_for_a_room_from_another_prefills_connection_is_foreign(res, caplog):
