@@ -288,9 +288,10 @@ def test_prefill_killed_mid_read_descriptors(fail_bs, fail_closer, fail_spawn, m
     first), the process lives and serves the next prefill's room."""
     monkeypatch.setenv("UCX_TLS", BIG_TLS["shm_cma"])
     cfg = {"cross_memory_bytes": 64 << 10}
-    d = _prefill_killed_big_rooms(fail_bs, fail_closer, fail_spawn, "shm_cma", freeze=False,
-                                  config=cfg)
+    d, reasons = _prefill_killed_big_rooms(fail_bs, fail_closer, fail_spawn, "shm_cma",
+                                           freeze=False, config=cfg)
     assert d.stats()["cma_reads"] > 0, d.stats()  # the last room came by reads
+    assert any(r.endswith(" lost: cross-memory read: No such process") for r in reasons), reasons
 
 
 def _prefill_killed_big_rooms(fail_bs, fail_closer, fail_spawn, tls, freeze=True, config=None):
@@ -298,7 +299,7 @@ def _prefill_killed_big_rooms(fail_bs, fail_closer, fail_spawn, tls, freeze=True
                            config=KVConfig(**config) if config is not None else None)
     fail_closer(d)
     room_bytes = BIG_ROOM_PAGES * peer_mod.page_bytes(scale=BIG_SCALE)
-    trials = 0
+    trials, reasons = 0, []
     for trial in range(8):
         for buf in dkv:
             buf.fill(CANARY)
@@ -338,6 +339,7 @@ def _prefill_killed_big_rooms(fail_bs, fail_closer, fail_spawn, tls, freeze=True
         for rid, r in unfinished.items():
             e = _exc(r)
             assert type(e) is KVPeerLostError and e.code == "PEER_LOST", (rid, e.code, e.failure_reason)
+            reasons.append(e.failure_reason)
             assert peer_name in e.failure_reason and e.bootstrap_room == rid, e.failure_reason
         _assert_still(dkv, 0.3, "prefill killed in flight")
         # The dead prefill's worker is gone; this connection had a new one.
@@ -355,7 +357,7 @@ def _prefill_killed_big_rooms(fail_bs, fail_closer, fail_spawn, tls, freeze=True
     _wait_until(lambda: fail_bs.stats()["registrations"] > regs, 20, "registration")
     _check_new_room_in_process(p, pkv, paux, d, dkv, daux, fail_bs.address, 4999, [8, 9, 10, 11], 1)
     _assert_no_rooms(d, p)
-    return d
+    return d, reasons
 
 
 @pytest.mark.parametrize("tls", [
