@@ -57,6 +57,7 @@ typedef struct {
     uint32_t staging_slot_bytes;    /* bytes per slot (and most bytes per staged message) */
     int force_staging;              /* stage device memory even where UCX could move it */
     int poll_progress;              /* decode: poll() may progress UCX (kvr_handle_poll) */
+    uint32_t cross_memory_bytes;    /* same-host pieces this long go as cross-memory reads (cma.c); 0: never */
 } kvr_config_t;
 
 /* The defaults.  The binding hands them to Python (config_defaults), and a
@@ -142,6 +143,8 @@ typedef struct {
     uint64_t staged_ops;          /* messages that went through a staging copy */
     uint64_t staged_bytes;        /* bytes copied between device and staging memory */
     uint64_t staging_overflow;    /* decode: messages staged in a heap buffer (no slot fit) */
+    uint64_t cma_reads;           /* decode: data pieces read from the prefill's memory (cma.c) */
+    uint64_t cma_bytes;           /* decode: bytes those reads moved */
     uint64_t staging_waits;       /* prefill: times a room waited for a free slot */
 } kvr_stats_t;
 

@@ -114,6 +114,11 @@ typedef struct kvr_peer {
     uint32_t query_dp;          /* decode: the prefill DP group asked in */
     uint32_t want_tp;           /* decode: the prefill TP size rooms asked for (0: none) */
     uint32_t links;             /* prefill: decode ranks a room of ours goes to */
+    /* Cross-memory reads (cma.c): prefill: the decode takes descriptors;
+     * decode: we read from pid cma_pid; cma_refused: our probe failed,
+     * offer no more. */
+    int cma, cma_refused;
+    uint32_t cma_pid;
     struct kvr_peer *next;      /* e->peers */
     struct kvr_peer *hnext;     /* same hash of (kind, key) in e->peer_index */
 } kvr_peer_t;
@@ -172,6 +177,7 @@ typedef struct kvr_eroom {
     kvr_failure_t *notice;  /* failure to tell the peer, sent by the engine thread */
     kvr_plan_cursor_t post; /* prefill: how far posting got (plan.h) */
     uint32_t leg_heads;     /* decode leg: heads it reads (group.c) */
+    uint64_t lease;         /* prefill: the decode's tag while it may read our pages (cma.c) */
     int done_pending;       /* decode: ROOM_DONE for the engine thread to send */
     /* the lists the room is on; each holds a reference (kvr_room_list_push) */
     struct kvr_room *work_next; /* the work list (work.c) */
@@ -601,6 +607,29 @@ void kvr_group_sync_locked(kvr_engine_t *e, kvr_room_t *h);
 /* Room id's room that peer p's messages are about: the room, or its leg
  * bound to p. */
 kvr_room_t *kvr_group_room_for_peer(kvr_engine_t *e, uint64_t id, const kvr_peer_t *p);
+
+/* ------------------------------------------------------------------ */
+/* cma.c: cross-memory reads on one host                               */
+/* ------------------------------------------------------------------ */
+/* Decode: fills HELLO m's offer to peer p. */
+void kvr_cma_offer(kvr_engine_t *e, const kvr_peer_t *p, kvr_msg_t *m);
+/* Prefill: takes decode p's offer in its HELLO or not; fills HELLO_OK ok. */
+void kvr_cma_accept(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *hello, kvr_msg_t *ok);
+/* Decode: checks prefill p's HELLO_OK offer by reading its epoch; -1 if
+ * the read failed (p will be offered nothing: say HELLO again). */
+int kvr_cma_probe(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *ok);
+/* Prefill: 1 if op (niov source pieces, header *wire) goes as a read
+ * descriptor: its iov and *wire are rewritten for that. */
+int kvr_cma_post_locked(kvr_engine_t *e, kvr_room_t *r, kvr_op_t *op, kvr_am_header_t *wire,
+                        uint32_t niov);
+/* Prefill: room r's pages are no longer its own to be read. */
+void kvr_cma_lease_end(kvr_room_t *r);
+/* Decode: read descriptor h (checked as data by kvr_on_data; want bytes
+ * in the room's pages) with payload desc of len bytes: reads it, or fails
+ * the room.  Returns why it is a protocol error, or NULL. */
+const char *kvr_cma_read_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_header_t *h,
+                                const kvr_slice_t *s, uint64_t want, const void *desc,
+                                size_t len);
 
 /* ------------------------------------------------------------------ */
 /* post.c: engine thread, or send()'s caller holding the lock          */

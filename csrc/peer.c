@@ -472,6 +472,7 @@ void kvr_peer_hello(kvr_engine_t *e, kvr_peer_t *p)
     m.tcp_rx_seg = rx > UINT32_MAX ? UINT32_MAX : (uint32_t)rx;
     kvr_tp_shm_sizes(e->tp, &m.shm_seg, &m.shm_fifo);
     m.has_shm = 1;
+    kvr_cma_offer(e, p, &m);
     kvr_send_ctrl_to_peer(e, p, &m);
 }
 

@@ -48,6 +48,9 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
         wire.tag = e->test_forge_tag;
         wire.epoch = e->test_forge_epoch;
     }
+    if (slot == NULL && kvr_cma_post_locked(e, r, op, &wire, niov)) {
+        niov = 1; /* the descriptor */
+    }
     kvr_am_header_encode(op->hdr, &wire);
     e->stats.ops_posted++;
     if (slot != NULL) {
@@ -107,6 +110,10 @@ static void kvr_post_limits(const kvr_engine_t *e, const kvr_room_t *r, kvr_plan
          * 16 KiB runs and loses from 64 KiB (with 256 KiB tcp fragments;
          * measured, README). */
         run_bytes = shm ? UINT64_MAX : KVR_TCP_RUN_BYTES;
+    }
+    if (r->peer->cma && e->cfg.cross_memory_bytes > 0 && run_bytes > e->cfg.cross_memory_bytes) {
+        /* A run that long goes alone, whole, as one read (cma.c). */
+        run_bytes = e->cfg.cross_memory_bytes;
     }
     if (e->gpu_path == KVR_GPU_UCX && e->ndev > 0) {
         /* UCX moves device memory itself: contiguous messages only (one

@@ -89,6 +89,15 @@ void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len,
         goto protocol;
     }
     uint32_t niov = kvr_msg_pieces(e, &h, r->pages, r->aux_index, r->states, s, NULL, &want);
+    if (h.flags & KVR_AM_FLAG_READ) {
+        /* Read by the decode, now, under the lock: the room is receiving. */
+        why = kvr_cma_read_locked(e, r, &h, s, want, acc->data, len);
+        if (why != NULL) {
+            goto protocol;
+        }
+        acc->iovcnt = 0; /* nothing more for the transport to do */
+        return;
+    }
     if ((uint64_t)len != want) {
         why = h.kind == KVR_AM_KIND_KV ? "run length does not match item_len"
                                        : "aux row does not match the room";
@@ -319,6 +328,11 @@ static void kvr_on_hello_ok_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
         char what[400];
         snprintf(what, sizeof(what), "has a different layout: %.320s", diff);
         kvr_peer_fail_locked(e, p, KVR_LAYOUT_MISMATCH, what);
+        return;
+    }
+    if (kvr_cma_probe(e, p, m) != 0) {
+        /* It offered reads we cannot do: HELLO again, offering none. */
+        kvr_decode_hello_locked(e, p);
         return;
     }
     /*

@@ -383,6 +383,7 @@ static void kvr_on_hello_locked(kvr_engine_t *e, const void *ident, size_t ident
     kvr_tp_address(p->worker, &own, &own_len);
     kvr_msg_t reply = kvr_msg_hello(KVR_MSG_HELLO_OK, (uint32_t)e->rank, &layout, own,
                                     (uint32_t)own_len);
+    kvr_cma_accept(e, p, m, &reply);
     kvr_send_ctrl_to_peer(e, p, &reply);
 }
 

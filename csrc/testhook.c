@@ -35,6 +35,9 @@ void kvr_test_corrupt_header(kvr_am_header_t *h, int mode, uint32_t room_pages, 
     case KVR_TEST_CORRUPT_EPOCH:
         h->epoch ^= 0x5a5a5a5a5a5a5a5aULL;
         break;
+    case KVR_TEST_CORRUPT_FLAG:
+        h->flags |= KVR_AM_FLAG_READ;
+        break;
     default:
         break;
     }

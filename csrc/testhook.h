@@ -23,6 +23,9 @@ enum {
     KVR_TEST_CORRUPT_DUP = 4,   /* every KV message sent twice */
     KVR_TEST_CORRUPT_EPOCH = 5, /* another instance's epoch */
     KVR_TEST_CORRUPT_STATE = 6, /* row messages name the last row buffer (a state row) */
+    KVR_TEST_CORRUPT_SRC = 7,   /* read descriptors name an unmapped source (cma.c) */
+    KVR_TEST_CORRUPT_LEASE = 8, /* read descriptors name a word that is not the lease */
+    KVR_TEST_CORRUPT_FLAG = 9,  /* data (not a descriptor) flagged as a read descriptor */
     KVR_TEST_CORRUPT_LAST
 };
 

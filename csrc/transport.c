@@ -181,7 +181,10 @@ static ucs_status_t kvr_tp_am_cb(void *arg, const void *header, size_t header_le
 {
     kvr_tp_worker_t *w = arg;
     kvr_transport_t *tp = w->tp;
-    kvr_tp_accept_t acc = {NULL, 0, NULL, NULL};
+    kvr_tp_accept_t acc = {NULL, 0, NULL, NULL, NULL};
+    if (!(param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV)) {
+        acc.data = data;
+    }
     tp->cb.on_data(tp->cb.arg, w, header, header_length, length,
                    (param->recv_attr & UCP_AM_RECV_ATTR_FLAG_RNDV) != 0, &acc);
     if (acc.iovcnt == 0) {

@@ -68,6 +68,7 @@ typedef struct {
     size_t iovcnt;     /* 0 rejects the message */
     kvr_tp_op_t *op;   /* passed back to on_recv_done */
     const char *reject_why; /* set with iovcnt == 0, for the counters/log */
+    const void *data;  /* eager: the payload (NULL for rendezvous) */
 } kvr_tp_accept_t;
 
 typedef struct {

@@ -96,14 +96,14 @@ static int kvr_wire_carries_failure(uint16_t type)
 /* The optional fields after a HELLO's or HELLO_OK's worker address: a
  * byte of KVR_HELLO_* flags naming those present, then each in flag order.
  * No fields: no byte (one encoding per message). */
-enum { KVR_HELLO_TCP_RX = 1, KVR_HELLO_SHM = 2, KVR_HELLO_HEADS = 4 };
+enum { KVR_HELLO_TCP_RX = 1, KVR_HELLO_SHM = 2, KVR_HELLO_HEADS = 4, KVR_HELLO_CMA = 8 };
 
 static void kvr_put_hello_fields(kvr_wbuf_t *b, const kvr_msg_t *m)
 {
     int hello = m->type == KVR_MSG_HELLO;
     unsigned x = (hello && m->tcp_rx_seg ? KVR_HELLO_TCP_RX : 0) |
                  (hello && m->has_shm ? KVR_HELLO_SHM : 0) |
-                 (m->layout.heads ? KVR_HELLO_HEADS : 0);
+                 (m->layout.heads ? KVR_HELLO_HEADS : 0) | (m->has_cma ? KVR_HELLO_CMA : 0);
     if (x == 0) {
         return;
     }
@@ -120,6 +120,13 @@ static void kvr_put_hello_fields(kvr_wbuf_t *b, const kvr_msg_t *m)
         kvr_put_u32(b, m->layout.tp_rank);
         kvr_put_u32(b, m->layout.heads);
         kvr_put_u32(b, m->layout.total_heads);
+    }
+    if (x & KVR_HELLO_CMA) {
+        kvr_wbuf_put(b, m->boot_id, sizeof(m->boot_id));
+        if (!hello) {
+            kvr_put_u32(b, m->pid);
+            kvr_put_u64(b, m->probe_addr);
+        }
     }
 }
 
@@ -297,7 +304,7 @@ static void kvr_rd_hello_fields(kvr_rd_t *r, kvr_msg_t *m)
         return;
     }
     unsigned x = (unsigned)kvr_rd_int(r, 1, "truncated HELLO fields");
-    unsigned known = KVR_HELLO_HEADS |
+    unsigned known = KVR_HELLO_HEADS | KVR_HELLO_CMA |
                      (m->type == KVR_MSG_HELLO ? KVR_HELLO_TCP_RX | KVR_HELLO_SHM : 0);
     if (x == 0 || (x & ~known)) {
         r->why = x == 0 ? "explicit empty HELLO fields" : "unknown HELLO fields";
@@ -321,6 +328,17 @@ static void kvr_rd_hello_fields(kvr_rd_t *r, kvr_msg_t *m)
         m->layout.total_heads = (uint32_t)kvr_rd_int(r, 4, "truncated head layout");
         if (!r->why && m->layout.heads == 0) {
             r->why = "explicit zero heads";
+        }
+    }
+    if (x & KVR_HELLO_CMA) {
+        m->has_cma = 1;
+        const unsigned char *id = NULL;
+        if (kvr_rd_take(r, sizeof(m->boot_id), &id, "truncated cross-memory offer") == 0) {
+            memcpy(m->boot_id, id, sizeof(m->boot_id));
+        }
+        if (m->type == KVR_MSG_HELLO_OK) {
+            m->pid = (uint32_t)kvr_rd_int(r, 4, "truncated cross-memory offer");
+            m->probe_addr = kvr_rd_int(r, 8, "truncated cross-memory offer");
         }
     }
 }
@@ -485,7 +503,7 @@ void kvr_am_header_encode(unsigned char out[KVR_AM_HEADER_LEN], const kvr_am_hea
     kvr_put_u16(&b, h->kind);
     kvr_put_u16(&b, h->buf);
     kvr_put_u16(&b, h->nbuf);
-    kvr_put_u16(&b, 0);
+    kvr_put_u16(&b, h->flags);
     kvr_put_u32(&b, h->pos);
     kvr_put_u32(&b, h->npages);
     kvr_put_u64(&b, h->tag);
@@ -511,12 +529,17 @@ int kvr_am_header_decode(const void *buf, size_t len, kvr_am_header_t *h, const 
     h->npages = (uint32_t)kvr_le(p + 16, 4);
     h->tag = kvr_le(p + 20, 8);
     h->epoch = kvr_le(p + 28, 8);
-    if (kvr_le(p + 10, 2) != 0) {
-        *why = "data header has a nonzero reserved field";
+    h->flags = (uint16_t)kvr_le(p + 10, 2);
+    if (h->flags & ~KVR_AM_FLAG_READ) {
+        *why = "data header has unknown flags";
         return -1;
     }
     if (h->kind != KVR_AM_KIND_KV && h->kind != KVR_AM_KIND_AUX) {
         *why = "data header has an unknown kind";
+        return -1;
+    }
+    if ((h->flags & KVR_AM_FLAG_READ) && h->kind != KVR_AM_KIND_KV) {
+        *why = "data header asks to read an aux row";
         return -1;
     }
     if (h->npages == 0) {

@@ -56,7 +56,10 @@ typedef enum {
  * flags byte naming those present, then each in this order: a HELLO's
  * tcp_rx_seg (u32), a HELLO's shared-memory sizes (2 u32), the head
  * layout (plan.h's kvr_heads_t, only when heads > 0: 4 u32 tp_size,
- * tp_rank, heads, total_heads).  None: no flags byte. */
+ * tp_rank, heads, total_heads), the cross-memory offer (when has_cma: the
+ * host's 16-byte boot id; a HELLO_OK adds the prefill's pid u32 and the
+ * address of its epoch u64, which the decode reads to check it may).
+ * None: no flags byte. */
 typedef struct {
     uint32_t page_size;
     uint32_t nkv;
@@ -101,6 +104,12 @@ typedef struct {
      * they were there). */
     uint32_t shm_seg, shm_fifo;
     uint8_t has_shm;
+    /* HELLO, HELLO_OK: cross-memory reads offered (cma.c): boot id; a
+     * HELLO_OK's pid and probe address (where its epoch is). */
+    uint8_t has_cma;
+    unsigned char boot_id[16];
+    uint32_t pid;
+    uint64_t probe_addr;
     uint8_t found;
     uint64_t peer_epoch;
     uint16_t code;
@@ -182,8 +191,11 @@ int32_t kvr_wire_i32_at(const unsigned char *arr, uint32_t i);
  * A data message carries positions [pos, pos + npages) of the buffers
  * [buf, buf + nbuf) of one kind, buffer after buffer (aux: one row each,
  * npages 1).  Wire layout, little-endian: magic u32, kind u16, buf u16,
- * nbuf u16, reserved u16 (0), pos u32, npages u32, tag u64, epoch u64.
+ * nbuf u16, flags u16, pos u32, npages u32, tag u64, epoch u64.  Flags:
+ * KVR_AM_FLAG_READ (KV only): the payload is a read descriptor (cma.c),
+ * the bytes stay in the prefill's pages.
  */
+#define KVR_AM_FLAG_READ 1
 typedef struct {
     uint16_t kind;     /* KVR_AM_KIND_* */
     uint16_t buf;      /* first buffer index of that kind */
@@ -192,6 +204,7 @@ typedef struct {
     uint64_t tag;      /* the receiving room's tag */
     uint64_t epoch;    /* the sender's instance epoch */
     uint16_t nbuf;     /* buffers in this message (>= 1) */
+    uint16_t flags;    /* KVR_AM_FLAG_* */
 } kvr_am_header_t;
 
 void kvr_am_header_encode(unsigned char out[KVR_AM_HEADER_LEN], const kvr_am_header_t *h);

@@ -38,6 +38,7 @@ void kvr_eroom_free(kvr_room_t *r)
 {
     KVR_ASSERT(!kvr_heap_contains(&kvr_eroom(r)->timer));
     free(kvr_eroom(r)->notice);
+    kvr_cma_lease_end(r);
     kvr_room_free(r);
 }
 
@@ -82,6 +83,7 @@ int kvr_room_fail_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_failure_t *f,
     if (!kvr_room_fail(r, f->code)) {
         return 0;
     }
+    kvr_cma_lease_end(r); /* before anyone can see it failed */
     r->failing_since_ns = kvr_now_ns();
     kvr_timer_arm_locked(e, r);          /* no deadline any more */
     kvr_timer_watch_drain_locked(e, r);  /* until its operations are done */

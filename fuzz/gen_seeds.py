@@ -44,7 +44,8 @@ def wire_seeds():
     out["hello"] = (header(HELLO) + struct.pack("<I", 0) + layout(16, [4096, 4096, 8192], [128])
                     + struct.pack("<I", 8) + bytes(range(8)))
     # the optional fields: a flags byte (1 tcp receive size, 2 shared-memory
-    # sizes, 4 head layout), then each present field in that order
+    # sizes, 4 head layout, 8 cross-memory offer), then each present field
+    # in that order
     rx, shm = struct.pack("<I", 512 << 10), struct.pack("<II", 32 << 10, 256)
     heads = struct.pack("<4I", 4, 1, 2, 8)  # tp_size, tp_rank, heads, total_heads
     out["hello_tcp_rx"] = out["hello"] + b"\x01" + rx
@@ -52,6 +53,9 @@ def wire_seeds():
     out["hello_tcp_rx_shm_heads"] = out["hello"] + b"\x07" + rx + shm + heads
     out["hello_ok"] = (header(HELLO_OK) + struct.pack("<I", 0) + layout(16, [4096, 4096], [])
                        + struct.pack("<I", 8) + bytes(range(8)))
+    boot = bytes(range(0xB0, 0xC0))
+    out["hello_cma"] = out["hello"] + b"\x0b" + rx + shm + boot
+    out["hello_ok_cma"] = out["hello_ok"] + b"\x08" + boot + struct.pack("<IQ", 4242, 0x7F0011223344)
     out["hello_ok_empty"] = (header(HELLO_OK) + struct.pack("<I", 0) + layout(1, [], [])
                              + struct.pack("<I", 1) + b"\x01")
     out["hello_reject"] = header(HELLO_REJECT) + struct.pack("<IH", 0, 2) + s(b"layout mismatch")
@@ -74,13 +78,14 @@ def wire_seeds():
 
 
 def am_seeds():
-    def am(kind, buf, nbuf, pos, npages, tag, epoch):
-        return struct.pack("<IHHHHIIQQ", MAGIC, kind, buf, nbuf, 0, pos, npages, tag, epoch)
+    def am(kind, buf, nbuf, pos, npages, tag, epoch, flags=0):
+        return struct.pack("<IHHHHIIQQ", MAGIC, kind, buf, nbuf, flags, pos, npages, tag, epoch)
     return {
         "kv": am(1, 0, 1, 0, 4, 7, 0x0123456789ABCDEF),
         "kv_bufs": am(1, 2, 6, 0, 1, 7, 0x0123456789ABCDEF),
         "kv_max": am(1, 0xFFFF, 0xFFFF, 0xFFFFFFFF, 0xFFFFFFFF, 2**64 - 1, 2**64 - 1),
         "aux": am(2, 1, 1, 0, 1, 8, 1),
+        "kv_read": am(1, 0, 1, 0, 64, 7, 0x0123456789ABCDEF, flags=1),
     }
 
 

@@ -64,6 +64,7 @@ class KVConfig:
     staging_slot_bytes: int = _DEFAULT["staging_slot_bytes"]
     force_staging: bool = _DEFAULT["force_staging"]
     poll_progress: bool = _DEFAULT["poll_progress"]
+    cross_memory_bytes: int = _DEFAULT["cross_memory_bytes"]
 
     def resolved(self) -> dict:
         """The fields with the environment applied, as the core reads them

@@ -25,9 +25,10 @@ class PeerProcess(JsonLineChild):
     (SIGSTOP) and SIGKILLed for real."""
 
     def __init__(self, role, bootstrap, seed=1, config=None, scale=64, startup_timeout=60,
-                 rank=0, kv_path=None, heads=None, state=False):
+                 rank=0, kv_path=None, heads=None, state=False, argv_prefix=()):
         # kv_path (decode): its KV buffers live in that file, which the test
-        # maps too (to refill them while the child is frozen).
+        # maps too (to refill them while the child is frozen).  argv_prefix:
+        # a command that runs the child (e.g. in another pid namespace).
         spec = {"role": role, "bootstrap": bootstrap, "rank": rank, "seed": seed,
                 "config": config or {}, "scale": scale, "kv_path": kv_path, "heads": heads,
                 "state": state}
@@ -36,7 +37,7 @@ class PeerProcess(JsonLineChild):
         self._frozen = False
         self.mode = role
         self.rank = rank
-        super().__init__([sys.executable, PEER_SCRIPT, json.dumps(spec)], env, ROOT,
+        super().__init__([*argv_prefix, sys.executable, PEER_SCRIPT, json.dumps(spec)], env, ROOT,
                          f"{role} rank {rank}", startup_timeout)
         self.pid = self.hello["pid"]
         self.endpoint = self.hello["endpoint"]

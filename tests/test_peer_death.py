@@ -279,16 +279,33 @@ def test_prefill_killed_mid_cross_memory_reads(fail_bs, fail_closer, fail_spawn,
     _prefill_killed_big_rooms(fail_bs, fail_closer, fail_spawn, "shm_cma", freeze=False)
 
 
-def _prefill_killed_big_rooms(fail_bs, fail_closer, fail_spawn, tls, freeze=True):
-    d, dkv, daux = _decode(scale=BIG_SCALE)
+def test_prefill_killed_mid_read_descriptors(fail_bs, fail_closer, fail_spawn, monkeypatch):
+    """The same with kvrecv's own cross-memory reads on (cross_memory_bytes
+    on both sides): the big rooms' pieces go as read descriptors, which the
+    decode reads from the prefill's pages itself.  Killed with descriptors
+    still queued, the prefill's rooms fail on the decode with PEER_LOST
+    (the read's "No such process", or the endpoint's error, whichever comes
+    first), the process lives and serves the next prefill's room."""
+    monkeypatch.setenv("UCX_TLS", BIG_TLS["shm_cma"])
+    cfg = {"cross_memory_bytes": 64 << 10}
+    d, reasons = _prefill_killed_big_rooms(fail_bs, fail_closer, fail_spawn, "shm_cma",
+                                           freeze=False, config=cfg)
+    assert d.stats()["cma_reads"] > 0, d.stats()  # the last room came by reads
+    assert any(r.endswith(" lost: cross-memory read: No such process") for r in reasons), reasons
+
+
+def _prefill_killed_big_rooms(fail_bs, fail_closer, fail_spawn, tls, freeze=True, config=None):
+    d, dkv, daux = _decode(scale=BIG_SCALE,
+                           config=KVConfig(**config) if config is not None else None)
     fail_closer(d)
     room_bytes = BIG_ROOM_PAGES * peer_mod.page_bytes(scale=BIG_SCALE)
-    trials = 0
+    trials, reasons = 0, []
     for trial in range(8):
         for buf in dkv:
             buf.fill(CANARY)
         regs = fail_bs.stats()["registrations"]
-        child = fail_spawn("prefill", fail_bs.address, seed=40 + trial, scale=BIG_SCALE)
+        child = fail_spawn("prefill", fail_bs.address, seed=40 + trial, scale=BIG_SCALE,
+                           config=config)
         _wait_until(lambda: fail_bs.stats()["registrations"] > regs, 20, "registration")
         created = d.stats()["ucx_workers_created"]
         base = d.stats()["bytes_moved"]
@@ -322,6 +339,7 @@ def _prefill_killed_big_rooms(fail_bs, fail_closer, fail_spawn, tls, freeze=True
         for rid, r in unfinished.items():
             e = _exc(r)
             assert type(e) is KVPeerLostError and e.code == "PEER_LOST", (rid, e.code, e.failure_reason)
+            reasons.append(e.failure_reason)
             assert peer_name in e.failure_reason and e.bootstrap_room == rid, e.failure_reason
         _assert_still(dkv, 0.3, "prefill killed in flight")
         # The dead prefill's worker is gone; this connection had a new one.
@@ -333,11 +351,13 @@ def _prefill_killed_big_rooms(fail_bs, fail_closer, fail_spawn, tls, freeze=True
         pytest.skip("every trial's transfer finished before the prefill could be frozen")
 
     regs = fail_bs.stats()["registrations"]  # before the prefill exists: it registers at once
-    p, pkv, paux = _prefill(fail_bs.address, seed=49, scale=BIG_SCALE)
+    p, pkv, paux = _prefill(fail_bs.address, seed=49, scale=BIG_SCALE,
+                            config=KVConfig(**config) if config is not None else None)
     fail_closer(p)
     _wait_until(lambda: fail_bs.stats()["registrations"] > regs, 20, "registration")
     _check_new_room_in_process(p, pkv, paux, d, dkv, daux, fail_bs.address, 4999, [8, 9, 10, 11], 1)
     _assert_no_rooms(d, p)
+    return d, reasons
 
 
 @pytest.mark.parametrize("tls", [

@@ -584,14 +584,16 @@ static void am_same(const kvr_am_header_t *a, const kvr_am_header_t *b)
     ASSERT_U64_EQ(a->tag, b->tag);
     ASSERT_U64_EQ(a->epoch, b->epoch);
     ASSERT_EQ(a->nbuf, b->nbuf);
+    ASSERT_EQ(a->flags, b->flags);
 }
 
 TEST_IMPL(am_header_round_trip)
 {
     kvr_am_header_t cases[] = {
-        {KVR_AM_KIND_KV, 0, 0, 1, 0, 0, 1},
-        {KVR_AM_KIND_KV, 0xffff, 0xffffffffu, 0xffffffffu, UINT64_MAX, UINT64_MAX, 0xffff},
-        {KVR_AM_KIND_AUX, 3, 17, 1, 0x0102030405060708ULL, 0x1112131415161718ULL, 2},
+        {KVR_AM_KIND_KV, 0, 0, 1, 0, 0, 1, 0},
+        {KVR_AM_KIND_KV, 0xffff, 0xffffffffu, 0xffffffffu, UINT64_MAX, UINT64_MAX, 0xffff,
+         KVR_AM_FLAG_READ},
+        {KVR_AM_KIND_AUX, 3, 17, 1, 0x0102030405060708ULL, 0x1112131415161718ULL, 2, 0},
     };
     for (size_t i = 0; i < sizeof(cases) / sizeof(cases[0]); i++) {
         unsigned char out[KVR_AM_HEADER_LEN + 8];
@@ -609,7 +611,7 @@ TEST_IMPL(am_header_round_trip)
     /* golden layout */
     kvr_am_header_t g = {
         KVR_AM_KIND_AUX,       0x0a0b, 0x01020304, 0x05060708, 0x1112131415161718ULL,
-        0x2122232425262728ULL, 0x0c0d};
+        0x2122232425262728ULL, 0x0c0d, 0};
     unsigned char want[KVR_AM_HEADER_LEN] = {'K',  'V',  'R',  'W',  2,    0,    0x0b, 0x0a, 0x0d,
                                              0x0c, 0,    0,    4,    3,    2,    1,    8,    7,
                                              6,    5,    0x18, 0x17, 0x16, 0x15, 0x14, 0x13, 0x12,
@@ -621,7 +623,7 @@ TEST_IMPL(am_header_round_trip)
 
 TEST_IMPL(am_header_rejects)
 {
-    kvr_am_header_t h = {KVR_AM_KIND_KV, 1, 2, 3, 4, 5, 6}, d;
+    kvr_am_header_t h = {KVR_AM_KIND_KV, 1, 2, 3, 4, 5, 6, 0}, d;
     unsigned char good[KVR_AM_HEADER_LEN], x[KVR_AM_HEADER_LEN + 1];
     const char *why;
     kvr_am_header_encode(good, &h);
@@ -659,9 +661,17 @@ TEST_IMPL(am_header_rejects)
     ASSERT_EQ(kvr_am_header_decode(x, KVR_AM_HEADER_LEN, &d, &why), -1);
     ASSERT(strcmp(why, "data header names no buffers") == 0);
     memcpy(x, good, KVR_AM_HEADER_LEN);
-    put_le(x + 10, 1, 2);
+    put_le(x + 10, 2, 2);
     ASSERT_EQ(kvr_am_header_decode(x, KVR_AM_HEADER_LEN, &d, &why), -1);
-    ASSERT(strcmp(why, "data header has a nonzero reserved field") == 0);
+    ASSERT(strcmp(why, "data header has unknown flags") == 0);
+    /* a read descriptor: KV only */
+    memcpy(x, good, KVR_AM_HEADER_LEN);
+    put_le(x + 10, KVR_AM_FLAG_READ, 2);
+    ASSERT_EQ(kvr_am_header_decode(x, KVR_AM_HEADER_LEN, &d, &why), 0);
+    ASSERT_EQ(d.flags, KVR_AM_FLAG_READ);
+    put_le(x + 4, KVR_AM_KIND_AUX, 2);
+    ASSERT_EQ(kvr_am_header_decode(x, KVR_AM_HEADER_LEN, &d, &why), -1);
+    ASSERT(strcmp(why, "data header asks to read an aux row") == 0);
 }
 
 /*
@@ -813,7 +823,8 @@ TEST_IMPL(wire_bs_dp_pp)
 
 /* The optional fields after a HELLO's worker address: a flags byte, then
  * each field present, in flag order (tcp receive size, shared-memory sizes,
- * head layout); none: no byte.  A HELLO_OK carries only the head layout. */
+ * head layout, cross-memory offer); none: no byte.  A HELLO_OK carries only
+ * the head layout and the offer (with its pid and probe address). */
 static void hello_fields(kvr_msg_t *m, unsigned x)
 {
     if (x & 1) {
@@ -830,6 +841,14 @@ static void hello_fields(kvr_msg_t *m, unsigned x)
         m->layout.heads = 1;
         m->layout.total_heads = 2;
     }
+    if (x & 8) {
+        m->has_cma = 1;
+        for (unsigned i = 0; i < sizeof(m->boot_id); i++) {
+            m->boot_id[i] = (unsigned char)(0xb0 + i);
+        }
+        m->pid = 4242;
+        m->probe_addr = 0x7f0011223344ULL;
+    }
 }
 
 TEST_IMPL(wire_hello_fields)
@@ -841,12 +860,12 @@ TEST_IMPL(wire_hello_fields)
     ASSERT_EQ(kvr_wire_encode(&b0, &base), 0);
     ASSERT_EQ(decode_exact(b0.data, b0.len, &d, &why), 0);
     ASSERT(d.tcp_rx_seg == 0 && d.has_shm == 0 && d.layout.heads == 0);
-    for (unsigned x = 1; x < 8; x++) {
+    for (unsigned x = 1; x < 16; x++) {
         kvr_msg_t m = base;
         hello_fields(&m, x);
         kvr_wbuf_init(&b);
         ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
-        size_t want = 1 + (x & 1 ? 4 : 0) + (x & 2 ? 8 : 0) + (x & 4 ? 16 : 0);
+        size_t want = 1 + (x & 1 ? 4 : 0) + (x & 2 ? 8 : 0) + (x & 4 ? 16 : 0) + (x & 8 ? 16 : 0);
         ASSERT_EQ(b.len, b0.len + want);
         ASSERT(memcmp(b.data, b0.data, b0.len) == 0);
         ASSERT_EQ(b.data[b0.len], x);
@@ -855,6 +874,9 @@ TEST_IMPL(wire_hello_fields)
         ASSERT(d.has_shm == m.has_shm && d.shm_seg == m.shm_seg && d.shm_fifo == m.shm_fifo);
         ASSERT(d.layout.tp_size == m.layout.tp_size && d.layout.tp_rank == m.layout.tp_rank &&
                d.layout.heads == m.layout.heads && d.layout.total_heads == m.layout.total_heads);
+        ASSERT(d.has_cma == m.has_cma);
+        ASSERT(!m.has_cma || memcmp(d.boot_id, m.boot_id, sizeof(d.boot_id)) == 0);
+        ASSERT(d.pid == 0 && d.probe_addr == 0); /* a HELLO's offer has neither */
         for (size_t cut = 1; cut < want; cut++) {
             ASSERT_EQ(decode_exact(b.data, b0.len + cut, &d, &why), -1);
             ASSERT(why != NULL && strncmp(why, "truncated ", 10) == 0);
@@ -874,7 +896,7 @@ TEST_IMPL(wire_hello_fields)
         size_t n;
         const char *why;
     } bad[] = {{0, 0, "explicit empty HELLO fields"},
-               {8, 4, "unknown HELLO fields"},
+               {16, 4, "unknown HELLO fields"},
                {1, 4, "explicit zero tcp receive size"},
                {4, 16, "explicit zero heads"}};
     unsigned char buf[1024];
@@ -904,6 +926,21 @@ TEST_IMPL(wire_hello_fields)
     memcpy(buf + c0.len + 1, "\0\0\2\0", 4);
     ASSERT_EQ(decode_exact(buf, c0.len + 5, &d, &why), -1);
     ASSERT(strcmp(why, "unknown HELLO fields") == 0);
+    /* a HELLO_OK's offer: boot id, pid, probe address */
+    kvr_msg_t okc = ok;
+    hello_fields(&okc, 8);
+    kvr_wbuf_free(&b);
+    kvr_wbuf_init(&b);
+    ASSERT_EQ(kvr_wire_encode(&b, &okc), 0);
+    ASSERT_EQ(b.len, c0.len + 1 + 16 + 4 + 8);
+    ASSERT_EQ(b.data[c0.len], 8);
+    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
+    ASSERT(d.has_cma && memcmp(d.boot_id, okc.boot_id, 16) == 0);
+    ASSERT(d.pid == 4242 && d.probe_addr == 0x7f0011223344ULL);
+    for (size_t cut = 1; cut < 1 + 16 + 4 + 8; cut++) {
+        ASSERT_EQ(decode_exact(b.data, c0.len + cut, &d, &why), -1);
+        ASSERT(why != NULL && strcmp(why, "truncated cross-memory offer") == 0);
+    }
     kvr_wbuf_free(&b);
     kvr_wbuf_free(&c0);
     kvr_wbuf_free(&b0);

@@ -1,0 +1,95 @@
+"""Cross-memory reads A/B over shared memory, in one script: kvrecv without
+them (cross_memory_bytes 0, the FIFO path), kvrecv with them, and NIXL, one
+round each in turn, on the points where large pieces lost to NIXL.
+
+    python benchmarks/cma_ab.py [ROUNDS] [--read BYTES] [--no-nixl]
+
+Prints per point the median GB/s, the median CPU s/GB (both processes) and
+the round-by-round ratios (median, lowest, highest); writes
+benchmarks/results/cma_ab.json.  Needs what run.py needs (NIXL optional)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+import common as C  # noqa: E402
+import run as R  # noqa: E402
+
+KiB = 1024
+POINTS = [
+    {"layout": "contig", "nbuf": 64, "item": 4 * KiB, "pages": 256, "rooms": 2},   # 1 MiB runs
+    {"layout": "contig", "nbuf": 32, "item": 4 * KiB, "pages": 4096, "rooms": 1},  # 16 MiB runs
+    {"layout": "random", "nbuf": 64, "item": 64 * KiB, "pages": 16, "rooms": 2},   # 64 KiB pages
+]
+
+
+def one_round(srv, kind, point, i):
+    req = {"cmd": "point" if kind == "nixl" else "throughput", "point": point,
+           "rounds": 1, "warmup": 1 if i == 0 else 0, "reuse": i > 0}
+    r = srv.request(req)
+    if "error" in r:
+        print(kind, C.point_name(point), "ERROR", str(r["error"])[-800:], flush=True)
+        return None
+    rr = r["rounds"][0] if r.get("rounds") else r
+    return {"gbps": rr.get("gbps"), "verify": r.get("verify"),
+            "cpu": (rr.get("decode_cpu") or 0) + (rr.get("prefill_cpu") or 0)}
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("rounds", nargs="?", type=int, default=7)
+    ap.add_argument("--read", type=int, default=256 * KiB, help="cross_memory_bytes of 'read'")
+    ap.add_argument("--no-nixl", action="store_true")
+    a = ap.parse_args()
+    tls, tmp = C.TRANSPORTS["shm"], tempfile.mkdtemp()
+    # KVConfig takes KVRECV_<FIELD> from the environment (both processes).
+    srv = {"fifo": R.Server("kv_bench.py", tls, tmp, {"KVRECV_CROSS_MEMORY_BYTES": "0"}),
+           "read": R.Server("kv_bench.py", tls, tmp, {"KVRECV_CROSS_MEMORY_BYTES": str(a.read)})}
+    if not a.no_nixl:
+        srv["nixl"] = R.Server("nixl_bench.py", C.NIXL_SHM_TLS, tmp,
+                               {"KVBENCH_NIXL_PROG_THREAD": "0"})
+    out = {"rounds": a.rounds, "read_bytes": a.read, "points": {}}
+    try:
+        for p in POINTS:
+            got = {k: [one_round(s, k, p, i) for i in range(1)] for k, s in srv.items()}
+            for i in range(1, a.rounds):
+                for k, s in srv.items():
+                    got[k].append(one_round(s, k, p, i))
+            gb = C.round_bytes(p) / 1e9
+            row = {}
+            for k, v in got.items():
+                ok = [x for x in v if x and x["gbps"]]
+                row[k] = {"gbps": [x["gbps"] for x in ok],
+                          "cpu_s_per_gb": [x["cpu"] / gb for x in ok],
+                          "verify": sorted({json.dumps(x["verify"]) for x in ok})}
+            ratios = {}
+            for x, y in (("read", "fifo"), ("read", "nixl"), ("fifo", "nixl")):
+                if x in got and y in got:
+                    rs = [u["gbps"] / w["gbps"] for u, w in zip(got[x], got[y])
+                          if u and w and u["gbps"] and w["gbps"]]
+                    if rs:
+                        ratios[f"{x}/{y}"] = [statistics.median(rs), min(rs), max(rs)]
+            out["points"][C.point_name(p)] = {"runs": row, "ratios": ratios}
+            med = {k: round(statistics.median(v["gbps"]), 3) for k, v in row.items() if v["gbps"]}
+            cpu = {k: round(statistics.median(v["cpu_s_per_gb"]), 3)
+                   for k, v in row.items() if v["cpu_s_per_gb"]}
+            print(C.point_name(p), "GB/s", med, "CPU s/GB", cpu, "ratios med/min/max",
+                  {k: [round(x, 2) for x in v] for k, v in ratios.items()},
+                  "verify", {k: v["verify"] for k, v in row.items()}, flush=True)
+    finally:
+        for s in srv.values():
+            s.close()
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    with open(os.path.join(HERE, "results", "cma_ab.json"), "w") as f:
+        json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

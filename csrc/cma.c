@@ -1,0 +1,275 @@
+/*
+ * cma: cross-memory reads between a prefill and a decode on one host.
+ *
+ * Over UCX's shared-memory FIFO every byte of a large piece is copied
+ * twice, once by each process.  When both sides set cross_memory_bytes and
+ * share a host, a message of at least that many bytes in at most
+ * KVR_CMA_MAX_PIECES source pieces goes as a read descriptor instead: a
+ * small eager data message (KVR_AM_FLAG_READ) whose payload names the
+ * room's lease word in the prefill and the source pieces; the decode checks the header exactly as for data (kvr_on_data:
+ * positions inside the room, each (buffer, position) claimed once, the
+ * room receiving) and reads the bytes into its own pages with
+ * process_vm_readv: one kernel copy.  Every error of the read is the
+ * decode's to report (never UCX's, which aborts the process on a dead
+ * peer): the room fails with PEER_LOST (the prefill is gone) or TRANSPORT.
+ *
+ * The offer, at HELLO: the decode offers when it sets cross_memory_bytes,
+ * has host buffers only and knows the host's boot id; the prefill accepts
+ * when it does too and the boot ids are equal, and answers with its pid
+ * and the address of its epoch.  The decode reads that epoch from that
+ * pid: only if it reads the value it knows does it take descriptors;
+ * otherwise (another pid namespace, ptrace rules) it says HELLO again
+ * without the offer, and the data comes as bytes.
+ *
+ * The source pages: the prefill keeps them until ROOM_DONE (its room's
+ * Success) or until its room fails, when the caller may reuse them.  A
+ * read may still be queued then (a descriptor waiting in a frozen decode's
+ * FIFO), so each descriptor also names the room's lease, a word in the
+ * prefill that holds the decode room's tag while the pages are the room's
+ * and is cleared, under the engine lock, before the room can be seen as
+ * failed or is freed.  The decode reads the lease after the bytes: a
+ * cleared lease means the bytes may be from reused pages, and the room
+ * fails.  (A store to the pages after the failure follows the clearing,
+ * and the read of the lease follows the read of the bytes.)
+ *
+ * Trust: descriptors are taken only on the worker of the room's prefill,
+ * with its epoch, and the pid came on the (authenticated) control
+ * connection; the source address is the prefill's word, like the bytes it
+ * would otherwise send: it selects only what of the prefill's memory lands
+ * in the room's own pages.
+ *
+ * Engine lock held throughout (engine thread, or poll()'s caller inside
+ * UCX progress for the decode's reads).
+ */
+#define _GNU_SOURCE /* process_vm_readv */
+#include "engine_int.h"
+#include "testhook.h"
+
+#include <errno.h>
+#include <inttypes.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+/* A descriptor's payload: the lease's address u64, then per source piece
+ * its address u64 and length u64 (host order: one host).  At most 1 KiB,
+ * so that UCX always sends it eagerly (the decode reads it in its
+ * handler). */
+#define KVR_CMA_MAX_PIECES 63
+#define KVR_CMA_DESC_MAX (8 + 16 * KVR_CMA_MAX_PIECES)
+
+/* The host's boot id (16 bytes); -1 if it cannot be read. */
+static int kvr_cma_boot_id(unsigned char out[16])
+{
+    char text[64];
+    FILE *f = fopen("/proc/sys/kernel/random/boot_id", "r");
+    if (f == NULL) {
+        return -1;
+    }
+    size_t n = fread(text, 1, sizeof(text) - 1, f);
+    fclose(f);
+    text[n] = '\0';
+    unsigned k = 0;
+    for (size_t i = 0; i < n && k < 32; i++) {
+        char c = text[i];
+        int v = c >= '0' && c <= '9' ? c - '0' : c >= 'a' && c <= 'f' ? c - 'a' + 10 : -1;
+        if (v < 0) {
+            continue; /* the dashes */
+        }
+        if (k % 2 == 0) {
+            out[k / 2] = (unsigned char)(v << 4);
+        } else {
+            out[k / 2] |= (unsigned char)v;
+        }
+        k++;
+    }
+    return k == 32 ? 0 : -1;
+}
+
+/* Whether this side may take part at all. */
+static int kvr_cma_enabled(const kvr_engine_t *e)
+{
+    return e->cfg.cross_memory_bytes > 0 && e->ndev == 0;
+}
+
+/* Moves the pieces *v[0..*n) past their first `bytes` bytes. */
+static void kvr_cma_advance(struct iovec **v, unsigned long *n, size_t bytes)
+{
+    while (bytes > 0 && *n > 0) {
+        size_t take = bytes < (*v)->iov_len ? bytes : (*v)->iov_len;
+        (*v)->iov_base = (char *)(*v)->iov_base + take;
+        (*v)->iov_len -= take;
+        bytes -= take;
+        if ((*v)->iov_len == 0) {
+            (*v)++;
+            (*n)--;
+        }
+    }
+}
+
+/* Reads the remote pieces rem[0..nr) of process pid, in order, into the
+ * local pieces loc[0..nl) (same total); consumes both.  0, or an errno. */
+static int kvr_cma_read(pid_t pid, struct iovec *loc, unsigned long nl, struct iovec *rem,
+                        unsigned long nr)
+{
+    while (nr > 0 && nl > 0) {
+        ssize_t got = process_vm_readv(pid, loc, nl, rem, nr, 0);
+        if (got < 0) {
+            return errno;
+        }
+        if (got == 0) {
+            return EFAULT; /* a partial read stopped at an unmapped page */
+        }
+        kvr_cma_advance(&loc, &nl, (size_t)got);
+        kvr_cma_advance(&rem, &nr, (size_t)got);
+    }
+    return 0;
+}
+
+void kvr_cma_offer(kvr_engine_t *e, const kvr_peer_t *p, kvr_msg_t *m)
+{
+    KVR_ASSERT_LOCKED(e);
+    m->has_cma = kvr_cma_enabled(e) && !p->cma_refused && kvr_cma_boot_id(m->boot_id) == 0;
+}
+
+void kvr_cma_accept(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *hello, kvr_msg_t *ok)
+{
+    KVR_ASSERT_LOCKED(e);
+    p->cma = 0;
+    if (!hello->has_cma || !kvr_cma_enabled(e) || kvr_cma_boot_id(ok->boot_id) != 0 ||
+        memcmp(ok->boot_id, hello->boot_id, sizeof(ok->boot_id)) != 0) {
+        return;
+    }
+    p->cma = 1;
+    ok->has_cma = 1;
+    ok->pid = (uint32_t)getpid();
+    ok->probe_addr = (uint64_t)(uintptr_t)&e->epoch;
+}
+
+int kvr_cma_probe(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *ok)
+{
+    KVR_ASSERT_LOCKED(e);
+    p->cma = 0;
+    if (!ok->has_cma) {
+        return 0;
+    }
+    uint64_t v = 0;
+    struct iovec loc = {&v, sizeof(v)}, rem = {(void *)(uintptr_t)ok->probe_addr, sizeof(v)};
+    int err = kvr_cma_read((pid_t)ok->pid, &loc, 1, &rem, 1);
+    if (err == 0 && v == p->epoch) {
+        p->cma = 1;
+        p->cma_pid = ok->pid;
+        return 0;
+    }
+    p->cma_refused = 1;
+    kvr_log_write(&e->log, KVR_LOG_WARNING,
+                  "decode rank %d cannot read the memory of %s (pid %" PRIu32 "): %s; its "
+                  "data comes through UCX",
+                  e->rank, p->name, ok->pid, err ? strerror(err) : "another process answered");
+    return -1;
+}
+
+int kvr_cma_post_locked(kvr_engine_t *e, kvr_room_t *r, kvr_op_t *op, kvr_am_header_t *wire,
+                        uint32_t niov)
+{
+    KVR_ASSERT_LOCKED(e);
+    if (!r->peer->cma || !kvr_cma_enabled(e) || niov > KVR_CMA_MAX_PIECES ||
+        wire->kind != KVR_AM_KIND_KV || op->len < e->cfg.cross_memory_bytes ||
+        (op->bounce = malloc(8 + 16 * (size_t)niov)) == NULL) {
+        return 0; /* sent as bytes */
+    }
+    kvr_eroom_t *x = kvr_eroom(r);
+    x->lease = r->dst_tag;
+    wire->flags |= KVR_AM_FLAG_READ;
+    uint64_t *d = op->bounce; /* freed with the op (kvr_op_unstage) */
+    d[0] = e->test_corrupt == KVR_TEST_CORRUPT_LEASE ? (uint64_t)(uintptr_t)&e->epoch
+                                                      : (uint64_t)(uintptr_t)&x->lease;
+    for (uint32_t i = 0; i < niov; i++) {
+        d[1 + 2 * i] = e->test_corrupt == KVR_TEST_CORRUPT_SRC ? 4096 /* never mapped */
+                                                               : (uint64_t)(uintptr_t)op->iov[i].buf;
+        d[2 + 2 * i] = op->iov[i].len;
+    }
+    /* UCX reads the iov until the send completes: it lives in the op. */
+    op->iov[0].buf = d;
+    op->iov[0].len = 8 + 16 * (size_t)niov;
+    return 1;
+}
+
+void kvr_cma_lease_end(kvr_room_t *r)
+{
+    /* A volatile store: the clearing must reach memory before anything
+     * the caller does to the pages after this (the lock's release orders
+     * it; volatile keeps the compiler from dropping a store to a room
+     * about to be freed). */
+    *(volatile uint64_t *)&kvr_eroom(r)->lease = 0;
+}
+
+const char *kvr_cma_read_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_header_t *h,
+                                const kvr_slice_t *s, uint64_t want, const void *desc,
+                                size_t len)
+{
+    KVR_ASSERT_LOCKED(e);
+    if (!r->peer->cma || !kvr_cma_enabled(e)) {
+        return "read descriptor not offered";
+    }
+    if (desc == NULL || len < 8 + 16 || len > KVR_CMA_DESC_MAX || (len - 8) % 16 != 0) {
+        return "read descriptor has the wrong length";
+    }
+    uint64_t d[KVR_CMA_DESC_MAX / 8];
+    memcpy(d, desc, len);
+    unsigned long nr = (unsigned long)(len - 8) / 16;
+    struct iovec rem[KVR_CMA_MAX_PIECES];
+    uint64_t total = 0;
+    for (unsigned long i = 0; i < nr; i++) {
+        rem[i].iov_base = (void *)(uintptr_t)d[1 + 2 * i];
+        rem[i].iov_len = (size_t)d[2 + 2 * i];
+        if (d[2 + 2 * i] == 0 || d[2 + 2 * i] > want - total) {
+            return "read descriptor's pieces do not match the run length";
+        }
+        total += d[2 + 2 * i];
+    }
+    if (total != want) {
+        return "read descriptor's pieces do not match the run length";
+    }
+    int claim = kvr_room_claim(r, 0, e->nkv, e->naux, h->buf, h->nbuf, h->pos, h->npages);
+    if (claim == KVR_CLAIM_REPEATED) {
+        return "data for positions already received";
+    }
+    uint32_t niov = kvr_msg_pieces(e, h, r->pages, r->aux_index, r->states, s, NULL, &want);
+    kvr_op_t *op = claim == KVR_CLAIM_OK ? kvr_op_new(r, want, niov) : NULL;
+    if (op == NULL) {
+        kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory receiving data");
+        return NULL;
+    }
+    kvr_msg_pieces(e, h, r->pages, r->aux_index, r->states, s, op->iov, &want);
+    kvr_room_advance(r, KVR_POLL_TRANSFERRING); /* first byte */
+    /* kvr_tp_iov_t is laid out as struct iovec (buf, len). */
+    pid_t pid = (pid_t)r->peer->cma_pid;
+    int err = kvr_cma_read(pid, (struct iovec *)op->iov, niov, rem, nr);
+    uint64_t word = 0;
+    struct iovec lw = {&word, sizeof(word)}, lr = {(void *)(uintptr_t)d[0], sizeof(word)};
+    if (err == 0) {
+        err = kvr_cma_read(pid, &lw, 1, &lr, 1);
+    }
+    r->peer->last_data_ns = kvr_now_ns();
+    if (err == 0 && word != r->tag) {
+        /* The prefill's room failed (or went) before the read ended: the
+         * pages may hold someone else's bytes by now. */
+        kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1,
+                              "%s released the pages before they were read", r->peer->name);
+    } else if (err == ESRCH) {
+        kvr_room_failf_locked(e, r, KVR_PEER_LOST, 1, "%s lost: cross-memory read: %s",
+                              r->peer->name, strerror(err));
+    } else if (err != 0) {
+        kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "cross-memory read from %s failed: %s",
+                              r->peer->name, strerror(err));
+    } else {
+        e->stats.cma_reads++;
+        e->stats.cma_bytes += want;
+    }
+    /* A failed read ends as failed (the room's first failure stands). */
+    kvr_op_end_locked(e, op, r->failing ? KVR_TP_ERROR : KVR_TP_OK, "cross-memory read");
+    return NULL;
+}
