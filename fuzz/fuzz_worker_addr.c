@@ -18,10 +18,10 @@
 #include "fuzz_util.h"
 #include "transport.h"
 
-static void no_data(void *arg, const void *hdr, size_t hdr_len, size_t len, int rndv,
-                    kvr_tp_accept_t *acc)
+static void no_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len, size_t len,
+                    int rndv, kvr_tp_accept_t *acc)
 {
-    (void)arg, (void)hdr, (void)hdr_len, (void)len, (void)rndv;
+    (void)arg, (void)w, (void)hdr, (void)hdr_len, (void)len, (void)rndv;
     acc->iovcnt = 0;
 }
 
@@ -35,9 +35,9 @@ static void no_send_done(void *arg, kvr_tp_op_t *op, int failed, const char *tex
     (void)arg, (void)op, (void)failed, (void)text;
 }
 
-static void no_ep_error(void *arg, void *ep_ctx, const char *text)
+static void no_ep_error(void *arg, void *ep_ctx, kvr_tp_ep_t *ep, const char *text)
 {
-    (void)arg, (void)ep_ctx, (void)text;
+    (void)arg, (void)ep_ctx, (void)ep, (void)text;
 }
 
 static kvr_transport_t *tp;

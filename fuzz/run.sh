@@ -28,7 +28,7 @@ if ! command -v "$CLANG" >/dev/null; then
     exit 2
 fi
 SRCS="csrc/wire.c csrc/auth.c csrc/table.c"
-FLAGS="-g -O1 -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -Icsrc"
+FLAGS="-g -O1 -Wall -Werror -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -Icsrc"
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}
 status=0
@@ -37,7 +37,7 @@ for t in $TARGETS; do
     srcs="$SRCS" libs="-lcrypto" asan=$ASAN_OPTIONS
     if [ "$t" = fuzz_worker_addr ]; then
         # a real UCX worker; UCX's own allocations outlive the process
-        srcs="csrc/transport.c csrc/ucxaddr.c csrc/log.c csrc/ucxlog.c csrc/ucxtune.c" libs="-lucp -luct -lucs -lucm -pthread"
+        srcs="csrc/transport.c csrc/pagecopy.c csrc/ucxaddr.c csrc/log.c csrc/ucxlog.c csrc/ucxtune.c" libs="-lucp -luct -lucs -lucm -pthread"
         asan=detect_leaks=0:abort_on_error=1
     fi
     # shellcheck disable=SC2086
