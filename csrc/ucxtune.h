@@ -11,7 +11,14 @@
 
 #include <stddef.h>
 
-enum { KVR_TUNE_TCP_TX_SEG, KVR_TUNE_TCP_RX_SEG, KVR_TUNE_MM_SEG, KVR_TUNE_MM_FIFO, KVR_TUNE_N };
+enum {
+    KVR_TUNE_TCP_TX_SEG,
+    KVR_TUNE_TCP_RX_SEG,
+    KVR_TUNE_TCP_ZCOPY,
+    KVR_TUNE_MM_SEG,
+    KVR_TUNE_MM_FIFO,
+    KVR_TUNE_N
+};
 
 /*
  * Applies the table to config (a ucp_config_t *, before ucp_init) for

@@ -258,8 +258,10 @@ def test_prefill_ranks_in_child_processes(transport, res, bootstrap):
 # Items up to 64 KiB: the long run is messages of about 1.3 MiB per buffer
 # (several 256 KiB fragments), random 64 KiB pages go alone, the others packed.
 SEG = Layout((4096, 65536), 160, (24,), 64)
-TUNED = "kvrecv sets UCX_TCP_TX_SEG_SIZE=256K UCX_TCP_RX_SEG_SIZE=512K"
-UCX_DEFAULT_SEGS = {"UCX_TCP_TX_SEG_SIZE": "8K", "UCX_TCP_RX_SEG_SIZE": "64K"}
+TUNED = "kvrecv sets UCX_TCP_TX_SEG_SIZE=256K UCX_TCP_RX_SEG_SIZE=512K UCX_ZCOPY_THRESH=inf"
+# UCX's own defaults for what kvrecv sets over tcp
+UCX_DEFAULT_TCP = {"UCX_TCP_TX_SEG_SIZE": "8K", "UCX_TCP_RX_SEG_SIZE": "64K",
+                   "UCX_ZCOPY_THRESH": "auto"}
 
 
 @pytest.mark.timeout(90)
@@ -271,14 +273,15 @@ def test_tcp_fragment_sizes_a_decode_at_ucx_defaults_receives_from(res, bootstra
     (8 KiB fragments) by its environment."""
     addr = bootstrap.address
     monkeypatch.setenv("UCX_TLS", "tcp")
-    child = res.child_prefill(SEG, 0, 900, addr, env=dict(UCX_DEFAULT_SEGS))
+    child = res.child_prefill(SEG, 0, 900, addr, env=dict(UCX_DEFAULT_TCP))
     dst = Side(SEG, rank=0)
     decode = res.manager(dst, "decode")
     assert decode.transport.endswith(", " + TUNED), decode.transport
     assert "kvrecv sets" not in child.transport, child.transport
     monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "16K")
     third = res.manager(Side(SEG, rank=1), "decode")
-    assert third.transport.endswith(", kvrecv sets UCX_TCP_RX_SEG_SIZE=512K"), third.transport
+    assert third.transport.endswith(", kvrecv sets UCX_TCP_RX_SEG_SIZE=512K UCX_ZCOPY_THRESH=inf"), \
+        third.transport
     plans = make_plans(np.random.default_rng(17), SEG, room0=90)
     _transfer_from_children([child], [decode], [dst], addr, SEG, plans)
 
@@ -538,11 +541,18 @@ def test_eager_pieces_of_odd_lengths_at_odd_addresses(transport, res, bootstrap)
     assert decode.stats()["data_rendezvous"] == 0  # every piece came eagerly
 
 
-@pytest.mark.parametrize("pack_bytes", [0, 3000, 1 << 28], ids=["never", "some", "default"])
-def test_packed_and_scattered_messages_are_byte_exact(transport, res, bootstrap, pack_bytes):
-    """Over tcp a scattered message is packed into a contiguous copy while
-    fewer than pack_bytes of copies are in flight, and sent scattered
-    otherwise; over shared memory never.  Every mix lands the same bytes."""
+@pytest.mark.parametrize("pack_bytes,zcopy", [(0, "auto"), (3000, "auto"), (1 << 28, "auto"),
+                                              (1 << 28, None)],
+                         ids=["never", "some", "default", "default-zcopy-off"])
+def test_packed_and_scattered_messages_are_byte_exact(transport, res, bootstrap, pack_bytes, zcopy,
+                                                      monkeypatch):
+    """Over tcp with UCX's zero-copy sends on (UCX_ZCOPY_THRESH set), a
+    scattered message is packed into a contiguous copy while fewer than
+    pack_bytes of copies are in flight, and sent scattered otherwise; with
+    kvrecv's setting (zero-copy off) and over shared memory never.  Every
+    mix lands the same bytes."""
+    if zcopy is not None:
+        monkeypatch.setenv("UCX_ZCOPY_THRESH", zcopy)
     rng = np.random.default_rng(11)
     plans = make_plans(rng, STD)
     src = Side(STD, rank=0, seed=77)
@@ -559,7 +569,7 @@ def test_packed_and_scattered_messages_are_byte_exact(transport, res, bootstrap,
     assert zero_failures(st) and zero_failures(decode.stats())
     assert st["bytes_moved"] == sum(STD.transfer_bytes(len(p.src), p.with_aux) for p in plans)
     # Scattered messages: the three scattered rooms' runs share messages.
-    if transport == "shm" or pack_bytes == 0:
+    if transport == "shm" or pack_bytes == 0 or zcopy is None:
         assert st["data_packed"] == 0, st
     elif pack_bytes == 3000:
         assert 0 < st["data_packed"] < st["rma_ops_posted"], st
