@@ -255,7 +255,7 @@ class KVRecvManager(KVManager):
                 _seq(getattr(args, "aux_item_lens", ())),
                 page_size=int(getattr(args, "page_size", 1) or 1),
                 tp_size=par["attn_tp_size"],
-                **_head_layout(args, is_mla_backend, par["attn_tp_size"]),
+                **_head_layout(args, is_mla_backend, par["attn_tp_size"], server_args),
                 **state,
             )
         host = getattr(server_args, "host", None)
@@ -420,11 +420,14 @@ class _WrongSiblings(RuntimeError):
     would put one rank's cause on rooms of unrelated ranks."""
 
 
-def _head_layout(args: Any, is_mla: Optional[bool], attn_tp: int) -> dict:
+def _head_layout(args: Any, is_mla: Optional[bool], attn_tp: int, server_args: Any = None) -> dict:
     """The KV head layout of sglang's KVArgs for kvrecv's: MLA backends hold
     one latent cache per rank; MHA/GQA pools give kv_head_num and
-    total_kv_head_num (sglang's decode sets them only with staging: without
-    them a decode pairs with a prefill of its own TP size)."""
+    total_kv_head_num.  sglang's prefill sets both; its decode sets them only
+    with staging, after the manager is made, so without them the layout is
+    sglang's own rule for the pool's head count, max(1, total // attn_tp),
+    with the total from the model config of server_args (_model_kv_heads).
+    None of these: a rank pairs with a prefill rank of its own TP size."""
     if not 0 <= int(getattr(args, "engine_rank", 0)) < attn_tp:
         return {}  # not an attention-TP rank number: rank to rank only
     if is_mla:
@@ -433,7 +436,37 @@ def _head_layout(args: Any, is_mla: Optional[bool], attn_tp: int) -> dict:
     total = getattr(args, "total_kv_head_num", None)
     if isinstance(heads, int) and isinstance(total, int) and heads > 0 and total > 0:
         return {"kv_head_num": heads, "total_kv_head_num": total}
-    return {}
+    total = _model_kv_heads(server_args)
+    if total is None:
+        return {}
+    heads = max(1, total // attn_tp)
+    page = int(getattr(args, "page_size", 1) or 1)
+    items = _seq(getattr(args, "kv_item_lens", ()))
+    if not items or any(i % (page * heads) for i in items):
+        _log.warning("kvrecv: the model has %d KV heads, %d per rank of attention TP %d, but "
+                     "kv_item_lens %s are not page_size %d x %d heads x bytes per head; this "
+                     "rank pairs only with a prefill of its own TP size", total, heads, attn_tp,
+                     items, page, heads)
+        return {}
+    return {"kv_head_num": heads, "total_kv_head_num": total}
+
+
+def _model_kv_heads(server_args: Any) -> Optional[int]:
+    """The model's total KV heads from sglang's model config of server_args
+    (built once and kept on server_args by sglang), or None outside an
+    sglang process or when it cannot be read.  Nothing is imported unless
+    sglang's server args are."""
+    if "sglang.srt.server_args" not in sys.modules or not getattr(server_args, "model_path", None):
+        return None
+    try:
+        from sglang.srt.arg_groups.overrides import model_config_of
+
+        total = int(model_config_of(server_args).get_total_num_kv_heads())
+    except Exception as e:  # a config sglang itself could not read: no head layout
+        _log.warning("kvrecv: could not read the model's KV head count (%s: %s); this rank "
+                     "pairs only with a prefill of its own TP size", type(e).__name__, e)
+        return None
+    return total if total > 0 else None
 
 
 def _attn_tp_endpoints(endpoint: str) -> List[str]:

@@ -1,0 +1,113 @@
+"""Heterogeneous deployments through sglang's own scheduler code: prefill
+and decode of different attention-TP sizes, with sglang's MHATokenToKVPool
+(each rank holding its share of the model's KV heads) and with its
+MLATokenToKVPool (one latent cache every rank holds whole).
+
+tests/sglang_sched.py runs sglang's DecodePreallocQueue, DecodeTransferQueue,
+PrefillBootstrapQueue, send_kv_chunk and process_disagg_prefill_inflight_queue,
+unpatched, in separate processes; the forward stand-in writes the whole
+model's pattern of a request cut to each prefill rank's heads, and each
+decode rank compares its own heads' cut byte for byte.  Skipped where sglang
+is not installed; with KVRECV_REQUIRE_SGLANG=1 (set by CI) a missing sglang
+is a failure."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+try:
+    import sglang  # noqa: F401
+    import torch  # noqa: F401
+    _MISSING = ""
+except ImportError as e:  # pragma: no cover - depends on the machine
+    _MISSING = f"sglang is not installed ({e}); scripts/setup_sglang.sh installs it"
+
+if _MISSING and os.environ.get("KVRECV_REQUIRE_SGLANG") == "1":
+    raise RuntimeError(f"KVRECV_REQUIRE_SGLANG=1 but {_MISSING}")
+
+pytestmark = [pytest.mark.sglang, pytest.mark.skipif(bool(_MISSING), reason=_MISSING)]
+
+from sglang_sched import Driver, Layout, ReqSpec  # noqa: E402
+from test_sglang_real import _check_causes, _check_clean, _ok  # noqa: E402
+
+# Ordered so that the kill test, which runs last, finds its layout up.
+LAYOUTS = {
+    "mla-tp2-to-1": Layout(prefill_tp=2, decode_tp=1, mla=True),
+    "mla-tp1-to-2": Layout(prefill_tp=1, decode_tp=2, mla=True),
+    "tp1-to-2": Layout(prefill_tp=1, decode_tp=2),
+    "tp2-to-1": Layout(prefill_tp=2, decode_tp=1),
+}
+
+
+@pytest.fixture(scope="module")
+def hetero(tmp_path_factory):
+    """One driver (one sglang import) for every layout; use(name) restarts
+    the bootstrap server and both instances when the layout changes."""
+    d = Driver(str(tmp_path_factory.mktemp("sglang_hetero")), tp=1)
+    current = []
+
+    def use(name: str) -> Driver:
+        if current != [name]:
+            d.call("layout", layout=dataclasses.asdict(LAYOUTS[name]))
+            current[:] = [name]
+        return d
+
+    try:
+        yield use
+    finally:
+        d.close()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_sglang_hetero_byte_exact(hetero, name):
+    """Requests of 20 tokens, 130 in chunks of 13, and 1 through sglang's
+    queues: each decode rank's pool holds, byte for byte, its heads (MHA) or
+    the latent cache (MLA) of every token, gathered from the prefill ranks
+    holding them; the first token arrives through sglang's MetadataBuffers;
+    nothing failed on either side (an MLA prefill rank no decode rank reads
+    from ends its request too)."""
+    d = hetero(name)
+    lay = LAYOUTS[name]
+    base = 2000 + 10 * list(LAYOUTS).index(name)
+    specs = [ReqSpec("x1", base + 1, 20), ReqSpec("x2", base + 2, 130, chunk=13),
+             ReqSpec("x3", base + 3, 1)]
+    out = d.run(specs)
+    assert (len(out["prefill"]), len(out["decode"])) == (lay.prefill_tp, lay.decode_tp)
+    _check_clean(d, out)
+    for s in specs:
+        _ok(out, s.rid)
+    for r in out["decode"] + out["prefill"]:
+        assert r["failures"] == {}
+
+
+@pytest.mark.timeout(180)
+def test_sglang_hetero_killed_prefill_rank_fails_the_request(hetero):
+    """Prefill TP 2 -> decode TP 1: prefill rank 1 SIGKILLed after its first
+    chunk.  The decode rank reads heads 2-3 from it: sglang's
+    pop_transferred gets KVPeerLostError naming prefill rank 1 (its own
+    cause, not from another rank) and aborts the request with it; the pages
+    are held until the room drained, then released.  Prefill rank 0 fails
+    in sglang's gloo all-reduce with its dead peer, as a real instance
+    would.  A restarted prefill serves the next request."""
+    d = hetero("tp2-to-1")
+    room = 2101
+    out = d.run([ReqSpec("k1", room, 64, chunk=8, prefill_die_rank=1)])
+    assert out["prefill"][1] == {"died": -9}
+    # prefill rank 0 lost its peer in sglang's MIN all-reduce: that instance is gone
+    [raised] = out["prefill"][0]["raised"]
+    assert "all_reduce" in raised and "gloo" in raised, raised
+    out["prefill"] = []
+    _check_clean(d, out)
+
+    def lost(o, text):
+        return text.startswith(f"room {room}: prefill rank 1 at 127.0.0.1:") and " lost: " in text
+    [(origin, text)] = _check_causes(out, "decode", "k1", room, "KVPeerLostError", lost)
+    assert origin == 0 and out["decode"][0]["held_max"] == 1, text
+    d.call("start_prefill")
+    out = d.run([ReqSpec("k2", room + 1, 30, chunk=8)])
+    _check_clean(d, out)
+    _ok(out, "k2")
