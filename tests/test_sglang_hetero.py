@@ -111,3 +111,71 @@ def test_sglang_hetero_killed_prefill_rank_fails_the_request(hetero):
     out = d.run([ReqSpec("k2", room + 1, 30, chunk=8)])
     _check_clean(d, out)
     _ok(out, "k2")
+
+
+# --- the decode's head layout, from sglang's model config ------------------
+
+def _decode_manager(server_args, layout):
+    """A decode manager made as sglang's DecodePreallocQueue makes it: its
+    KVArgs carry no kv_head_num (sglang sets it only with staging)."""
+    import logging
+
+    from kvtest import Side
+    from test_sglang import DisaggregationMode, sglang_kv_args
+
+    from kvrecv.sglang import KVRecvManager
+
+    warnings = []
+    handler = logging.Handler(logging.WARNING)
+    handler.emit = lambda record: warnings.append(record.getMessage())
+    logging.getLogger("kvrecv").addHandler(handler)
+    try:
+        args = sglang_kv_args(Side(layout))
+        assert getattr(args, "kv_head_num", None) is None
+        mgr = KVRecvManager(args, DisaggregationMode.DECODE, server_args, False)
+    finally:
+        logging.getLogger("kvrecv").removeHandler(handler)
+    heads = mgr.kvrecv_args.heads
+    mgr.close()
+    return heads, warnings
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_decode_head_layout_from_sglangs_model_config(tp):
+    """sglang's ServerArgs of the tiny model (4 KV heads): the decode's rank 0
+    of attention TP tp holds 4 // tp heads of 4, sglang's own rule."""
+    from kvtest import STD
+    from sglang_sched import _server_args
+
+    heads, warnings = _decode_manager(_server_args("decode", tp, 9, 1, False), STD)
+    assert heads == (tp, 0, 4 // tp, 4) and warnings == []
+
+
+def test_decode_head_layout_that_does_not_fit_the_pool_is_rank_to_rank():
+    """The model's 4 heads do not divide a buffer's item length (66 bytes):
+    no head layout (the rank pairs only with a prefill of its TP size), and
+    a warning naming the numbers."""
+    from kvtest import Layout as Mem
+    from sglang_sched import _server_args
+
+    heads, warnings = _decode_manager(_server_args("decode", 1, 9, 1, False),
+                                      Mem((64, 66), 32, (16,), 8))
+    assert heads is None
+    assert warnings == ["kvrecv: the model has 4 KV heads, 4 per rank of attention TP 1, but "
+                        "kv_item_lens [64, 66] are not page_size 1 x 4 heads x bytes per head; "
+                        "this rank pairs only with a prefill of its own TP size"]
+
+
+def test_decode_head_layout_of_an_unreadable_model_config_is_rank_to_rank(tmp_path):
+    """A model path sglang's model config cannot read: no head layout, and a
+    warning with sglang's error."""
+    import types
+
+    from kvtest import STD
+
+    sa = types.SimpleNamespace(model_path=str(tmp_path / "no-model"), tp_size=1,
+                               host="127.0.0.1")
+    heads, warnings = _decode_manager(sa, STD)
+    assert heads is None and len(warnings) == 1, warnings
+    assert warnings[0].startswith("kvrecv: could not read the model's KV head count (")
+    assert warnings[0].endswith("); this rank pairs only with a prefill of its own TP size")
