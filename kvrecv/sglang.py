@@ -200,8 +200,20 @@ def _parallel(server_args: Any) -> dict:
     dp = int(getattr(server_args, "dp_size", 1) or 1)
     dp_attention = bool(getattr(server_args, "enable_dp_attention", False))
     return {"attn_tp_size": tp // dp if dp_attention else tp, "dp_size": dp,
-            "pp_size": int(getattr(server_args, "pp_size", 1) or 1),
+            "dp_attention": dp_attention, "pp_size": int(getattr(server_args, "pp_size", 1) or 1),
             "cp_size": int(getattr(server_args, "attn_cp_size", 1) or 1)}
+
+
+def _attn_rank(args: Any, par: dict) -> tuple:
+    """(rank in the attention-TP group, DP group) of sglang's engine_rank.
+    sglang's prefill passes its TP rank; with DP attention, the ranks of DP
+    group d are d * attn_tp_size ... (d + 1) * attn_tp_size - 1 (sglang's
+    own attn_dp_rank and attn_tp_rank); its decode passes the rank within
+    the attention-TP group already."""
+    rank = int(getattr(args, "engine_rank", 0) or 0)
+    if par["dp_attention"]:
+        return rank % par["attn_tp_size"], rank // par["attn_tp_size"]
+    return rank, 0
 
 
 class KVRecvManager(KVManager):
@@ -217,9 +229,13 @@ class KVRecvManager(KVManager):
     overrides the address this rank advertises; ``kvrecv_config`` may carry a
     KVConfig, and KVRECV_* environment variables override its fields.
 
+    A prefill with DP attention registers each DP group's ranks under their
+    group (``KVArgs.attn_dp_rank``): a decode reads the group sglang's
+    decode picks, init(prefill_dp_rank).
+
     Refused at creation, with the reason: state types other than Mamba, a
-    prefill with more than one DP group, PP or CP stage (kvrecv's rendezvous
-    pairs decode rank r with prefill rank r of one group).
+    prefill with PP or CP stages, or with more than one DP replica without
+    DP attention (the rendezvous would need their system DP rank).
 
     In an sglang scheduler the manager joins the other ranks of its
     attention-TP group as siblings (set_siblings(), endpoints gathered over
@@ -238,15 +254,18 @@ class KVRecvManager(KVManager):
         mode = mode_name(disaggregation_mode)
         state = _state_args(args)
         par = _parallel(server_args)
-        if mode == "prefill" and (par["dp_size"] > 1 or par["pp_size"] > 1 or par["cp_size"] > 1):
+        system_dp = par["dp_size"] if not par["dp_attention"] else 1
+        if mode == "prefill" and (system_dp > 1 or par["pp_size"] > 1 or par["cp_size"] > 1):
             raise NotImplementedError(
-                f"kvrecv serves one prefill DP group without PP or CP (dp_size={par['dp_size']}, "
+                f"kvrecv serves a prefill of DP groups with DP attention, without PP or CP "
+                f"(dp_size={par['dp_size']}, enable_dp_attention={par['dp_attention']}, "
                 f"pp_size={par['pp_size']}, attn_cp_size={par['cp_size']})")
+        rank, dp_group = _attn_rank(args, par)
         if isinstance(args, KVArgs):
             kv_args = args
         else:
             kv_args = KVArgs(
-                getattr(args, "engine_rank", 0),
+                rank,
                 _seq(getattr(args, "kv_data_ptrs", ())),
                 _seq(getattr(args, "kv_data_lens", ())),
                 _seq(getattr(args, "kv_item_lens", ())),
@@ -255,7 +274,8 @@ class KVRecvManager(KVManager):
                 _seq(getattr(args, "aux_item_lens", ())),
                 page_size=int(getattr(args, "page_size", 1) or 1),
                 tp_size=par["attn_tp_size"],
-                **_head_layout(args, is_mla_backend, par["attn_tp_size"], server_args),
+                **_head_layout(rank, args, is_mla_backend, par["attn_tp_size"], server_args),
+                attn_dp_rank=dp_group if mode == "prefill" else 0,
                 **state,
             )
         host = getattr(server_args, "host", None)
@@ -305,7 +325,9 @@ class KVRecvManager(KVManager):
         host, _, ctl_port = self.endpoint[len("tcp://"):].rpartition(":")
         body = {
             "attn_tp_size": par["attn_tp_size"], "attn_tp_rank": int(self.kvrecv_args.engine_rank),
-            "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1, "attn_dp_rank": 0,
+            "attn_cp_size": 1, "attn_cp_rank": 0,
+            "attn_dp_size": par["dp_size"] if par["dp_attention"] else 1,
+            "attn_dp_rank": int(self.kvrecv_args.attn_dp_rank),
             "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0,
             "rank_ip": host, "rank_port": int(ctl_port),
             "page_size": int(getattr(args, "page_size", 1) or 1),
@@ -319,7 +341,8 @@ class KVRecvManager(KVManager):
         if status != 200:
             self.close()
             raise RuntimeError(f"kvrecv: the bootstrap server {self.http_bootstrap_addr} refused "
-                               f"rank {body['attn_tp_rank']}: {status} {text}")
+                               f"rank {body['attn_tp_rank']} of DP group "
+                               f"{body['attn_dp_rank']}: {status} {text}")
 
     def register_to_bootstrap(self) -> None:
         """A prefill manager registers with the bootstrap server when it is
@@ -420,7 +443,8 @@ class _WrongSiblings(RuntimeError):
     would put one rank's cause on rooms of unrelated ranks."""
 
 
-def _head_layout(args: Any, is_mla: Optional[bool], attn_tp: int, server_args: Any = None) -> dict:
+def _head_layout(rank: int, args: Any, is_mla: Optional[bool], attn_tp: int,
+                 server_args: Any = None) -> dict:
     """The KV head layout of sglang's KVArgs for kvrecv's: MLA backends hold
     one latent cache per rank; MHA/GQA pools give kv_head_num and
     total_kv_head_num.  sglang's prefill sets both; its decode sets them only
@@ -428,7 +452,7 @@ def _head_layout(args: Any, is_mla: Optional[bool], attn_tp: int, server_args: A
     sglang's own rule for the pool's head count, max(1, total // attn_tp),
     with the total from the model config of server_args (_model_kv_heads).
     None of these: a rank pairs with a prefill rank of its own TP size."""
-    if not 0 <= int(getattr(args, "engine_rank", 0)) < attn_tp:
+    if not 0 <= rank < attn_tp:
         return {}  # not an attention-TP rank number: rank to rank only
     if is_mla:
         return {"is_mla": True}

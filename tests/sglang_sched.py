@@ -109,11 +109,13 @@ def input_ids(spec: ReqSpec) -> List[int]:
 class Layout:
     """The two instances: attention-TP sizes and the KV pool (sglang's
     MHATokenToKVPool with the rank's share of TOTAL_HEADS, or with mla its
-    MLATokenToKVPool, one latent cache every rank holds whole)."""
+    MLATokenToKVPool, one latent cache every rank holds whole), and the
+    prefill's DP groups."""
 
     prefill_tp: int = 2
     decode_tp: int = 2
     mla: bool = False
+    prefill_dp: int = 1  # DP attention: DP groups of prefill_tp ranks, a room to group room % dp
 
 
 def rank_heads(tp: int, rank: int) -> slice:
@@ -244,10 +246,14 @@ def model_dir() -> str:
     return d
 
 
-def _server_args(mode: str, tp: int, bootstrap_port: int, page_size: int, radix: bool):
+def _server_args(mode: str, tp: int, bootstrap_port: int, page_size: int, radix: bool,
+                 dp: int = 1):
+    """sglang's ServerArgs of one instance: attention TP tp, in dp DP
+    attention groups when dp > 1."""
     from sglang.srt.server_args import ServerArgs
 
-    return ServerArgs(model_path=model_dir(), tp_size=tp, device="cpu",
+    return ServerArgs(model_path=model_dir(), tp_size=tp * dp, dp_size=dp,
+                      enable_dp_attention=dp > 1, device="cpu",
                       disaggregation_mode=mode, disaggregation_transfer_backend="kvrecv",
                       disaggregation_bootstrap_port=bootstrap_port, host="127.0.0.1",
                       page_size=page_size, skip_server_warmup=True,
@@ -256,21 +262,26 @@ def _server_args(mode: str, tp: int, bootstrap_port: int, page_size: int, radix:
 
 
 def _init_rank(mode: str, rank: int, tp: int, store_port: int, bootstrap_port: int,
-               page_size: int, radix: bool = False):
+               page_size: int, radix: bool = False, dp: int = 1):
     """sglang's global parallel state for this rank, the way its own tests
-    publish it, plus the gloo groups its queues all-reduce over."""
+    publish it, plus the gloo groups its queues all-reduce over: the
+    attention-TP group of the rank's DP group (tp ranks of dp * tp)."""
     import torch.distributed as dist
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
 
-    sa = _server_args(mode, tp, bootstrap_port, page_size, radix)
+    sa = _server_args(mode, tp, bootstrap_port, page_size, radix, dp)
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=0))
+    world = tp * dp
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=rank,
-                            world_size=tp, timeout=datetime.timedelta(seconds=SIDE_TIMEOUT_S))
-    tp_group = dist.new_group(list(range(tp)), backend="gloo")
-    singles = [dist.new_group([r], backend="gloo") for r in range(tp)]
-    group = types.SimpleNamespace(cpu_group=tp_group, world_size=tp, rank_in_group=rank)
-    get_parallel().override_permanently(attn_tp_group=group, tp_group=group)
-    return sa, tp_group, singles[rank]
+                            world_size=world, timeout=datetime.timedelta(seconds=SIDE_TIMEOUT_S))
+    tp_group = dist.new_group(list(range(world)), backend="gloo")
+    attn = [dist.new_group(list(range(d * tp, d * tp + tp)), backend="gloo") for d in range(dp)]
+    singles = [dist.new_group([r], backend="gloo") for r in range(world)]
+    get_parallel().override_permanently(
+        attn_tp_group=types.SimpleNamespace(cpu_group=attn[rank // tp], world_size=tp,
+                                            rank_in_group=rank % tp),
+        tp_group=types.SimpleNamespace(cpu_group=tp_group, world_size=world, rank_in_group=rank))
+    return sa, attn[rank // tp], singles[rank]
 
 
 def _pools(sa, decode: bool, page_size: int, tp: int, mla: bool, radix: bool = False):
@@ -541,15 +552,17 @@ class DecodeRank:
 
 
 class PrefillRank:
-    def __init__(self, rank, tp, store_port, bootstrap_port, page_size, mla=False):
+    def __init__(self, rank, tp, store_port, bootstrap_port, page_size, mla=False, dp=1):
         from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
         from sglang.srt.disaggregation.utils import TransferBackend
 
         from kvrecv.sglang import KVRecvSender
 
         self.rank, self.bootstrap_port, self.page_size = rank, bootstrap_port, page_size
-        self.tp, self.mla = tp, mla
-        sa, group, single = _init_rank("prefill", rank, tp, store_port, bootstrap_port, page_size)
+        self.tp, self.mla, self.dp = tp, mla, dp
+        self.attn_rank, self.dp_group = rank % tp, rank // tp
+        sa, group, single = _init_rank("prefill", rank, tp, store_port, bootstrap_port, page_size,
+                                       dp=dp)
         self.failures: Dict[str, list] = {}
         self.pages: Dict[str, list] = {}
         _spy_failures(self.failures, KVRecvSender)
@@ -585,7 +598,7 @@ class PrefillRank:
         self.p.r2t.write((req.kv.req_pool_idx, slice(0, n)), loc.to(torch.int32))
         req.kv.kv_allocated_len = req.kv.kv_committed_len = n
         write_kv(self.p.kv, loc.to(torch.int64),
-                 kv_pattern(req.bootstrap_room, n, self.tp, self.rank, self.mla), self.mla)
+                 kv_pattern(req.bootstrap_room, n, self.tp, self.attn_rank, self.mla), self.mla)
         req.output_ids.append(spec.output_id)
 
     def run(self, specs: List[ReqSpec]) -> dict:
@@ -596,7 +609,9 @@ class PrefillRank:
         self.pages.clear()
         if any(s.decode_cached for s in specs):
             _stale_rows(self.p.meta)
-        by_rid = {s.rid: s for s in specs if not s.decode_only}
+        # sglang's DP controller hands a room to DP group room % dp
+        by_rid = {s.rid: s for s in specs
+                  if not s.decode_only and s.room % self.dp == self.dp_group}
         reqs = {}
         ends: Dict[str, List[int]] = {}
         concluded = set()
@@ -761,12 +776,12 @@ class Cluster:
         self.start_prefill()
         self.start_decode()
 
-    def _start(self, cls, tp, env, *extra) -> List[_Proc]:
+    def _start(self, cls, n, tp, env, *extra) -> List[_Proc]:
         store = free_port()
         procs = [_Proc(_rank_main, cls, dict(KVRECV_ENV, **(env or {})), r, tp, store,
                        self.bootstrap_port, self.page_size, self.layout.mla, *extra,
                        name=f"{cls.__name__}{r}")
-                 for r in range(tp)]
+                 for r in range(n)]
         for p in procs:
             p.expect_ready()
         return procs
@@ -774,14 +789,17 @@ class Cluster:
     def start_prefill(self, env=None) -> None:
         for p in self.prefill:
             p.close()
-        self.prefill = self._start(PrefillRank, self.layout.prefill_tp, env)
+        lay = self.layout
+        self.prefill = self._start(PrefillRank, lay.prefill_tp * lay.prefill_dp, lay.prefill_tp,
+                                   env, lay.prefill_dp)
 
     def start_decode(self, env=None, radix: bool = False) -> None:
         """Decode ranks; radix: with sglang's decode radix cache
         (--disaggregation-decode-enable-radix-cache)."""
         for p in self.decode:
             p.close()
-        self.decode = self._start(DecodeRank, self.layout.decode_tp, env, radix)
+        tp = self.layout.decode_tp
+        self.decode = self._start(DecodeRank, tp, tp, env, radix)
 
     def run(self, specs: List[ReqSpec], timeout: float = SIDE_TIMEOUT_S + 15) -> dict:
         """Hands the requests to every rank; each runs sglang's queue loop

@@ -40,6 +40,11 @@ LAYOUTS = {
     "tp1-to-2": Layout(prefill_tp=1, decode_tp=2),
     "tp2-to-1": Layout(prefill_tp=2, decode_tp=1),
 }
+# A prefill of 2 DP attention groups behind one bootstrap server.
+DP_LAYOUTS = {
+    "dp2-tp1-to-1": Layout(prefill_tp=1, decode_tp=1, prefill_dp=2),
+    "dp2-tp1-to-2": Layout(prefill_tp=1, decode_tp=2, prefill_dp=2),
+}
 
 
 @pytest.fixture(scope="module")
@@ -51,7 +56,7 @@ def hetero(tmp_path_factory):
 
     def use(name: str) -> Driver:
         if current != [name]:
-            d.call("layout", layout=dataclasses.asdict(LAYOUTS[name]))
+            d.call("layout", layout=dataclasses.asdict({**LAYOUTS, **DP_LAYOUTS}[name]))
             current[:] = [name]
         return d
 
@@ -112,6 +117,32 @@ def test_sglang_hetero_killed_prefill_rank_fails_the_request(hetero):
     _check_clean(d, out)
     _ok(out, "k2")
 
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", list(DP_LAYOUTS))
+def test_sglang_prefill_dp_groups_byte_exact(hetero, name):
+    """A prefill of 2 DP attention groups (sglang's tp_size 2, dp_size 2,
+    enable_dp_attention; each group one attention-TP rank) registered with
+    one bootstrap server: sglang's DP controller hands room r to group r % 2,
+    sglang's decode picks the same group (_resolve_prefill_dp_rank,
+    follow_bootstrap_room), and every decode rank reads its heads from that
+    group alone, byte for byte."""
+    d = hetero(name)
+    specs = [ReqSpec(f"g{i}", 2200 + i, n, chunk=c)
+             for i, (n, c) in enumerate(((20, 0), (37, 8), (1, 0), (130, 13)))]
+    out = d.run(specs)
+    assert (len(out["prefill"]), len(out["decode"])) == (2, DP_LAYOUTS[name].decode_tp)
+    _check_clean(d, out)
+    for rank, r in enumerate(out["decode"]):
+        for s in specs:
+            assert r["reqs"][s.rid] == {"status": "ok", "output_ids": [7], "bytes_ok": True}, \
+                (rank, s.rid)
+        assert r["failures"] == {}
+    for group, r in enumerate(out["prefill"]):
+        assert r["reqs"] == {s.rid: {"status": "ok", "message": None}
+                             for s in specs if s.room % 2 == group}, group
+        assert r["failures"] == {}
 
 # --- the decode's head layout, from sglang's model config ------------------
 
