@@ -278,6 +278,23 @@ def test_state_buffers_rejected():
         KVRecvManager(a, DisaggregationMode.DECODE, types.SimpleNamespace(), False)
 
 
+@pytest.mark.parametrize("sizes, text", [
+    (dict(tp_size=2, dp_size=2), "dp_size=2, enable_dp_attention=False, pp_size=1, attn_cp_size=1"),
+    (dict(tp_size=2, pp_size=2), "dp_size=1, enable_dp_attention=False, pp_size=2, attn_cp_size=1"),
+    (dict(tp_size=4, dp_size=2, enable_dp_attention=True, attn_cp_size=2),
+     "dp_size=2, enable_dp_attention=True, pp_size=1, attn_cp_size=2"),
+], ids=["dp-replicas", "pp", "cp"])
+def test_prefill_parallel_layouts_refused(sizes, text):
+    """A prefill of DP replicas without DP attention, of PP stages or of
+    attention CP is refused when its manager is made, naming the sizes,
+    before it registers anywhere."""
+    sa = types.SimpleNamespace(host="127.0.0.1", disaggregation_bootstrap_port=9, **sizes)
+    with pytest.raises(NotImplementedError) as ei:
+        KVRecvManager(sglang_kv_args(Side(STD, rank=0)), DisaggregationMode.PREFILL, sa, False)
+    assert str(ei.value) == ("kvrecv serves a prefill of DP groups with DP attention, without PP "
+                             f"or CP ({text})")
+
+
 def test_decode_prefix_len_moves_only_the_rest(cluster):
     # the decode's radix cache holds 3, 7, all 8 (aux row only) or no tokens
     prefixes = {0: 3, 1: PAGES - 1, 2: PAGES, 4: 0}
