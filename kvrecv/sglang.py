@@ -199,8 +199,11 @@ def _parallel(server_args: Any) -> dict:
     tp = int(getattr(server_args, "tp_size", 1) or 1)
     dp = int(getattr(server_args, "dp_size", 1) or 1)
     dp_attention = bool(getattr(server_args, "enable_dp_attention", False))
+    # a prefill's "auto" is follow_bootstrap_room (sglang's serving_hook.py)
+    balance = str(getattr(server_args, "load_balance_method", None) or "auto")
     return {"attn_tp_size": tp // dp if dp_attention else tp, "dp_size": dp,
-            "dp_attention": dp_attention, "pp_size": int(getattr(server_args, "pp_size", 1) or 1),
+            "dp_attention": dp_attention,
+            "follow_room": balance in ("auto", "follow_bootstrap_room"), "pp_size": int(getattr(server_args, "pp_size", 1) or 1),
             "cp_size": int(getattr(server_args, "attn_cp_size", 1) or 1)}
 
 
@@ -336,6 +339,7 @@ class KVRecvManager(KVManager):
                                f"{getattr(self.server_args, 'host', '')}:"
                                f"{getattr(self.server_args, 'port', '')}:{port}"),
             "kvrecv_endpoint": self.endpoint,
+            "load_balance_method": "follow_bootstrap_room" if par["follow_room"] else "other",
         }
         status, text = fetch_json(self.http_bootstrap_addr, "/route", method="PUT", body=body)
         if status != 200:
@@ -343,6 +347,33 @@ class KVRecvManager(KVManager):
             raise RuntimeError(f"kvrecv: the bootstrap server {self.http_bootstrap_addr} refused "
                                f"rank {body['attn_tp_rank']} of DP group "
                                f"{body['attn_dp_rank']}: {status} {text}")
+
+    def dp_group_reason(self, room: int) -> Optional[str]:
+        """A prefill of several DP groups, for a room sglang dispatched to
+        this rank's group: None if the decode will find the group, else why
+        not.  Following the bootstrap room (sglang's default), the decode
+        takes group room % dp_size: another group fails the room, as in
+        sglang's own backends.  Otherwise the room's group is registered
+        (POST /register_dp_rank) for the decode's /query_dp_ranks."""
+        dp, group = self.parallel["dp_size"], self.kvrecv_args.attn_dp_rank
+        if not self.parallel["dp_attention"] or dp <= 1:
+            return None
+        if self.parallel["follow_room"]:
+            if room % dp == group:
+                return None
+            return (f"follow_bootstrap_room conflict: room {room} was dispatched to prefill DP "
+                    f"group {group}, but the decode reads it from group {room % dp} "
+                    f"(room % dp_size {dp})")
+        try:
+            status, text = fetch_json(self.http_bootstrap_addr, "/register_dp_rank", method="POST",
+                                      body={"bootstrap_room": room, "dp_rank": group})
+            if status == 200:
+                return None
+            got = f"{status} {text}"
+        except OSError as e:
+            got = f"{type(e).__name__}: {e}"
+        return (f"could not register room {room} with prefill DP group {group} at the bootstrap "
+                f"server {self.http_bootstrap_addr}: {got}")
 
     def register_to_bootstrap(self) -> None:
         """A prefill manager registers with the bootstrap server when it is
@@ -609,6 +640,10 @@ class KVRecvSender(_RoomMixin, KVSender):
                  req_has_disagg_prefill_dp_rank: bool = False):
         super().__init__(mgr, bootstrap_addr, bootstrap_room, list(dest_tp_ranks or (0,)), pp_rank)
         self._local_reason = None
+        why = None if req_has_disagg_prefill_dp_rank else \
+            getattr(mgr, "dp_group_reason", lambda room: None)(bootstrap_room)
+        if why is not None:
+            self._fail_local(f"room {bootstrap_room}: {why}")
         self._t_init = None
         self._t_done = None
         self._num_kv_indices = 0

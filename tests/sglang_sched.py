@@ -93,6 +93,7 @@ class ReqSpec:
     prefill_abort_rank: int = -1  # only this prefill rank aborts it there
     prefill_die: bool = False     # every prefill rank is SIGKILLed after its first chunk
     prefill_die_rank: int = -1    # only this prefill rank is SIGKILLed there
+    prefill_dp_group: int = -1    # the prefill DP group it is dispatched to (-1: room % dp)
     prefill_hold_s: float = 0.0   # the prefill waits this long before the last chunk
     decode_only: bool = False     # no prefill takes it (an unreachable bootstrap)
     decode_cached: int = 0        # tokens of the prompt the decode's radix tree holds already
@@ -115,7 +116,8 @@ class Layout:
     prefill_tp: int = 2
     decode_tp: int = 2
     mla: bool = False
-    prefill_dp: int = 1  # DP attention: DP groups of prefill_tp ranks, a room to group room % dp
+    prefill_dp: int = 1  # DP attention: DP groups of prefill_tp ranks
+    prefill_balance: str = "follow_bootstrap_room"  # the prefill's --load-balance-method
 
 
 def rank_heads(tp: int, rank: int) -> slice:
@@ -247,13 +249,13 @@ def model_dir() -> str:
 
 
 def _server_args(mode: str, tp: int, bootstrap_port: int, page_size: int, radix: bool,
-                 dp: int = 1):
+                 dp: int = 1, balance: str = "auto"):
     """sglang's ServerArgs of one instance: attention TP tp, in dp DP
-    attention groups when dp > 1."""
+    attention groups when dp > 1, with that --load-balance-method."""
     from sglang.srt.server_args import ServerArgs
 
     return ServerArgs(model_path=model_dir(), tp_size=tp * dp, dp_size=dp,
-                      enable_dp_attention=dp > 1, device="cpu",
+                      enable_dp_attention=dp > 1, load_balance_method=balance, device="cpu",
                       disaggregation_mode=mode, disaggregation_transfer_backend="kvrecv",
                       disaggregation_bootstrap_port=bootstrap_port, host="127.0.0.1",
                       page_size=page_size, skip_server_warmup=True,
@@ -262,14 +264,14 @@ def _server_args(mode: str, tp: int, bootstrap_port: int, page_size: int, radix:
 
 
 def _init_rank(mode: str, rank: int, tp: int, store_port: int, bootstrap_port: int,
-               page_size: int, radix: bool = False, dp: int = 1):
+               page_size: int, radix: bool = False, dp: int = 1, balance: str = "auto"):
     """sglang's global parallel state for this rank, the way its own tests
     publish it, plus the gloo groups its queues all-reduce over: the
     attention-TP group of the rank's DP group (tp ranks of dp * tp)."""
     import torch.distributed as dist
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
 
-    sa = _server_args(mode, tp, bootstrap_port, page_size, radix, dp)
+    sa = _server_args(mode, tp, bootstrap_port, page_size, radix, dp, balance)
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=0))
     world = tp * dp
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=rank,
@@ -552,7 +554,8 @@ class DecodeRank:
 
 
 class PrefillRank:
-    def __init__(self, rank, tp, store_port, bootstrap_port, page_size, mla=False, dp=1):
+    def __init__(self, rank, tp, store_port, bootstrap_port, page_size, mla=False, dp=1,
+                 balance="auto"):
         from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
         from sglang.srt.disaggregation.utils import TransferBackend
 
@@ -562,7 +565,7 @@ class PrefillRank:
         self.tp, self.mla, self.dp = tp, mla, dp
         self.attn_rank, self.dp_group = rank % tp, rank // tp
         sa, group, single = _init_rank("prefill", rank, tp, store_port, bootstrap_port, page_size,
-                                       dp=dp)
+                                       dp=dp, balance=balance)
         self.failures: Dict[str, list] = {}
         self.pages: Dict[str, list] = {}
         _spy_failures(self.failures, KVRecvSender)
@@ -609,9 +612,9 @@ class PrefillRank:
         self.pages.clear()
         if any(s.decode_cached for s in specs):
             _stale_rows(self.p.meta)
-        # sglang's DP controller hands a room to DP group room % dp
-        by_rid = {s.rid: s for s in specs
-                  if not s.decode_only and s.room % self.dp == self.dp_group}
+        # the DP group sglang's DP controller hands each room to
+        by_rid = {s.rid: s for s in specs if not s.decode_only and self.dp_group ==
+                  (s.room % self.dp if s.prefill_dp_group < 0 else s.prefill_dp_group)}
         reqs = {}
         ends: Dict[str, List[int]] = {}
         concluded = set()
@@ -791,7 +794,7 @@ class Cluster:
             p.close()
         lay = self.layout
         self.prefill = self._start(PrefillRank, lay.prefill_tp * lay.prefill_dp, lay.prefill_tp,
-                                   env, lay.prefill_dp)
+                                   env, lay.prefill_dp, lay.prefill_balance)
 
     def start_decode(self, env=None, radix: bool = False) -> None:
         """Decode ranks; radix: with sglang's decode radix cache

@@ -44,6 +44,8 @@ LAYOUTS = {
 DP_LAYOUTS = {
     "dp2-tp1-to-1": Layout(prefill_tp=1, decode_tp=1, prefill_dp=2),
     "dp2-tp1-to-2": Layout(prefill_tp=1, decode_tp=2, prefill_dp=2),
+    "dp2-tp1-to-2-round-robin": Layout(prefill_tp=1, decode_tp=2, prefill_dp=2,
+                                       prefill_balance="round_robin"),
 }
 
 
@@ -124,12 +126,15 @@ def test_sglang_hetero_killed_prefill_rank_fails_the_request(hetero):
 def test_sglang_prefill_dp_groups_byte_exact(hetero, name):
     """A prefill of 2 DP attention groups (sglang's tp_size 2, dp_size 2,
     enable_dp_attention; each group one attention-TP rank) registered with
-    one bootstrap server: sglang's DP controller hands room r to group r % 2,
-    sglang's decode picks the same group (_resolve_prefill_dp_rank,
-    follow_bootstrap_room), and every decode rank reads its heads from that
-    group alone, byte for byte."""
+    one bootstrap server.  Following the bootstrap room (sglang's default),
+    room r goes to group r % 2 and sglang's decode picks the same group
+    (_resolve_prefill_dp_rank); with round_robin, room r goes to group
+    (r + 1) % 2 here, the sender registers it (POST /register_dp_rank) and
+    sglang's decode asks (query_prefill_dp_ranks).  Every decode rank reads
+    its heads from that group alone, byte for byte."""
     d = hetero(name)
-    specs = [ReqSpec(f"g{i}", 2200 + i, n, chunk=c)
+    shift = DP_LAYOUTS[name].prefill_balance != "follow_bootstrap_room"
+    specs = [ReqSpec(f"g{i}", 2200 + i, n, chunk=c, prefill_dp_group=(2200 + i + shift) % 2)
              for i, (n, c) in enumerate(((20, 0), (37, 8), (1, 0), (130, 13)))]
     out = d.run(specs)
     assert (len(out["prefill"]), len(out["decode"])) == (2, DP_LAYOUTS[name].decode_tp)
@@ -141,7 +146,7 @@ def test_sglang_prefill_dp_groups_byte_exact(hetero, name):
         assert r["failures"] == {}
     for group, r in enumerate(out["prefill"]):
         assert r["reqs"] == {s.rid: {"status": "ok", "message": None}
-                             for s in specs if s.room % 2 == group}, group
+                             for s in specs if s.prefill_dp_group == group}, group
         assert r["failures"] == {}
 
 # --- the decode's head layout, from sglang's model config ------------------
