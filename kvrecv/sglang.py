@@ -199,11 +199,12 @@ def _parallel(server_args: Any) -> dict:
     tp = int(getattr(server_args, "tp_size", 1) or 1)
     dp = int(getattr(server_args, "dp_size", 1) or 1)
     dp_attention = bool(getattr(server_args, "enable_dp_attention", False))
-    # a prefill's "auto" is follow_bootstrap_room (sglang's serving_hook.py)
     balance = str(getattr(server_args, "load_balance_method", None) or "auto")
+    if balance == "auto":  # a prefill's, as sglang resolves it (serving_hook.py)
+        balance = "follow_bootstrap_room"
     return {"attn_tp_size": tp // dp if dp_attention else tp, "dp_size": dp,
-            "dp_attention": dp_attention,
-            "follow_room": balance in ("auto", "follow_bootstrap_room"), "pp_size": int(getattr(server_args, "pp_size", 1) or 1),
+            "dp_attention": dp_attention, "load_balance_method": balance,
+            "pp_size": int(getattr(server_args, "pp_size", 1) or 1),
             "cp_size": int(getattr(server_args, "attn_cp_size", 1) or 1)}
 
 
@@ -339,7 +340,7 @@ class KVRecvManager(KVManager):
                                f"{getattr(self.server_args, 'host', '')}:"
                                f"{getattr(self.server_args, 'port', '')}:{port}"),
             "kvrecv_endpoint": self.endpoint,
-            "load_balance_method": "follow_bootstrap_room" if par["follow_room"] else "other",
+            "load_balance_method": par["load_balance_method"],
         }
         status, text = fetch_json(self.http_bootstrap_addr, "/route", method="PUT", body=body)
         if status != 200:
@@ -358,7 +359,7 @@ class KVRecvManager(KVManager):
         dp, group = self.parallel["dp_size"], self.kvrecv_args.attn_dp_rank
         if not self.parallel["dp_attention"] or dp <= 1:
             return None
-        if self.parallel["follow_room"]:
+        if self.parallel["load_balance_method"] == "follow_bootstrap_room":
             if room % dp == group:
                 return None
             return (f"follow_bootstrap_room conflict: room {room} was dispatched to prefill DP "

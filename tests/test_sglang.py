@@ -331,7 +331,10 @@ def test_dp_room_dispatched_to_another_group_than_the_room_says_fails():
             "but the decode reads it from group 0 (room % dp_size 2)")
         good = KVRecvSender(mgr, server.address, 5)
         assert good.poll() == KVPoll.Bootstrapping
-        for s in (bad, good):
+        # a request naming its DP group: the decode reads the group it names
+        named = KVRecvSender(mgr, server.address, 6, req_has_disagg_prefill_dp_rank=True)
+        assert named.poll() == KVPoll.Bootstrapping
+        for s in (bad, good, named):
             s.clear()
     finally:
         mgr.close()
