@@ -6,9 +6,14 @@ server_args, is_mla_backend)``, ``kv_sender_class(mgr=, bootstrap_addr=,
 bootstrap_room=, dest_tp_ranks=, pp_rank=)``, ``kv_receiver_class(mgr=,
 bootstrap_addr=, bootstrap_room=)``, ``kv_bootstrap_server_class(host=,
 port=)``) and map them onto kvrecv's KVManager / KVSender / KVReceiver /
-BootstrapServer.  Nothing from sglang is imported: the scheduler's objects
-are read through their attributes only.  See docs/sglang.md for how to
-register the backend.
+BootstrapServer.  The scheduler's objects are read through their
+attributes; sglang itself is imported only where it already runs (its
+attention-TP group, its model config of the server args).  See
+docs/sglang.md for how to register the backend.
+
+Layouts (docs/sglang.md, docs/layouts.md): prefill and decode of different
+attention-TP sizes (MHA/GQA head slices, MLA), and a prefill of several DP
+attention groups behind one bootstrap server.
 
 A decode radix-cache prefix is supported: the decode's
 ``send_metadata(..., decode_prefix_len=N)`` names only the pages after the N
