@@ -6,9 +6,14 @@ server_args, is_mla_backend)``, ``kv_sender_class(mgr=, bootstrap_addr=,
 bootstrap_room=, dest_tp_ranks=, pp_rank=)``, ``kv_receiver_class(mgr=,
 bootstrap_addr=, bootstrap_room=)``, ``kv_bootstrap_server_class(host=,
 port=)``) and map them onto kvrecv's KVManager / KVSender / KVReceiver /
-BootstrapServer.  Nothing from sglang is imported: the scheduler's objects
-are read through their attributes only.  See docs/sglang.md for how to
-register the backend.
+BootstrapServer.  The scheduler's objects are read through their
+attributes; sglang itself is imported only where it already runs (its
+attention-TP group, its model config of the server args).  See
+docs/sglang.md for how to register the backend.
+
+Layouts (docs/sglang.md, docs/layouts.md): prefill and decode of different
+attention-TP sizes (MHA/GQA head slices, MLA), and a prefill of several DP
+attention groups behind one bootstrap server.
 
 A decode radix-cache prefix is supported: the decode's
 ``send_metadata(..., decode_prefix_len=N)`` names only the pages after the N
@@ -199,9 +204,25 @@ def _parallel(server_args: Any) -> dict:
     tp = int(getattr(server_args, "tp_size", 1) or 1)
     dp = int(getattr(server_args, "dp_size", 1) or 1)
     dp_attention = bool(getattr(server_args, "enable_dp_attention", False))
+    balance = str(getattr(server_args, "load_balance_method", None) or "auto")
+    if balance == "auto":  # a prefill's, as sglang resolves it (serving_hook.py)
+        balance = "follow_bootstrap_room"
     return {"attn_tp_size": tp // dp if dp_attention else tp, "dp_size": dp,
+            "dp_attention": dp_attention, "load_balance_method": balance,
             "pp_size": int(getattr(server_args, "pp_size", 1) or 1),
             "cp_size": int(getattr(server_args, "attn_cp_size", 1) or 1)}
+
+
+def _attn_rank(args: Any, par: dict) -> tuple:
+    """(rank in the attention-TP group, DP group) of sglang's engine_rank.
+    sglang's prefill passes its TP rank; with DP attention, the ranks of DP
+    group d are d * attn_tp_size ... (d + 1) * attn_tp_size - 1 (sglang's
+    own attn_dp_rank and attn_tp_rank); its decode passes the rank within
+    the attention-TP group already."""
+    rank = int(getattr(args, "engine_rank", 0) or 0)
+    if par["dp_attention"]:
+        return rank % par["attn_tp_size"], rank // par["attn_tp_size"]
+    return rank, 0
 
 
 class KVRecvManager(KVManager):
@@ -217,9 +238,13 @@ class KVRecvManager(KVManager):
     overrides the address this rank advertises; ``kvrecv_config`` may carry a
     KVConfig, and KVRECV_* environment variables override its fields.
 
+    A prefill with DP attention registers each DP group's ranks under their
+    group (``KVArgs.attn_dp_rank``): a decode reads the group sglang's
+    decode picks, init(prefill_dp_rank).
+
     Refused at creation, with the reason: state types other than Mamba, a
-    prefill with more than one DP group, PP or CP stage (kvrecv's rendezvous
-    pairs decode rank r with prefill rank r of one group).
+    prefill with PP or CP stages, or with more than one DP replica without
+    DP attention (the rendezvous would need their system DP rank).
 
     In an sglang scheduler the manager joins the other ranks of its
     attention-TP group as siblings (set_siblings(), endpoints gathered over
@@ -238,15 +263,18 @@ class KVRecvManager(KVManager):
         mode = mode_name(disaggregation_mode)
         state = _state_args(args)
         par = _parallel(server_args)
-        if mode == "prefill" and (par["dp_size"] > 1 or par["pp_size"] > 1 or par["cp_size"] > 1):
+        system_dp = par["dp_size"] if not par["dp_attention"] else 1
+        if mode == "prefill" and (system_dp > 1 or par["pp_size"] > 1 or par["cp_size"] > 1):
             raise NotImplementedError(
-                f"kvrecv serves one prefill DP group without PP or CP (dp_size={par['dp_size']}, "
+                f"kvrecv serves a prefill of DP groups with DP attention, without PP or CP "
+                f"(dp_size={par['dp_size']}, enable_dp_attention={par['dp_attention']}, "
                 f"pp_size={par['pp_size']}, attn_cp_size={par['cp_size']})")
+        rank, dp_group = _attn_rank(args, par)
         if isinstance(args, KVArgs):
             kv_args = args
         else:
             kv_args = KVArgs(
-                getattr(args, "engine_rank", 0),
+                rank,
                 _seq(getattr(args, "kv_data_ptrs", ())),
                 _seq(getattr(args, "kv_data_lens", ())),
                 _seq(getattr(args, "kv_item_lens", ())),
@@ -255,7 +283,8 @@ class KVRecvManager(KVManager):
                 _seq(getattr(args, "aux_item_lens", ())),
                 page_size=int(getattr(args, "page_size", 1) or 1),
                 tp_size=par["attn_tp_size"],
-                **_head_layout(args, is_mla_backend, par["attn_tp_size"]),
+                **_head_layout(rank, args, is_mla_backend, par["attn_tp_size"], server_args),
+                attn_dp_rank=dp_group if mode == "prefill" else 0,
                 **state,
             )
         host = getattr(server_args, "host", None)
@@ -305,7 +334,9 @@ class KVRecvManager(KVManager):
         host, _, ctl_port = self.endpoint[len("tcp://"):].rpartition(":")
         body = {
             "attn_tp_size": par["attn_tp_size"], "attn_tp_rank": int(self.kvrecv_args.engine_rank),
-            "attn_cp_size": 1, "attn_cp_rank": 0, "attn_dp_size": 1, "attn_dp_rank": 0,
+            "attn_cp_size": 1, "attn_cp_rank": 0,
+            "attn_dp_size": par["dp_size"] if par["dp_attention"] else 1,
+            "attn_dp_rank": int(self.kvrecv_args.attn_dp_rank),
             "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0,
             "rank_ip": host, "rank_port": int(ctl_port),
             "page_size": int(getattr(args, "page_size", 1) or 1),
@@ -314,12 +345,41 @@ class KVRecvManager(KVManager):
                                f"{getattr(self.server_args, 'host', '')}:"
                                f"{getattr(self.server_args, 'port', '')}:{port}"),
             "kvrecv_endpoint": self.endpoint,
+            "load_balance_method": par["load_balance_method"],
         }
         status, text = fetch_json(self.http_bootstrap_addr, "/route", method="PUT", body=body)
         if status != 200:
             self.close()
             raise RuntimeError(f"kvrecv: the bootstrap server {self.http_bootstrap_addr} refused "
-                               f"rank {body['attn_tp_rank']}: {status} {text}")
+                               f"rank {body['attn_tp_rank']} of DP group "
+                               f"{body['attn_dp_rank']}: {status} {text}")
+
+    def dp_group_reason(self, room: int) -> Optional[str]:
+        """A prefill of several DP groups, for a room sglang dispatched to
+        this rank's group: None if the decode will find the group, else why
+        not.  Following the bootstrap room (sglang's default), the decode
+        takes group room % dp_size: another group fails the room, as in
+        sglang's own backends.  Otherwise the room's group is registered
+        (POST /register_dp_rank) for the decode's /query_dp_ranks."""
+        dp, group = self.parallel["dp_size"], self.kvrecv_args.attn_dp_rank
+        if not self.parallel["dp_attention"] or dp <= 1:
+            return None
+        if self.parallel["load_balance_method"] == "follow_bootstrap_room":
+            if room % dp == group:
+                return None
+            return (f"follow_bootstrap_room conflict: room {room} was dispatched to prefill DP "
+                    f"group {group}, but the decode reads it from group {room % dp} "
+                    f"(room % dp_size {dp})")
+        try:
+            status, text = fetch_json(self.http_bootstrap_addr, "/register_dp_rank", method="POST",
+                                      body={"bootstrap_room": room, "dp_rank": group})
+            if status == 200:
+                return None
+            got = f"{status} {text}"
+        except OSError as e:
+            got = f"{type(e).__name__}: {e}"
+        return (f"could not register room {room} with prefill DP group {group} at the bootstrap "
+                f"server {self.http_bootstrap_addr}: {got}")
 
     def register_to_bootstrap(self) -> None:
         """A prefill manager registers with the bootstrap server when it is
@@ -420,12 +480,16 @@ class _WrongSiblings(RuntimeError):
     would put one rank's cause on rooms of unrelated ranks."""
 
 
-def _head_layout(args: Any, is_mla: Optional[bool], attn_tp: int) -> dict:
+def _head_layout(rank: int, args: Any, is_mla: Optional[bool], attn_tp: int,
+                 server_args: Any = None) -> dict:
     """The KV head layout of sglang's KVArgs for kvrecv's: MLA backends hold
     one latent cache per rank; MHA/GQA pools give kv_head_num and
-    total_kv_head_num (sglang's decode sets them only with staging: without
-    them a decode pairs with a prefill of its own TP size)."""
-    if not 0 <= int(getattr(args, "engine_rank", 0)) < attn_tp:
+    total_kv_head_num.  sglang's prefill sets both; its decode sets them only
+    with staging, after the manager is made, so without them the layout is
+    sglang's own rule for the pool's head count, max(1, total // attn_tp),
+    with the total from the model config of server_args (_model_kv_heads).
+    None of these: a rank pairs with a prefill rank of its own TP size."""
+    if not 0 <= rank < attn_tp:
         return {}  # not an attention-TP rank number: rank to rank only
     if is_mla:
         return {"is_mla": True}
@@ -433,7 +497,37 @@ def _head_layout(args: Any, is_mla: Optional[bool], attn_tp: int) -> dict:
     total = getattr(args, "total_kv_head_num", None)
     if isinstance(heads, int) and isinstance(total, int) and heads > 0 and total > 0:
         return {"kv_head_num": heads, "total_kv_head_num": total}
-    return {}
+    total = _model_kv_heads(server_args)
+    if total is None:
+        return {}
+    heads = max(1, total // attn_tp)
+    page = int(getattr(args, "page_size", 1) or 1)
+    items = _seq(getattr(args, "kv_item_lens", ()))
+    if not items or any(i % (page * heads) for i in items):
+        _log.warning("kvrecv: the model has %d KV heads, %d per rank of attention TP %d, but "
+                     "kv_item_lens %s are not page_size %d x %d heads x bytes per head; this "
+                     "rank pairs only with a prefill of its own TP size", total, heads, attn_tp,
+                     items, page, heads)
+        return {}
+    return {"kv_head_num": heads, "total_kv_head_num": total}
+
+
+def _model_kv_heads(server_args: Any) -> Optional[int]:
+    """The model's total KV heads from sglang's model config of server_args
+    (built once and kept on server_args by sglang), or None outside an
+    sglang process or when it cannot be read.  Nothing is imported unless
+    sglang's server args are."""
+    if "sglang.srt.server_args" not in sys.modules or not getattr(server_args, "model_path", None):
+        return None
+    try:
+        from sglang.srt.arg_groups.overrides import model_config_of
+
+        total = int(model_config_of(server_args).get_total_num_kv_heads())
+    except Exception as e:  # a config sglang itself could not read: no head layout
+        _log.warning("kvrecv: could not read the model's KV head count (%s: %s); this rank "
+                     "pairs only with a prefill of its own TP size", type(e).__name__, e)
+        return None
+    return total if total > 0 else None
 
 
 def _attn_tp_endpoints(endpoint: str) -> List[str]:
@@ -552,6 +646,10 @@ class KVRecvSender(_RoomMixin, KVSender):
                  req_has_disagg_prefill_dp_rank: bool = False):
         super().__init__(mgr, bootstrap_addr, bootstrap_room, list(dest_tp_ranks or (0,)), pp_rank)
         self._local_reason = None
+        why = None if req_has_disagg_prefill_dp_rank else \
+            getattr(mgr, "dp_group_reason", lambda room: None)(bootstrap_room)
+        if why is not None:
+            self._fail_local(f"room {bootstrap_room}: {why}")
         self._t_init = None
         self._t_done = None
         self._num_kv_indices = 0

@@ -43,8 +43,9 @@ from typing import Dict, List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAYERS = 2
-HEADS = 2
+TOTAL_HEADS = 4  # the model's KV heads (config.json's num_key_value_heads)
 HEAD_DIM = 16
+MLA_LORA, MLA_ROPE = 16, 8  # an MLA pool: one latent cache of kv_lora_rank + qk_rope_head_dim
 POOL_TOKENS = 4096
 RESERVED_DECODE_TOKENS = 16  # sglang's default (512) would not fit the small pool
 MAX_CONTEXT = 256
@@ -91,6 +92,8 @@ class ReqSpec:
     prefill_abort: bool = False   # every prefill rank aborts it after its first chunk
     prefill_abort_rank: int = -1  # only this prefill rank aborts it there
     prefill_die: bool = False     # every prefill rank is SIGKILLed after its first chunk
+    prefill_die_rank: int = -1    # only this prefill rank is SIGKILLed there
+    prefill_dp_group: int = -1    # the prefill DP group it is dispatched to (-1: room % dp)
     prefill_hold_s: float = 0.0   # the prefill waits this long before the last chunk
     decode_only: bool = False     # no prefill takes it (an unreachable bootstrap)
     decode_cached: int = 0        # tokens of the prompt the decode's radix tree holds already
@@ -103,15 +106,58 @@ def input_ids(spec: ReqSpec) -> List[int]:
     return [(spec.room * 31 + i) % 30000 + 1 for i in range(spec.input_len)]
 
 
-def kv_pattern(room: int, tp_rank: int, n_tokens: int):
-    """The bytes the prefill's forward stand-in writes for this request and
-    rank: (LAYERS, 2, n_tokens, HEADS, HEAD_DIM) of int16, from a seed."""
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """The two instances: attention-TP sizes and the KV pool (sglang's
+    MHATokenToKVPool with the rank's share of TOTAL_HEADS, or with mla its
+    MLATokenToKVPool, one latent cache every rank holds whole), and the
+    prefill's DP groups."""
+
+    prefill_tp: int = 2
+    decode_tp: int = 2
+    mla: bool = False
+    prefill_dp: int = 1  # DP attention: DP groups of prefill_tp ranks
+    prefill_balance: str = "follow_bootstrap_room"  # the prefill's --load-balance-method
+
+
+def rank_heads(tp: int, rank: int) -> slice:
+    """The model's KV heads a rank of tp holds, as sglang splits them:
+    max(1, TOTAL_HEADS // tp) a rank; with fewer heads than ranks, head
+    rank // (tp // TOTAL_HEADS) on each of its replicas."""
+    if tp <= TOTAL_HEADS:
+        h = TOTAL_HEADS // tp
+        return slice(rank * h, rank * h + h)
+    head = rank // (tp // TOTAL_HEADS)
+    return slice(head, head + 1)
+
+
+def kv_pattern(room: int, n_tokens: int, tp: int, rank: int, mla: bool):
+    """The bytes the prefill's forward stand-in writes for this request, as
+    rank `rank` of `tp` holds them: (LAYERS, buffers, n_tokens, heads, dim)
+    of int16 (buffers: K and V, or the one MLA cache), cut from the whole
+    model's pattern, which depends on the room alone."""
     import torch
 
-    seed = int.from_bytes(hashlib.blake2b(f"{room}:{tp_rank}".encode(), digest_size=6).digest(), "big")
+    seed = int.from_bytes(hashlib.blake2b(f"{room}".encode(), digest_size=6).digest(), "big")
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(-32768, 32767, (LAYERS, 2, n_tokens, HEADS, HEAD_DIM), generator=g,
-                         dtype=torch.int16)
+    shape = (LAYERS, 1, n_tokens, 1, MLA_LORA + MLA_ROPE) if mla else \
+        (LAYERS, 2, n_tokens, TOTAL_HEADS, HEAD_DIM)
+    full = torch.randint(-32768, 32767, shape, generator=g, dtype=torch.int16)
+    return full if mla else full[:, :, :, rank_heads(tp, rank)]
+
+
+def kv_buffers(pool, layer: int, mla: bool) -> list:
+    """The pool's buffers of a layer, as int16 views indexed by token slot."""
+    import torch
+
+    bufs = [pool.kv_buffer[layer]] if mla else [pool.k_buffer[layer], pool.v_buffer[layer]]
+    return [b.view(torch.int16) for b in bufs]
+
+
+def write_kv(pool, loc, part, mla: bool) -> None:
+    for layer in range(LAYERS):
+        for j, buf in enumerate(kv_buffers(pool, layer, mla)):
+            buf[loc] = part[layer, j]
 
 
 # --- stand-ins for what sglang reads from a full Scheduler -----------------
@@ -132,7 +178,7 @@ def _model_config_stand_in():
         num_hidden_layers=LAYERS,
         hf_text_config=types.SimpleNamespace(),
         hf_config=types.SimpleNamespace(),
-        get_total_num_kv_heads=lambda: HEADS * 2,
+        get_total_num_kv_heads=lambda: TOTAL_HEADS,
     )
 
 
@@ -191,7 +237,7 @@ def model_dir() -> str:
     d = os.path.join(tempfile.gettempdir(), f"kvrecv-sglang-model-{os.getuid()}")
     os.makedirs(d, exist_ok=True)
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-           "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": HEADS * 2,
+           "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": TOTAL_HEADS,
            "num_hidden_layers": LAYERS, "vocab_size": 32000, "max_position_embeddings": 1024,
            "rms_norm_eps": 1e-5, "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2}
     path = os.path.join(d, "config.json")
@@ -202,10 +248,14 @@ def model_dir() -> str:
     return d
 
 
-def _server_args(mode: str, tp: int, bootstrap_port: int, page_size: int, radix: bool):
+def _server_args(mode: str, tp: int, bootstrap_port: int, page_size: int, radix: bool,
+                 dp: int = 1, balance: str = "auto"):
+    """sglang's ServerArgs of one instance: attention TP tp, in dp DP
+    attention groups when dp > 1, with that --load-balance-method."""
     from sglang.srt.server_args import ServerArgs
 
-    return ServerArgs(model_path=model_dir(), tp_size=tp, device="cpu",
+    return ServerArgs(model_path=model_dir(), tp_size=tp * dp, dp_size=dp,
+                      enable_dp_attention=dp > 1, load_balance_method=balance, device="cpu",
                       disaggregation_mode=mode, disaggregation_transfer_backend="kvrecv",
                       disaggregation_bootstrap_port=bootstrap_port, host="127.0.0.1",
                       page_size=page_size, skip_server_warmup=True,
@@ -214,36 +264,46 @@ def _server_args(mode: str, tp: int, bootstrap_port: int, page_size: int, radix:
 
 
 def _init_rank(mode: str, rank: int, tp: int, store_port: int, bootstrap_port: int,
-               page_size: int, radix: bool = False):
+               page_size: int, radix: bool = False, dp: int = 1, balance: str = "auto"):
     """sglang's global parallel state for this rank, the way its own tests
-    publish it, plus the gloo groups its queues all-reduce over."""
+    publish it, plus the gloo groups its queues all-reduce over: the
+    attention-TP group of the rank's DP group (tp ranks of dp * tp)."""
     import torch.distributed as dist
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
 
-    sa = _server_args(mode, tp, bootstrap_port, page_size, radix)
+    sa = _server_args(mode, tp, bootstrap_port, page_size, radix, dp, balance)
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=0))
+    world = tp * dp
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=rank,
-                            world_size=tp, timeout=datetime.timedelta(seconds=SIDE_TIMEOUT_S))
-    tp_group = dist.new_group(list(range(tp)), backend="gloo")
-    singles = [dist.new_group([r], backend="gloo") for r in range(tp)]
-    group = types.SimpleNamespace(cpu_group=tp_group, world_size=tp, rank_in_group=rank)
-    get_parallel().override_permanently(attn_tp_group=group, tp_group=group)
-    return sa, tp_group, singles[rank]
+                            world_size=world, timeout=datetime.timedelta(seconds=SIDE_TIMEOUT_S))
+    tp_group = dist.new_group(list(range(world)), backend="gloo")
+    attn = [dist.new_group(list(range(d * tp, d * tp + tp)), backend="gloo") for d in range(dp)]
+    singles = [dist.new_group([r], backend="gloo") for r in range(world)]
+    get_parallel().override_permanently(
+        attn_tp_group=types.SimpleNamespace(cpu_group=attn[rank // tp], world_size=tp,
+                                            rank_in_group=rank % tp),
+        tp_group=types.SimpleNamespace(cpu_group=tp_group, world_size=world, rank_in_group=rank))
+    return sa, attn[rank // tp], singles[rank]
 
 
-def _pools(sa, decode: bool, page_size: int, radix: bool = False):
+def _pools(sa, decode: bool, page_size: int, tp: int, mla: bool, radix: bool = False):
     import torch
     from sglang.srt.disaggregation.decode import DecodeReqToTokenPool
     from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator
     from sglang.srt.mem_cache.allocator.paged import PagedTokenToKVPoolAllocator
     from sglang.srt.mem_cache.allocator.token import TokenToKVPoolAllocator
     from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, MLATokenToKVPool, ReqToTokenPool
     from sglang.srt.mem_cache.unified_cache.components import ComponentType
     from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 
-    kv = MHATokenToKVPool(POOL_TOKENS, page_size, torch.float16, HEADS, HEAD_DIM, LAYERS,
-                          "cpu", False, enable_alt_stream=False)
+    if mla:
+        kv = MLATokenToKVPool(POOL_TOKENS, page_size, torch.float16, MLA_LORA, MLA_ROPE, LAYERS,
+                              "cpu", False)
+    else:
+        heads = rank_heads(tp, 0)
+        kv = MHATokenToKVPool(POOL_TOKENS, page_size, torch.float16, heads.stop - heads.start,
+                              HEAD_DIM, LAYERS, "cpu", False, enable_alt_stream=False)
     if page_size == 1:
         alloc = TokenToKVPoolAllocator(POOL_TOKENS, torch.float16, "cpu", kv, need_sort=False)
     else:
@@ -363,7 +423,7 @@ def _raised(result: dict, where: str) -> None:
 
 
 class DecodeRank:
-    def __init__(self, rank, tp, store_port, bootstrap_port, page_size, radix=False):
+    def __init__(self, rank, tp, store_port, bootstrap_port, page_size, mla=False, radix=False):
         from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeTransferQueue
         from sglang.srt.disaggregation.utils import TransferBackend
         from sglang.srt.runtime_context import get_disagg
@@ -371,13 +431,14 @@ class DecodeRank:
         from kvrecv.sglang import KVRecvReceiver
 
         self.rank, self.bootstrap_port, self.page_size = rank, bootstrap_port, page_size
+        self.tp, self.mla = tp, mla
         sa, self.group, _ = _init_rank("decode", rank, tp, store_port, bootstrap_port, page_size,
                                        radix)
         self.failures: Dict[str, list] = {}
         self.pages: Dict[str, list] = {}
         _spy_failures(self.failures, KVRecvReceiver)
         _spy_pages(self.pages, KVRecvReceiver, "send_metadata", with_prefix=True)
-        self.p = _pools(sa, True, page_size, radix)
+        self.p = _pools(sa, True, page_size, tp, mla, radix)
         self.sched = _SchedulerStandIn(sa, self.p)
         self.tq = DecodeTransferQueue(self.p.meta_alloc, self.p.meta, self.sched, self.p.tree)
         self.pq = DecodePreallocQueue(
@@ -395,12 +456,9 @@ class DecodeRank:
 
         n = len(req.origin_input_ids)
         loc = self.p.r2t.req_to_token[req.kv.req_pool_idx, :n].to(torch.int64)
-        want = kv_pattern(req.bootstrap_room, self.rank, n)
-        for layer in range(LAYERS):
-            for j, buf in enumerate((self.p.kv.k_buffer, self.p.kv.v_buffer)):
-                if not torch.equal(buf[layer][loc].view(torch.int16), want[layer, j]):
-                    return False
-        return True
+        want = kv_pattern(req.bootstrap_room, n, self.tp, self.rank, self.mla)
+        return all(torch.equal(buf[loc], want[layer, j]) for layer in range(LAYERS)
+                   for j, buf in enumerate(kv_buffers(self.p.kv, layer, self.mla)))
 
     def _cache_prefix(self, spec: ReqSpec) -> None:
         """An earlier request that shared the first spec.decode_cached tokens
@@ -413,10 +471,8 @@ class DecodeRank:
 
         n = spec.decode_cached
         loc = self.p.alloc.alloc(n).to(torch.int64)
-        pattern = kv_pattern(spec.room, self.rank, spec.input_len)[:, :, :n]
-        for layer in range(LAYERS):
-            self.p.kv.k_buffer[layer].view(torch.int16)[loc] = pattern[layer, 0]
-            self.p.kv.v_buffer[layer].view(torch.int16)[loc] = pattern[layer, 1]
+        pattern = kv_pattern(spec.room, spec.input_len, self.tp, self.rank, self.mla)[:, :, :n]
+        write_kv(self.p.kv, loc, pattern, self.mla)
         key = RadixKey(token_ids=array.array("q", input_ids(spec)[:n]), extra_key=None)
         self.p.tree.insert(InsertParams(key=key, value=loc))
 
@@ -498,20 +554,24 @@ class DecodeRank:
 
 
 class PrefillRank:
-    def __init__(self, rank, tp, store_port, bootstrap_port, page_size):
+    def __init__(self, rank, tp, store_port, bootstrap_port, page_size, mla=False, dp=1,
+                 balance="auto"):
         from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
         from sglang.srt.disaggregation.utils import TransferBackend
 
         from kvrecv.sglang import KVRecvSender
 
         self.rank, self.bootstrap_port, self.page_size = rank, bootstrap_port, page_size
-        sa, group, single = _init_rank("prefill", rank, tp, store_port, bootstrap_port, page_size)
+        self.tp, self.mla, self.dp = tp, mla, dp
+        self.attn_rank, self.dp_group = rank % tp, rank // tp
+        sa, group, single = _init_rank("prefill", rank, tp, store_port, bootstrap_port, page_size,
+                                       dp=dp, balance=balance)
         self.failures: Dict[str, list] = {}
         self.pages: Dict[str, list] = {}
         _spy_failures(self.failures, KVRecvSender)
         _spy_pages(self.pages, KVRecvSender, "init")
         _spy_pages(self.pages, KVRecvSender, "send")
-        self.p = _pools(sa, False, page_size)
+        self.p = _pools(sa, False, page_size, tp, mla)
         self.sched = _prefill_scheduler_class()(sa, self.p)
         self.sched.attn_tp_cpu_group = group
         self.sched.attn_cp_cpu_group = single
@@ -540,11 +600,8 @@ class PrefillRank:
                 last_loc=torch.tensor([-1]), extend_num_tokens=n)
         self.p.r2t.write((req.kv.req_pool_idx, slice(0, n)), loc.to(torch.int32))
         req.kv.kv_allocated_len = req.kv.kv_committed_len = n
-        pattern = kv_pattern(req.bootstrap_room, self.rank, n)
-        loc = loc.to(torch.int64)
-        for layer in range(LAYERS):
-            self.p.kv.k_buffer[layer].view(torch.int16)[loc] = pattern[layer, 0]
-            self.p.kv.v_buffer[layer].view(torch.int16)[loc] = pattern[layer, 1]
+        write_kv(self.p.kv, loc.to(torch.int64),
+                 kv_pattern(req.bootstrap_room, n, self.tp, self.attn_rank, self.mla), self.mla)
         req.output_ids.append(spec.output_id)
 
     def run(self, specs: List[ReqSpec]) -> dict:
@@ -555,7 +612,9 @@ class PrefillRank:
         self.pages.clear()
         if any(s.decode_cached for s in specs):
             _stale_rows(self.p.meta)
-        by_rid = {s.rid: s for s in specs if not s.decode_only}
+        # the DP group sglang's DP controller hands each room to
+        by_rid = {s.rid: s for s in specs if not s.decode_only and self.dp_group ==
+                  (s.room % self.dp if s.prefill_dp_group < 0 else s.prefill_dp_group)}
         reqs = {}
         ends: Dict[str, List[int]] = {}
         concluded = set()
@@ -564,7 +623,7 @@ class PrefillRank:
             for spec in by_rid.values():
                 req = make_req(spec, self.bootstrap_port)
                 reqs[spec.rid] = req
-                timer.call("bootstrap_add", self.bq.add, req, HEADS)
+                timer.call("bootstrap_add", self.bq.add, req, 1 if self.mla else self.p.kv.head_num)
             while time.monotonic() < deadline:
                 for req in timer.call("pop_bootstrapped", self.bq.pop_bootstrapped):
                     spec = by_rid[req.rid]
@@ -584,7 +643,7 @@ class PrefillRank:
                         timer.call("send_kv_chunk", self.sched.send_kv_chunk, req, last_chunk=True)
                     else:
                         timer.call("send_kv_chunk", self.sched.send_kv_chunk, req)
-                        if spec.prefill_die:
+                        if spec.prefill_die or spec.prefill_die_rank == self.rank:
                             time.sleep(0.2)  # the first chunk is on the wire
                             os.kill(os.getpid(), signal.SIGKILL)
                         if spec.prefill_abort or spec.prefill_abort_rank == self.rank:
@@ -694,23 +753,38 @@ KVRECV_ENV = {"KVRECV_HEARTBEAT_INTERVAL_MS": "200", "KVRECV_HEARTBEAT_TIMEOUT_M
 
 
 class Cluster:
-    """A bootstrap server, `tp` prefill ranks and `tp` decode ranks, each in
-    its own process, forked from this one after sglang is imported."""
+    """A bootstrap server, the prefill ranks and the decode ranks of a
+    Layout, each in its own process, forked from this one after sglang is
+    imported."""
 
-    def __init__(self, tp: int = 2, page_size: int = 1):
+    def __init__(self, layout: Layout = Layout(), page_size: int = 1):
         import_sglang()
-        self.tp, self.page_size = tp, page_size
+        self.layout, self.page_size = layout, page_size
+        self.prefill: List[_Proc] = []
+        self.decode: List[_Proc] = []
+        self._start_bootstrap()
+
+    def _start_bootstrap(self) -> None:
         self.bootstrap_port = free_port()
         self.bootstrap = _Proc(_bootstrap_main, self.bootstrap_port, name="bootstrap")
         self.address = self.bootstrap.expect_ready()
-        self.prefill: List[_Proc] = []
-        self.decode: List[_Proc] = []
 
-    def _start(self, cls, env, *extra) -> List[_Proc]:
+    def relayout(self, layout: Layout) -> None:
+        """Every process again, for another layout: a new bootstrap server
+        (the old one holds the old prefill's ranks), prefill and decode."""
+        for p in self.decode + self.prefill + [self.bootstrap]:
+            p.close()
+        self.decode, self.prefill, self.layout = [], [], layout
+        self._start_bootstrap()
+        self.start_prefill()
+        self.start_decode()
+
+    def _start(self, cls, n, tp, env, *extra) -> List[_Proc]:
         store = free_port()
-        procs = [_Proc(_rank_main, cls, dict(KVRECV_ENV, **(env or {})), r, self.tp, store,
-                       self.bootstrap_port, self.page_size, *extra, name=f"{cls.__name__}{r}")
-                 for r in range(self.tp)]
+        procs = [_Proc(_rank_main, cls, dict(KVRECV_ENV, **(env or {})), r, tp, store,
+                       self.bootstrap_port, self.page_size, self.layout.mla, *extra,
+                       name=f"{cls.__name__}{r}")
+                 for r in range(n)]
         for p in procs:
             p.expect_ready()
         return procs
@@ -718,14 +792,17 @@ class Cluster:
     def start_prefill(self, env=None) -> None:
         for p in self.prefill:
             p.close()
-        self.prefill = self._start(PrefillRank, env)
+        lay = self.layout
+        self.prefill = self._start(PrefillRank, lay.prefill_tp * lay.prefill_dp, lay.prefill_tp,
+                                   env, lay.prefill_dp, lay.prefill_balance)
 
     def start_decode(self, env=None, radix: bool = False) -> None:
         """Decode ranks; radix: with sglang's decode radix cache
         (--disaggregation-decode-enable-radix-cache)."""
         for p in self.decode:
             p.close()
-        self.decode = self._start(DecodeRank, env, radix)
+        tp = self.layout.decode_tp
+        self.decode = self._start(DecodeRank, tp, tp, env, radix)
 
     def run(self, specs: List[ReqSpec], timeout: float = SIDE_TIMEOUT_S + 15) -> dict:
         """Hands the requests to every rank; each runs sglang's queue loop
@@ -820,6 +897,7 @@ def main() -> None:
     """One JSON command per line on stdin, one JSON answer per line on the
     original stdout (fd 1 is pointed at stderr, where the ranks' logs go):
     {"cmd": "start_prefill"|"start_decode", "env": {...}[, "radix": true]} -> {"ok": true};
+    {"cmd": "layout", "layout": {Layout fields}} -> every process again, {"ok": true};
     {"cmd": "run", "specs": [ReqSpec fields...]} -> Cluster.run()'s report;
     {"cmd": "close"}.  Argument: the TP size (default 2)."""
     import json
@@ -827,7 +905,7 @@ def main() -> None:
     out = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)
     tp = int(sys.argv[1]) if len(sys.argv) > 1 else 2
-    cluster = Cluster(tp=tp)
+    cluster = Cluster(Layout(tp, tp))
     try:
         out.write(json.dumps({"ok": True, "bootstrap": cluster.address}) + "\n")
         out.flush()
@@ -843,6 +921,9 @@ def main() -> None:
                 elif cmd == "start_decode":
                     cluster.start_decode(msg.get("env"), msg.get("radix", False))
                     answer = {"ok": True}
+                elif cmd == "layout":
+                    cluster.relayout(Layout(**msg["layout"]))
+                    answer = {"ok": True, "bootstrap": cluster.address}
                 elif cmd == "run":
                     answer = cluster.run([ReqSpec(**s) for s in msg["specs"]])
                 else:

@@ -278,6 +278,92 @@ def test_state_buffers_rejected():
         KVRecvManager(a, DisaggregationMode.DECODE, types.SimpleNamespace(), False)
 
 
+@pytest.mark.parametrize("sizes, text", [
+    (dict(tp_size=2, dp_size=2), "dp_size=2, enable_dp_attention=False, pp_size=1, attn_cp_size=1"),
+    (dict(tp_size=2, pp_size=2), "dp_size=1, enable_dp_attention=False, pp_size=2, attn_cp_size=1"),
+    (dict(tp_size=4, dp_size=2, enable_dp_attention=True, attn_cp_size=2),
+     "dp_size=2, enable_dp_attention=True, pp_size=1, attn_cp_size=2"),
+], ids=["dp-replicas", "pp", "cp"])
+def test_prefill_parallel_layouts_refused(sizes, text):
+    """A prefill of DP replicas without DP attention, of PP stages or of
+    attention CP is refused when its manager is made, naming the sizes,
+    before it registers anywhere."""
+    sa = types.SimpleNamespace(host="127.0.0.1", disaggregation_bootstrap_port=9, **sizes)
+    with pytest.raises(NotImplementedError) as ei:
+        KVRecvManager(sglang_kv_args(Side(STD, rank=0)), DisaggregationMode.PREFILL, sa, False)
+    assert str(ei.value) == ("kvrecv serves a prefill of DP groups with DP attention, without PP "
+                             f"or CP ({text})")
+
+
+def _dp_group_1(balance: str):
+    """A bootstrap server and the prefill manager of DP group 1's only rank
+    (sglang's tp_size 2, dp_size 2 with DP attention: engine_rank 1)."""
+    server = KVRecvBootstrapServer(host="127.0.0.1", port=0)
+    sa = types.SimpleNamespace(host="127.0.0.1", disaggregation_bootstrap_port=server.port,
+                               tp_size=2, dp_size=2, enable_dp_attention=True,
+                               load_balance_method=balance)
+    try:
+        mgr = KVRecvManager(sglang_kv_args(Side(STD, rank=1)), DisaggregationMode.PREFILL, sa,
+                            False)
+    except BaseException:
+        server.close()
+        raise
+    assert (mgr.kvrecv_args.engine_rank, mgr.kvrecv_args.attn_dp_rank) == (0, 1)
+    return server, mgr
+
+
+def _local_failure(sender) -> str:
+    assert sender.poll() == KVPoll.Failed
+    with pytest.raises(KVTransferError) as ei:
+        sender.failure_exception()
+    return ei.value.failure_reason
+
+
+def test_dp_room_dispatched_to_another_group_than_the_room_says_fails():
+    """Following the bootstrap room, a room sglang hands to DP group 1 that
+    the decode reads from group 0 (4 % 2) fails at once on the prefill,
+    naming both groups; room 5 (5 % 2 = 1) does not."""
+    server, mgr = _dp_group_1("follow_bootstrap_room")
+    try:
+        bad = KVRecvSender(mgr, server.address, 4)
+        assert _local_failure(bad) == (
+            "room 4: follow_bootstrap_room conflict: room 4 was dispatched to prefill DP group 1, "
+            "but the decode reads it from group 0 (room % dp_size 2)")
+        good = KVRecvSender(mgr, server.address, 5)
+        assert good.poll() == KVPoll.Bootstrapping
+        # a request naming its DP group: the decode reads the group it names
+        named = KVRecvSender(mgr, server.address, 6, req_has_disagg_prefill_dp_rank=True)
+        assert named.poll() == KVPoll.Bootstrapping
+        for s in (bad, good, named):
+            s.clear()
+    finally:
+        mgr.close()
+        server.close()
+
+
+def test_dp_room_registration_that_fails_fails_the_room():
+    """Another load balancing: the sender registers its room's DP group with
+    the bootstrap server (sglang's decode asks /query_dp_ranks); once the
+    server is gone, the room fails at once, naming the room, the group and
+    the refused connection."""
+    server, mgr = _dp_group_1("round_robin")
+    try:
+        ok = KVRecvSender(mgr, server.address, 4)
+        assert ok.poll() == KVPoll.Bootstrapping
+        assert server.http.table.query_dp_ranks({"bootstrap_rooms": [4]}) == {"4": 1}
+        ok.clear()
+        addr = server.address
+        server.http.close()
+        bad = KVRecvSender(mgr, addr, 6)
+        assert _local_failure(bad) == (
+            f"room 6: could not register room 6 with prefill DP group 1 at the bootstrap server "
+            f"{addr}: ConnectionRefusedError: [Errno 111] Connection refused")
+        bad.clear()
+    finally:
+        mgr.close()
+        server.close()
+
+
 def test_decode_prefix_len_moves_only_the_rest(cluster):
     # the decode's radix cache holds 3, 7, all 8 (aux row only) or no tokens
     prefixes = {0: 3, 1: PAGES - 1, 2: PAGES, 4: 0}

@@ -534,18 +534,24 @@ def _ok(out, rid) -> None:
         assert r["reqs"][rid]["status"] == "ok"
 
 
+def _run_ok(d, specs) -> dict:
+    """d.run(specs) where every request succeeds on every rank, byte for
+    byte, and nothing raised, failed, timed out or leaked."""
+    out = d.run(specs)
+    _check_clean(d, out)
+    for s in specs:
+        _ok(out, s.rid)
+    for r in out["decode"] + out["prefill"]:
+        assert r["failures"] == {}
+    return out
+
+
 @pytest.mark.timeout(120)
 def test_sglang_queues_move_requests_byte_exact(sched):
     """Requests through sglang's decode and prefill queues: each decode rank's
     KV pool holds, byte for byte, what its prefill rank wrote; the first
     output token arrives through sglang's MetadataBuffers."""
-    specs = [ReqSpec("n1", 1101, 20), ReqSpec("n2", 1102, 1), ReqSpec("n3", 1103, 200)]
-    out = sched.run(specs)
-    _check_clean(sched, out)
-    for s in specs:
-        _ok(out, s.rid)
-    for r in out["decode"] + out["prefill"]:
-        assert r["failures"] == {}
+    _run_ok(sched, [ReqSpec("n1", 1101, 20), ReqSpec("n2", 1102, 1), ReqSpec("n3", 1103, 200)])
 
 
 @pytest.mark.timeout(120)
