@@ -493,6 +493,55 @@ def test_control_port_blackholed_mid_transfer(pair):
     _assert_drained(pf, dc)
 
 
+def test_decode_drops_its_endpoint_mid_transfer_the_prefill_stays_up(pair):
+    """The prefill's control port goes dark while its shaped link holds
+    megabytes of rooms: the decode declares it lost and closes its UCX
+    endpoint and worker while the prefill still has fragments queued on that
+    tcp connection.  UCX 1.13 aborted the prefill there when the fragments
+    were zero-copy (uct_iface.h "Assertion `comp->count > 0' failed";
+    kvrecv turns UCX's tcp zero-copy off, csrc/ucxtune.c).  Three times over,
+    with a new decode each time: the prefill stays up, fails the rooms with
+    PEER_LOST at its heartbeat bound, and serves the last decode
+    byte-exact."""
+    if _FW is None:
+        pytest.skip("neither nft nor iptables can add a rule in a network namespace")
+    bs, pfs, dcs = _start(pair, prefill_cfg=HB, decode_cfg=HB, seed=33, pages=40,
+                          scale=BIG_SCALE)
+    pf, dc = pfs[0], dcs[0]
+    pair.rate_limit("prefill", "40mbit")
+    total = 4 * BIG_ROOM * sum(netns_items()) * BIG_SCALE
+    for attempt in range(3):
+        rooms = range(100 * attempt + 1, 100 * attempt + 5)
+        plan = {rid: (list(range(8 * i, 8 * i + BIG_ROOM)), i, list(range(8 * i, 8 * i + BIG_ROOM)))
+                for i, rid in enumerate(rooms)}
+        dc.call("open_receivers", rooms=[[r, d, a] for r, (d, a, _) in plan.items()])
+        pf.call("open_senders", rooms=[[r, BIG_ROOM, a] for r, (d, a, _) in plan.items()])
+        pf.call("send", chunks=[[r, s] for r, (_, _, s) in plan.items()])
+        t0 = time.monotonic()
+        while dc.call("stats")["stats"]["bytes_moved"] < total // 8:
+            assert time.monotonic() - t0 < 20, dc.call("stats")
+            time.sleep(0.005)
+        pair.drop_port(_FW, "prefill", _port(pf.endpoint))
+        t_drop = time.monotonic()
+        what = f"attempt {attempt}, control port dark"
+        got, times = _ended(dc, t_drop, what)
+        assert any(o["state"] != SUCCESS for o in got.values()), "every room finished first"
+        got, ptimes = _ended(pf, t_drop, what)
+        for rid, o in got.items():
+            if o["state"] != SUCCESS:
+                e = _failure_of(rid, o, KVPeerLostError, "", 1.0 + 2.5, ptimes)
+                assert e.code == "PEER_LOST", (rid, repr(e))
+        _wait_drained(pf)
+        pf.call("clear")
+        dc.kill()
+        pair.undrop(_FW, "prefill")
+        dc = pair.spawn("decode", "decode", bootstrap=bs.address, rank=0, pages=40, src_pages=40,
+                        scale=BIG_SCALE, config=dict(HB))
+    el = _check_new_rooms(pf, dc, [(900, [0, 1], 9, [38, 39], 3)], seed=33)
+    print(f"after three decodes lost: a new room Success after {el:.3f} s")
+    _assert_drained(pf, dc)
+
+
 @pytest.mark.parametrize("how", ["deadline", "abort"])
 def test_data_path_blackholed_control_alive(pair, how):
     """UCX's connections go dark while the control channel still answers
