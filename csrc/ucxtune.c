@@ -23,9 +23,9 @@
  * "Assertion `comp->count > 0' failed", status ENDPOINT_TIMEOUT) when a
  * tcp connection fails while zero-copy fragments of a request are still
  * queued on it: the failure completes the request, then the transport
- * completes its fragment once more.  A decode that drops its endpoint
- * while a prefill's data is in flight (the decode declared the prefill
- * lost, closed, or died) took the prefill down in 10 of 42 runs of
+ * completes its fragment once more.  A decode that closes its endpoint
+ * while a prefill's data is in flight (it declared the prefill lost) took
+ * the prefill down in 10 of 42 runs of
  * tests/test_netns.py's blackholed control port, and in 3 of 5 runs of its
  * test of three such decodes in a row; with UCX_ZCOPY_THRESH=inf (tcp
  * fragments copied into UCX's own buffers) in none of 34 and 6.  Only tcp
