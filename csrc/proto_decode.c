@@ -70,6 +70,13 @@ void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len,
             why = "run outside the room";
             goto protocol;
         }
+        if (!kvr_layers_identity(&r->peer->layers, &e->layers) &&
+            (!kvr_layers_holds(&r->peer->layers, &e->layers, h.buf) ||
+             !kvr_layers_holds(&r->peer->layers, &e->layers, h.buf + h.nbuf - 1u) ||
+             h.buf / e->layers.layers != (h.buf + h.nbuf - 1u) / e->layers.layers)) {
+            why = "buffers outside the sender's PP stage";
+            goto protocol;
+        }
     } else if ((uint32_t)h.buf + h.nbuf > e->naux || h.npages != 1) {
         why = "aux row does not match the room";
         goto protocol;
@@ -179,6 +186,9 @@ void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r)
                                    (const unsigned char *)r->states);
     kvr_send_ctrl_to_peer(e, r->peer, &m);
     r->req_sent = 1;
+    if (r->lead != NULL) {
+        r->expected = kvr_group_leg_bytes(e, r); /* its prefill's layers are known now */
+    }
     r->started_ns = kvr_now_ns();
     r->deadline_ns = kvr_deadline_ns(e, r->started_ns, r->expected);
     kvr_timer_arm_locked(e, r);
@@ -280,11 +290,14 @@ static void kvr_on_bs_reply_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
     p->conn_ep[m->str_len] = '\0';
     kvr_peer_disconnect(e, p); /* retires the bootstrap connection */
     p->epoch = m->peer_epoch;
-    char dp[32] = "";
+    char dp[32] = "", pp[32] = "";
     if (p->query_dp > 0) {
         snprintf(dp, sizeof(dp), " of DP group %u", p->query_dp);
     }
-    snprintf(p->name, sizeof(p->name), "prefill rank %u%s at %.100s", m->rank, dp,
+    if (p->query_pp >= 0) {
+        snprintf(pp, sizeof(pp), " of PP stage %d", p->query_pp);
+    }
+    snprintf(p->name, sizeof(p->name), "prefill rank %u%s%s at %.100s", m->rank, dp, pp,
              strncmp(p->conn_ep, "tcp://", 6) == 0 ? p->conn_ep + 6 : p->conn_ep);
     if (kvr_peer_worker(e, p, err, sizeof(err)) != 0) {
         char what[400];

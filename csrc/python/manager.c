@@ -210,21 +210,21 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     static char *kwlist[] = {"mode", "engine_rank", "kv_data_ptrs", "kv_data_lens",
                              "kv_item_lens", "aux_data_ptrs", "aux_data_lens", "aux_item_lens",
                              "page_size", "host", "bootstrap_addr", "config", "mem_kinds",
-                             "heads", "dp_rank", "state", NULL};
+                             "heads", "dp_rank", "state", "layers", NULL};
     int mode, rank;
     unsigned int dp_rank = 0;
     unsigned int page_size = 1;
     PyObject *kp, *kl, *ki, *ap, *al, *ai, *cfg = Py_None, *kinds = Py_None, *heads = Py_None;
-    PyObject *state = Py_None;
-    uint64_t *head_list = NULL;
+    PyObject *state = Py_None, *layers = Py_None;
+    uint64_t *head_list = NULL, *layer_list = NULL;
     const char *host = "127.0.0.1", *bs = "";
     if (self->engine != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Manager is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiOOOOOO|IssOOOIO", kwlist, &mode, &rank, &kp,
-                                     &kl, &ki, &ap, &al, &ai, &page_size, &host, &bs, &cfg,
-                                     &kinds, &heads, &dp_rank, &state)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiOOOOOO|IssOOOIOO", kwlist, &mode, &rank,
+                                     &kp, &kl, &ki, &ap, &al, &ai, &page_size, &host, &bs, &cfg,
+                                     &kinds, &heads, &dp_rank, &state, &layers)) {
         return -1;
     }
     kvr_engine_params_t p;
@@ -292,6 +292,23 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
         p.heads = (uint32_t)head_list[2];
         p.total_heads = (uint32_t)head_list[3];
     }
+    if (layers != Py_None) {
+        /* (pp_size, pp_rank, start_layer, num_layers) */
+        uint32_t nl = 0;
+        if (kvr_py_u64_list(layers, "layers", &layer_list, &nl) < 0) {
+            goto out;
+        }
+        if (nl != 4 || layer_list[0] > UINT32_MAX || layer_list[1] > UINT32_MAX ||
+            layer_list[2] > UINT32_MAX || layer_list[3] > UINT32_MAX) {
+            PyErr_SetString(PyExc_ValueError, "layers must be (pp_size, pp_rank, start_layer, "
+                                              "num_layers) of uint32");
+            goto out;
+        }
+        p.pp_size = (uint32_t)layer_list[0];
+        p.pp_rank = (uint32_t)layer_list[1];
+        p.start_layer = (uint32_t)layer_list[2];
+        p.num_layers = (uint32_t)layer_list[3];
+    }
     if (kinds != Py_None) {
         /* KVR_MEM_* per buffer, KV buffers first, then aux. */
         uint32_t nk = 0;
@@ -351,6 +368,7 @@ out:
     PyMem_Free(kind_list);
     PyMem_Free(kind_bytes);
     PyMem_Free(head_list);
+    PyMem_Free(layer_list);
     PyMem_Free(state_comp);
     return ret;
 }

@@ -1,0 +1,318 @@
+"""A pipeline-parallel prefill: each PP stage holds a range of the model's
+layers (docs/layouts.md) and sends only those; the decode reads every
+stage's part and succeeds once all of them landed.
+
+The model of tests/hetero_peer.py has 2 layers (KV buffers K0 K1 V0 V1);
+stage 0 holds layer 0 (K0, V0), stage 1 layer 1 (K1, V1), each prefill rank
+in its own child process (tests/failure_peer.py), so that it can be
+SIGKILLed, all ranks of the prefill joined as siblings.  The aux row comes
+from the last stage: each stage's aux rows differ, and the decode's must be
+the last stage's.  Layouts: 2 stages of TP 1 -> decode TP 1, and 2 stages
+of TP 2 -> decode TP 1 (each stage's heads from both of its ranks).  Each
+with a room served byte for byte, a stage killed in the middle of a room
+(the decode and the other stage raise PEER_LOST naming the dead stage) and
+an abort on a stage (every rank gets its reason).  Then layer ranges that
+leave a gap, overlap or go past the decode's layers (LAYOUT_MISMATCH, on
+the decode and on every stage), and bad input (ValueError).
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pytest
+
+import hetero_peer as hp
+from failtest import _wait_state
+from peer_proc import PeerProcess
+import kvrecv
+from kvrecv import (
+    BootstrapServer,
+    KVAbortedError,
+    KVConfig,
+    KVLayoutError,
+    KVManager,
+    KVPeerLostError,
+    KVPoll,
+    KVReceiver,
+    KVSender,
+    KVTransferError,
+)
+
+TERMINAL = (KVPoll.Success, KVPoll.Failed)
+SEED = 23
+SRC = [3, 4, 5, 9, 11, 12, 20, 21]
+DST = [0, 1, 7, 8, 9, 15, 2, 23]
+SRC_AUX, DST_AUX = 2, 1
+CONFIG = {"heartbeat_interval_ms": 100, "heartbeat_timeout_ms": 1000}
+TOTAL = 8  # KV heads
+STAGES = [{"start": 0, "layers": 1}, {"start": 1, "layers": 1}]
+
+# prefill TP of each stage -> decode TP 1
+LAYOUTS = {"pp2-tp1": 1, "pp2-tp2": 2}
+
+pytestmark = pytest.mark.timeout(120)
+
+
+class Prefill:
+    """One prefill rank of one PP stage, in a child process."""
+
+    def __init__(self, bootstrap, tp, rank, stage):
+        self.stage = stage
+        self.proc = PeerProcess("prefill", bootstrap, seed=SEED, config=CONFIG, rank=rank,
+                                heads={"tp": tp, "total": TOTAL, "pp": stage})
+        self.rank = rank
+
+    def __getattr__(self, name):
+        return getattr(self.proc, name)
+
+
+class Decode:
+    def __init__(self):
+        self.kv, self.aux = hp.decode_buffers(1, TOTAL)
+        args = hp.kv_args(kvrecv, self.kv, self.aux, 1, 0, TOTAL, num_layers=hp.LAYERS)
+        self.mgr = KVManager(args, "decode", config=KVConfig(**CONFIG))
+
+
+@pytest.fixture
+def deployment():
+    """deployment(prefill tp) -> (bootstrap address, prefill ranks, decode)."""
+    made = []
+
+    def make(tp):
+        bs = BootstrapServer(port=0)
+        made.append(bs)
+        prefills = []
+        for s, st in enumerate(STAGES):
+            stage = {"size": len(STAGES), "rank": s, **st}
+            prefills += [Prefill(bs.address, tp, r, stage) for r in range(tp)]
+        made.extend(prefills)
+        for p in prefills:
+            p.call("set_siblings", endpoints=[q.endpoint for q in prefills])
+        d = Decode()
+        made.append(d.mgr)
+        return bs.address, prefills, d
+
+    yield make
+    for obj in reversed(made):
+        obj.close()
+
+
+def _open(addr, prefills, d, rid, tp, send=True):
+    r = KVReceiver(d.mgr, addr, rid)
+    r.init(prefill_tp_size=tp if tp > 1 else None, prefill_pp_size=len(STAGES))
+    st, _ = _wait_state(r, (KVPoll.WaitingForInput, KVPoll.Failed), 20)
+    assert st == KVPoll.WaitingForInput, st
+    r.send_metadata(np.asarray(DST, dtype=np.int32), aux_index=DST_AUX)
+    for p in prefills:
+        p.call("open_sender", room=rid, n=len(SRC), aux=SRC_AUX)
+    if send:
+        for p in prefills:
+            p.call("send", room=rid, pages=SRC[:3])
+        for p in prefills:
+            p.call("send", room=rid, pages=SRC[3:])
+    return r
+
+
+def _check_bytes(d):
+    want = hp.expected_decode(SEED, 1, 0, TOTAL, SRC, DST)
+    for b, (got, exp) in enumerate(zip(d.kv, want)):
+        bad = np.flatnonzero(got != exp)
+        assert bad.size == 0, f"buffer {b}: {bad.size} bytes differ, first at {bad[0]}"
+    last = {"rank": len(STAGES) - 1}
+    aux = hp.aux_rows(hp.stage_seed(SEED, last)).reshape(hp.AUX_ROWS, hp.AUX_ITEM)
+    a = d.aux[0].reshape(hp.AUX_ROWS, hp.AUX_ITEM)
+    assert np.array_equal(a[DST_AUX], aux[SRC_AUX]), "the aux row is not the last stage's"
+    others = [i for i in range(hp.AUX_ROWS) if i != DST_AUX]
+    assert (a[others] == hp.CANARY).all(), "other aux rows touched"
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_pp_byte_exact(deployment, name):
+    tp = LAYOUTS[name]
+    addr, prefills, d = deployment(tp)
+    for rid in (101, 102):  # twice: the second room reuses the connections
+        for buf in d.kv + d.aux:
+            buf[:] = hp.CANARY
+        r = _open(addr, prefills, d, rid, tp)
+        st, _ = _wait_state(r, TERMINAL, 20)
+        assert st == KVPoll.Success, f"{name} room {rid}: {st!r}"
+        for p in prefills:
+            assert p.wait_room(rid) == int(KVPoll.Success), f"stage {p.stage['rank']} rank {p.rank}"
+        _check_bytes(d)
+        r.clear()
+        for p in prefills:
+            p.call("clear", room=rid)
+    st = d.mgr.stats()
+    assert st["rooms_open"] == 0 and st["rooms_draining"] == 0, st
+
+
+@pytest.mark.parametrize("name, part", [("pp2-tp1", False), ("pp2-tp1", True),
+                                        ("pp2-tp2", False)])
+def test_pp_stage_killed(deployment, name, part):
+    """Stage 0's rank 0 SIGKILLed once every rank opened the room (part:
+    after every rank sent the first pages): the decode fails with PEER_LOST
+    naming that stage, and so does every rank of the other stage (told by
+    the decode)."""
+    tp = LAYOUTS[name]
+    addr, prefills, d = deployment(tp)
+    rid = 201
+    r = _open(addr, prefills, d, rid, tp, send=False)
+    if part:
+        for p in prefills:
+            p.call("send", room=rid, pages=SRC[:3])
+    dead = prefills[0]
+    t0 = dead.kill()
+    st, el = _wait_state(r, TERMINAL, 15)
+    assert st == KVPoll.Failed, f"{st!r} after {el:.3f} s"
+    with pytest.raises(KVTransferError) as ei:
+        r.failure_exception()
+    e = ei.value
+    desc = f"{type(e).__name__} {e.code} {e.failure_reason!r}"
+    assert type(e) is KVPeerLostError, desc
+    assert "prefill rank 0 of PP stage 0 at 127.0.0.1" in e.failure_reason, desc
+    print(f"decode: {desc} ({time.monotonic() - t0:.3f} s after the kill)")
+    for p in prefills[tp:]:  # stage 1
+        assert p.wait_room(rid, 15) == int(KVPoll.Failed), f"stage 1 rank {p.rank}"
+        f = p.call("failure", room=rid)
+        assert f["code"] == "PEER_LOST" and f["reason"] == e.failure_reason, f
+    if not part:
+        assert all((buf == hp.CANARY).all() for buf in d.kv), "bytes landed"
+    r.clear()
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_pp_stage_aborts(deployment, name):
+    """abort() on the last stage's last rank before any byte moved: the
+    decode and every prefill rank of both stages fail with ABORTED and its
+    reason."""
+    tp = LAYOUTS[name]
+    addr, prefills, d = deployment(tp)
+    rid = 301
+    r = _open(addr, prefills, d, rid, tp, send=False)
+    prefills[-1].call("abort", room=rid)
+    who = f"aborted by prefill rank {tp - 1} of PP stage 1"
+    st, _ = _wait_state(r, TERMINAL, 15)
+    assert st == KVPoll.Failed, st
+    with pytest.raises(KVAbortedError) as ei:
+        r.failure_exception()
+    assert who in ei.value.failure_reason, ei.value.failure_reason
+    for p in prefills:
+        assert p.wait_room(rid, 15) == int(KVPoll.Failed), f"stage {p.stage['rank']} rank {p.rank}"
+        f = p.call("failure", room=rid)
+        assert f["code"] == "ABORTED" and who in f["reason"], f
+        p.call("send", room=rid, pages=SRC)  # accepted, moves nothing
+    time.sleep(0.2)
+    assert all((buf == hp.CANARY).all() for buf in d.kv), "bytes landed"
+    r.clear()
+
+
+ITEM = 64
+PAGES = 8
+
+
+def _stage_mgr(addr, size, rank, start, layers):
+    kv = [np.full(PAGES * ITEM, 7, dtype=np.uint8) for _ in range(2 * layers)]
+    args = kvrecv.KVArgs.from_buffers(0, kv, [ITEM] * len(kv), pp_size=size, pp_rank=rank,
+                                      start_layer=start, num_layers=layers)
+    return KVManager(args, "prefill", bootstrap_addr=addr, config=KVConfig(**CONFIG))
+
+
+def _decode_mgr(layers=4, **kw):
+    kv = [np.zeros(PAGES * ITEM, dtype=np.uint8) for _ in range(2 * layers)]
+    args = kvrecv.KVArgs.from_buffers(0, kv, [ITEM] * len(kv), num_layers=layers, **kw)
+    return KVManager(args, "decode", config=KVConfig(**CONFIG)), kv
+
+
+@pytest.mark.parametrize("case", ["gap", "overlap", "past_the_end", "pp_not_asked"])
+def test_pp_layer_ranges_mismatch(case):
+    """Stage layer ranges that do not cover the decode's 4 layers exactly
+    (or a PP prefill read by a room that names no PP size) fail the room
+    with LAYOUT_MISMATCH naming both sides' numbers, on the decode and on
+    every stage's sender, before any byte moves."""
+    ranges = {"gap": [(0, 2), (3, 1)], "overlap": [(0, 3), (2, 2)],
+              "past_the_end": [(0, 2), (2, 3)], "pp_not_asked": [(0, 2), (2, 2)]}[case]
+    want = {
+        "gap": "room 9: the prefill's PP stages hold layers 0-1 (stage 0), 3-3 (stage 1): "
+               "layers 2-2 of the decode's 4 are in none",
+        "overlap": "room 9: the prefill's PP stages hold layers 0-2 (stage 0), 2-3 (stage 1): "
+                   "layer 2 is in stage 0 and stage 1",
+        # the stage refuses the decode's HELLO: its reason
+        "past_the_end": "layout mismatch between prefill rank 0 of PP stage 1 (tcp://127.0.0.1:",
+
+        "pp_not_asked": "has a different layout: the prefill has PP 2 (stage 0 holds layers "
+                        "0-1); give the receiver's init() prefill_pp_size",
+    }[case]
+    bs = BootstrapServer(port=0)
+    made = [bs]
+    try:
+        stages = [_stage_mgr(bs.address, 2, s, a, n) for s, (a, n) in enumerate(ranges)]
+        made += stages
+        dec, dec_kv = _decode_mgr()
+        made.append(dec)
+        r = KVReceiver(dec, bs.address, 9)
+        r.init(prefill_pp_size=None if case == "pp_not_asked" else 2)
+        senders = []
+        if case in ("gap", "overlap"):
+            # Every stage is reachable: the room waits for metadata, then
+            # fails when its stages' layers are compared.
+            st, _ = _wait_state(r, (KVPoll.WaitingForInput, KVPoll.Failed), 15)
+            assert st == KVPoll.WaitingForInput, st
+            senders = [KVSender(m, bs.address, 9) for m in stages]
+            for s in senders:
+                s.init(2)
+            r.send_metadata(np.asarray([0, 1], dtype=np.int32))
+        st, _ = _wait_state(r, TERMINAL, 15)
+        assert st == KVPoll.Failed, st
+        with pytest.raises(KVLayoutError) as ei:
+            r.failure_exception()
+        assert want in ei.value.failure_reason, ei.value.failure_reason
+        if case == "past_the_end":
+            assert ei.value.failure_reason.endswith(
+                "prefill PP stage 1 of 2 holds layers 2-4, the decode has 4 layers")
+        for i, s in enumerate(senders):
+            st, _ = _wait_state(s, TERMINAL, 15)
+            assert st == KVPoll.Failed, f"stage {i}: {st!r}"
+            with pytest.raises(KVLayoutError) as ei:
+                s.failure_exception()
+            assert want in ei.value.failure_reason, ei.value.failure_reason
+        assert all((b == 0).all() for b in dec_kv), "bytes landed"
+        r.clear()
+    finally:
+        for m in reversed(made):
+            m.close()
+
+
+def test_pp_bad_input_raises_value_error():
+    def args(**kw):
+        kv = [np.zeros(PAGES * ITEM, dtype=np.uint8) for _ in range(4)]
+        return kvrecv.KVArgs.from_buffers(0, kv, [ITEM] * 4, **kw)
+
+    with pytest.raises(ValueError, match=r"prefill: 4 KV buffers do not hold num_layers=3 "
+                                         r"layers"):
+        KVManager(args(pp_size=2, pp_rank=0, num_layers=3), "prefill",
+                  bootstrap_addr="127.0.0.1:1")
+    with pytest.raises(ValueError, match=r"prefill: 4 KV buffers do not hold num_layers=5"):
+        KVManager(args(pp_size=2, pp_rank=1, start_layer=3, num_layers=5), "prefill",
+                  bootstrap_addr="127.0.0.1:1")
+    with pytest.raises(ValueError, match="prefill: pp_rank 2 is not a stage of pp_size 2"):
+        KVManager(args(pp_size=2, pp_rank=2, num_layers=2), "prefill",
+                  bootstrap_addr="127.0.0.1:1")
+    with pytest.raises(ValueError, match="num_layers is needed with pp_size, pp_rank or "
+                                         "start_layer"):
+        args(pp_size=2, pp_rank=1)
+    with pytest.raises(ValueError, match="start_layer=-1 must be an integer >= 0"):
+        args(pp_size=2, start_layer=-1, num_layers=2)
+    with pytest.raises(ValueError, match="pp_size=2, start_layer=0 on a decode: a decode split "
+                                         "into pipeline stages is not supported"):
+        KVManager(args(pp_size=2, num_layers=2), "decode")
+    dec, _ = _decode_mgr(layers=2)
+    try:
+        r = KVReceiver(dec, "127.0.0.1:1", 5)
+        with pytest.raises(ValueError, match="prefill_pp_size=0 must be a positive integer"):
+            r.init(prefill_pp_size=0)
+        with pytest.raises(ValueError, match="prefill_pp_size=65 is above 64"):
+            r.init(prefill_pp_size=65)
+    finally:
+        dec.close()
