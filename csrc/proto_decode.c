@@ -23,6 +23,25 @@ void kvr_send_done_locked(kvr_engine_t *e, kvr_room_t *r)
     }
 }
 
+/* Why KV message h does not fit room r (positions, and buffers of its
+ * prefill's PP stage, of one K or V group), or NULL. */
+static const char *kvr_kv_range_why(const kvr_engine_t *e, const kvr_room_t *r,
+                                    const kvr_am_header_t *h)
+{
+    if ((uint32_t)h->buf + h->nbuf > e->nkv || h->npages == 0 || h->pos >= r->npages ||
+        h->npages > r->npages - h->pos) {
+        return "run outside the room";
+    }
+    const kvr_layers_t *y = &r->peer->layers, *ours = &e->layers;
+    uint32_t last = (uint32_t)h->buf + h->nbuf - 1u;
+    if (!kvr_layers_identity(y, ours) &&
+        (!kvr_layers_holds(y, ours, h->buf) || !kvr_layers_holds(y, ours, last) ||
+         h->buf / ours->layers != last / ours->layers)) {
+        return "buffers outside the sender's PP stage";
+    }
+    return NULL;
+}
+
 /* Decode: a data message arrived; decide where (if anywhere) it lands. */
 void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len, size_t len,
                  int rndv, kvr_tp_accept_t *acc)
@@ -65,16 +84,7 @@ void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len,
      * never an address the sender names: one piece per buffer and run of
      * consecutive destination pages. */
     if (h.kind == KVR_AM_KIND_KV) {
-        if ((uint32_t)h.buf + h.nbuf > e->nkv || h.npages == 0 || h.pos >= r->npages ||
-            h.npages > r->npages - h.pos) {
-            why = "run outside the room";
-            goto protocol;
-        }
-        if (!kvr_layers_identity(&r->peer->layers, &e->layers) &&
-            (!kvr_layers_holds(&r->peer->layers, &e->layers, h.buf) ||
-             !kvr_layers_holds(&r->peer->layers, &e->layers, h.buf + h.nbuf - 1u) ||
-             h.buf / e->layers.layers != (h.buf + h.nbuf - 1u) / e->layers.layers)) {
-            why = "buffers outside the sender's PP stage";
+        if ((why = kvr_kv_range_why(e, r, &h)) != NULL) {
             goto protocol;
         }
     } else if ((uint32_t)h.buf + h.nbuf > e->naux || h.npages != 1) {

@@ -204,6 +204,32 @@ out:
     return rc;
 }
 
+/* Four uint32 from the sequence obj into *out[0..3] (None: nothing). */
+static int kvr_py_u32_four(PyObject *obj, const char *what, uint32_t *out[4])
+{
+    if (obj == Py_None) {
+        return 0;
+    }
+    uint64_t *v = NULL;
+    uint32_t n = 0;
+    if (kvr_py_u64_list(obj, what, &v, &n) < 0) {
+        return -1;
+    }
+    int ok = n == 4;
+    for (uint32_t i = 0; ok && i < 4; i++) {
+        ok = v[i] <= UINT32_MAX;
+    }
+    for (uint32_t i = 0; ok && i < 4; i++) {
+        *out[i] = (uint32_t)v[i];
+    }
+    PyMem_Free(v);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, what);
+        return -1;
+    }
+    return 0;
+}
+
 static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
 {
     kvr_py_manager_t *self = (kvr_py_manager_t *)op;
@@ -216,7 +242,6 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     unsigned int page_size = 1;
     PyObject *kp, *kl, *ki, *ap, *al, *ai, *cfg = Py_None, *kinds = Py_None, *heads = Py_None;
     PyObject *state = Py_None, *layers = Py_None;
-    uint64_t *head_list = NULL, *layer_list = NULL;
     const char *host = "127.0.0.1", *bs = "";
     if (self->engine != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Manager is already initialised");
@@ -275,39 +300,15 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     p.aux_ptrs = bufs[3];
     p.aux_lens = bufs[4];
     p.aux_item_lens = bufs[5];
-    if (heads != Py_None) {
-        /* (tp_size, tp_rank, heads per rank, total heads) */
-        uint32_t nh = 0;
-        if (kvr_py_u64_list(heads, "heads", &head_list, &nh) < 0) {
-            goto out;
-        }
-        if (nh != 4 || head_list[0] > UINT32_MAX || head_list[1] > UINT32_MAX ||
-            head_list[2] > UINT32_MAX || head_list[3] > UINT32_MAX) {
-            PyErr_SetString(PyExc_ValueError,
-                            "heads must be (tp_size, tp_rank, heads, total_heads) of uint32");
-            goto out;
-        }
-        p.tp_size = (uint32_t)head_list[0];
-        p.tp_rank = (uint32_t)head_list[1];
-        p.heads = (uint32_t)head_list[2];
-        p.total_heads = (uint32_t)head_list[3];
-    }
-    if (layers != Py_None) {
-        /* (pp_size, pp_rank, start_layer, num_layers) */
-        uint32_t nl = 0;
-        if (kvr_py_u64_list(layers, "layers", &layer_list, &nl) < 0) {
-            goto out;
-        }
-        if (nl != 4 || layer_list[0] > UINT32_MAX || layer_list[1] > UINT32_MAX ||
-            layer_list[2] > UINT32_MAX || layer_list[3] > UINT32_MAX) {
-            PyErr_SetString(PyExc_ValueError, "layers must be (pp_size, pp_rank, start_layer, "
-                                              "num_layers) of uint32");
-            goto out;
-        }
-        p.pp_size = (uint32_t)layer_list[0];
-        p.pp_rank = (uint32_t)layer_list[1];
-        p.start_layer = (uint32_t)layer_list[2];
-        p.num_layers = (uint32_t)layer_list[3];
+    /* (tp_size, tp_rank, heads per rank, total heads); (pp_size, pp_rank,
+     * start_layer, num_layers) */
+    uint32_t *four[2][4] = {{&p.tp_size, &p.tp_rank, &p.heads, &p.total_heads},
+                            {&p.pp_size, &p.pp_rank, &p.start_layer, &p.num_layers}};
+    if (kvr_py_u32_four(heads, "heads must be (tp_size, tp_rank, heads, total_heads) of uint32",
+                        four[0]) < 0 ||
+        kvr_py_u32_four(layers, "layers must be (pp_size, pp_rank, start_layer, num_layers) of "
+                        "uint32", four[1]) < 0) {
+        goto out;
     }
     if (kinds != Py_None) {
         /* KVR_MEM_* per buffer, KV buffers first, then aux. */
@@ -367,8 +368,6 @@ out:
     }
     PyMem_Free(kind_list);
     PyMem_Free(kind_bytes);
-    PyMem_Free(head_list);
-    PyMem_Free(layer_list);
     PyMem_Free(state_comp);
     return ret;
 }
