@@ -30,6 +30,7 @@ import kvrecv
 from kvrecv import (
     BootstrapServer,
     KVAbortedError,
+    KVBootstrapError,
     KVConfig,
     KVLayoutError,
     KVManager,
@@ -49,8 +50,8 @@ CONFIG = {"heartbeat_interval_ms": 100, "heartbeat_timeout_ms": 1000}
 TOTAL = 8  # KV heads
 STAGES = [{"start": 0, "layers": 1}, {"start": 1, "layers": 1}]
 
-# prefill TP of each stage -> decode TP 1
-LAYOUTS = {"pp2-tp1": 1, "pp2-tp2": 2}
+# (prefill TP of each stage, decode TP)
+LAYOUTS = {"pp2-tp1": (1, 1), "pp2-tp2-to-1": (2, 1), "pp2-tp1-to-2": (1, 2)}
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -69,42 +70,51 @@ class Prefill:
 
 
 class Decode:
-    def __init__(self):
-        self.kv, self.aux = hp.decode_buffers(1, TOTAL)
-        args = hp.kv_args(kvrecv, self.kv, self.aux, 1, 0, TOTAL, num_layers=hp.LAYERS)
-        self.mgr = KVManager(args, "decode", config=KVConfig(**CONFIG))
+    def __init__(self, tp, rank, **config):
+        self.tp, self.rank = tp, rank
+        self.kv, self.aux = hp.decode_buffers(tp, TOTAL)
+        args = hp.kv_args(kvrecv, self.kv, self.aux, tp, rank, TOTAL, num_layers=hp.LAYERS)
+        self.mgr = KVManager(args, "decode", config=KVConfig(**{**CONFIG, **config}))
 
 
 @pytest.fixture
 def deployment():
-    """deployment(prefill tp) -> (bootstrap address, prefill ranks, decode)."""
+    """deployment(name, stages=2) -> (bootstrap address, prefill ranks,
+    decode ranks); the prefill ranks stage after stage."""
     made = []
 
-    def make(tp):
+    def make(name, **config):
+        ptp, dtp = LAYOUTS[name]
         bs = BootstrapServer(port=0)
         made.append(bs)
         prefills = []
         for s, st in enumerate(STAGES):
             stage = {"size": len(STAGES), "rank": s, **st}
-            prefills += [Prefill(bs.address, tp, r, stage) for r in range(tp)]
+            prefills += [Prefill(bs.address, ptp, r, stage) for r in range(ptp)]
         made.extend(prefills)
         for p in prefills:
             p.call("set_siblings", endpoints=[q.endpoint for q in prefills])
-        d = Decode()
-        made.append(d.mgr)
-        return bs.address, prefills, d
+        decodes = [Decode(dtp, r, **config) for r in range(dtp)]
+        made.extend(d.mgr for d in decodes)
+        for d in decodes:
+            d.mgr.set_siblings([x.mgr.endpoint for x in decodes])
+        return bs.address, prefills, decodes
 
     yield make
     for obj in reversed(made):
         obj.close()
 
 
-def _open(addr, prefills, d, rid, tp, send=True):
-    r = KVReceiver(d.mgr, addr, rid)
-    r.init(prefill_tp_size=tp if tp > 1 else None, prefill_pp_size=len(STAGES))
-    st, _ = _wait_state(r, (KVPoll.WaitingForInput, KVPoll.Failed), 20)
-    assert st == KVPoll.WaitingForInput, st
-    r.send_metadata(np.asarray(DST, dtype=np.int32), aux_index=DST_AUX)
+def _open(addr, prefills, decodes, rid, name, send=True, stages=len(STAGES)):
+    ptp, dtp = LAYOUTS[name]
+    recvs = [KVReceiver(d.mgr, addr, rid) for d in decodes]
+    for r in recvs:
+        r.init(prefill_tp_size=ptp if ptp != dtp else None, prefill_pp_size=stages)
+    for r in recvs:
+        st, _ = _wait_state(r, (KVPoll.WaitingForInput, KVPoll.Failed), 20)
+        assert st == KVPoll.WaitingForInput, st
+    for r in recvs:
+        r.send_metadata(np.asarray(DST, dtype=np.int32), aux_index=DST_AUX)
     for p in prefills:
         p.call("open_sender", room=rid, n=len(SRC), aux=SRC_AUX)
     if send:
@@ -112,14 +122,15 @@ def _open(addr, prefills, d, rid, tp, send=True):
             p.call("send", room=rid, pages=SRC[:3])
         for p in prefills:
             p.call("send", room=rid, pages=SRC[3:])
-    return r
+    return recvs
 
 
 def _check_bytes(d):
-    want = hp.expected_decode(SEED, 1, 0, TOTAL, SRC, DST)
+    want = hp.expected_decode(SEED, d.tp, d.rank, TOTAL, SRC, DST)
     for b, (got, exp) in enumerate(zip(d.kv, want)):
         bad = np.flatnonzero(got != exp)
-        assert bad.size == 0, f"buffer {b}: {bad.size} bytes differ, first at {bad[0]}"
+        assert bad.size == 0, (f"decode rank {d.rank} buffer {b}: {bad.size} bytes differ, "
+                               f"first at {bad[0]}")
     last = {"rank": len(STAGES) - 1}
     aux = hp.aux_rows(hp.stage_seed(SEED, last)).reshape(hp.AUX_ROWS, hp.AUX_ITEM)
     a = d.aux[0].reshape(hp.AUX_ROWS, hp.AUX_ITEM)
@@ -128,83 +139,123 @@ def _check_bytes(d):
     assert (a[others] == hp.CANARY).all(), "other aux rows touched"
 
 
+def _who(p):
+    return f"stage {p.stage['rank']} rank {p.rank}"
+
+
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_pp_byte_exact(deployment, name):
-    tp = LAYOUTS[name]
-    addr, prefills, d = deployment(tp)
+    addr, prefills, decodes = deployment(name)
     for rid in (101, 102):  # twice: the second room reuses the connections
-        for buf in d.kv + d.aux:
-            buf[:] = hp.CANARY
-        r = _open(addr, prefills, d, rid, tp)
-        st, _ = _wait_state(r, TERMINAL, 20)
-        assert st == KVPoll.Success, f"{name} room {rid}: {st!r}"
+        for d in decodes:
+            for buf in d.kv + d.aux:
+                buf[:] = hp.CANARY
+        recvs = _open(addr, prefills, decodes, rid, name)
+        for rank, r in enumerate(recvs):
+            st, _ = _wait_state(r, TERMINAL, 20)
+            assert st == KVPoll.Success, f"{name} room {rid}: decode rank {rank} {st!r}"
         for p in prefills:
-            assert p.wait_room(rid) == int(KVPoll.Success), f"stage {p.stage['rank']} rank {p.rank}"
-        _check_bytes(d)
-        r.clear()
+            assert p.wait_room(rid) == int(KVPoll.Success), _who(p)
+        for d in decodes:
+            _check_bytes(d)
+        for r in recvs:
+            r.clear()
         for p in prefills:
             p.call("clear", room=rid)
-    st = d.mgr.stats()
-    assert st["rooms_open"] == 0 and st["rooms_draining"] == 0, st
+    for d in decodes:
+        st = d.mgr.stats()
+        assert st["rooms_open"] == 0 and st["rooms_draining"] == 0, st
 
 
-@pytest.mark.parametrize("name, part", [("pp2-tp1", False), ("pp2-tp1", True),
-                                        ("pp2-tp2", False)])
-def test_pp_stage_killed(deployment, name, part):
-    """Stage 0's rank 0 SIGKILLed once every rank opened the room (part:
-    after every rank sent the first pages): the decode fails with PEER_LOST
-    naming that stage, and so does every rank of the other stage (told by
-    the decode)."""
-    tp = LAYOUTS[name]
-    addr, prefills, d = deployment(tp)
+@pytest.mark.parametrize("name, dead, part", [("pp2-tp1", 0, False), ("pp2-tp1", 0, True),
+                                              ("pp2-tp2-to-1", 3, False),
+                                              ("pp2-tp1-to-2", 1, True)])
+def test_pp_stage_killed(deployment, name, dead, part):
+    """A prefill rank SIGKILLed once every rank opened the room (part:
+    after every rank sent the first pages): every decode rank fails with
+    PEER_LOST naming that rank and its stage, and so does every rank of the
+    other stage (told by the decode)."""
+    addr, prefills, decodes = deployment(name)
     rid = 201
-    r = _open(addr, prefills, d, rid, tp, send=False)
+    recvs = _open(addr, prefills, decodes, rid, name, send=False)
     if part:
         for p in prefills:
             p.call("send", room=rid, pages=SRC[:3])
-    dead = prefills[0]
-    t0 = dead.kill()
-    st, el = _wait_state(r, TERMINAL, 15)
-    assert st == KVPoll.Failed, f"{st!r} after {el:.3f} s"
-    with pytest.raises(KVTransferError) as ei:
-        r.failure_exception()
-    e = ei.value
-    desc = f"{type(e).__name__} {e.code} {e.failure_reason!r}"
-    assert type(e) is KVPeerLostError, desc
-    assert "prefill rank 0 of PP stage 0 at 127.0.0.1" in e.failure_reason, desc
-    print(f"decode: {desc} ({time.monotonic() - t0:.3f} s after the kill)")
-    for p in prefills[tp:]:  # stage 1
-        assert p.wait_room(rid, 15) == int(KVPoll.Failed), f"stage 1 rank {p.rank}"
+    victim = prefills[dead]
+    t0 = victim.kill()
+    name_of = f"prefill rank {victim.rank} of PP stage {victim.stage['rank']} at 127.0.0.1"
+    reasons = set()
+    for rank, r in enumerate(recvs):
+        st, el = _wait_state(r, TERMINAL, 15)
+        assert st == KVPoll.Failed, f"decode rank {rank}: {st!r} after {el:.3f} s"
+        with pytest.raises(KVTransferError) as ei:
+            r.failure_exception()
+        e = ei.value
+        desc = f"decode rank {rank}: {type(e).__name__} {e.code} {e.failure_reason!r}"
+        assert type(e) is KVPeerLostError, desc
+        assert name_of in e.failure_reason, desc
+        reasons.add(e.failure_reason)
+        print(f"{desc} ({time.monotonic() - t0:.3f} s after the kill)")
+    assert len(reasons) == 1, reasons  # the ranks share the root cause
+    for p in prefills:
+        if p.stage["rank"] == victim.stage["rank"]:
+            continue
+        assert p.wait_room(rid, 15) == int(KVPoll.Failed), _who(p)
         f = p.call("failure", room=rid)
-        assert f["code"] == "PEER_LOST" and f["reason"] == e.failure_reason, f
+        assert f["code"] == "PEER_LOST" and f["reason"] in reasons, f
     if not part:
-        assert all((buf == hp.CANARY).all() for buf in d.kv), "bytes landed"
-    r.clear()
+        for d in decodes:
+            assert all((buf == hp.CANARY).all() for buf in d.kv), "bytes landed"
+    for r in recvs:
+        r.clear()
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_pp_stage_aborts(deployment, name):
-    """abort() on the last stage's last rank before any byte moved: the
-    decode and every prefill rank of both stages fail with ABORTED and its
-    reason."""
-    tp = LAYOUTS[name]
-    addr, prefills, d = deployment(tp)
+    """abort() on the last stage's last rank before any byte moved: every
+    decode rank and every prefill rank of both stages fail with ABORTED and
+    its reason."""
+    addr, prefills, decodes = deployment(name)
     rid = 301
-    r = _open(addr, prefills, d, rid, tp, send=False)
+    recvs = _open(addr, prefills, decodes, rid, name, send=False)
     prefills[-1].call("abort", room=rid)
-    who = f"aborted by prefill rank {tp - 1} of PP stage 1"
-    st, _ = _wait_state(r, TERMINAL, 15)
-    assert st == KVPoll.Failed, st
-    with pytest.raises(KVAbortedError) as ei:
-        r.failure_exception()
-    assert who in ei.value.failure_reason, ei.value.failure_reason
+    who = f"aborted by prefill rank {prefills[-1].rank} of PP stage 1"
+    for rank, r in enumerate(recvs):
+        st, _ = _wait_state(r, TERMINAL, 15)
+        assert st == KVPoll.Failed, f"decode rank {rank}: {st!r}"
+        with pytest.raises(KVAbortedError) as ei:
+            r.failure_exception()
+        assert who in ei.value.failure_reason, ei.value.failure_reason
     for p in prefills:
-        assert p.wait_room(rid, 15) == int(KVPoll.Failed), f"stage {p.stage['rank']} rank {p.rank}"
+        assert p.wait_room(rid, 15) == int(KVPoll.Failed), _who(p)
         f = p.call("failure", room=rid)
         assert f["code"] == "ABORTED" and who in f["reason"], f
         p.call("send", room=rid, pages=SRC)  # accepted, moves nothing
     time.sleep(0.2)
-    assert all((buf == hp.CANARY).all() for buf in d.kv), "bytes landed"
+    for d in decodes:
+        assert all((buf == hp.CANARY).all() for buf in d.kv), "bytes landed"
+    for r in recvs:
+        r.clear()
+
+
+def test_pp_size_differs(deployment):
+    """The room asks for 3 stages of a prefill of 2: LAYOUT_MISMATCH naming
+    both sizes, on the decode and on both stages' senders."""
+    addr, prefills, decodes = deployment("pp2-tp1")
+    r = KVReceiver(decodes[0].mgr, addr, 401)
+    r.init(prefill_pp_size=3)
+    for p in prefills:
+        p.call("open_sender", room=401, n=len(SRC), aux=SRC_AUX)
+    st, _ = _wait_state(r, TERMINAL, 15)
+    assert st == KVPoll.Failed, st
+    with pytest.raises(KVLayoutError) as ei:
+        r.failure_exception()
+    want = "has a different layout: the room asks for prefill PP 3, the prefill has PP 2"
+    assert want in ei.value.failure_reason, ei.value.failure_reason
+    for p in prefills:
+        assert p.wait_room(401, 15) == int(KVPoll.Failed), _who(p)
+        f = p.call("failure", room=401)
+        assert f["code"] == "LAYOUT_MISMATCH" and want in f["reason"], f
     r.clear()
 
 
@@ -219,10 +270,44 @@ def _stage_mgr(addr, size, rank, start, layers):
     return KVManager(args, "prefill", bootstrap_addr=addr, config=KVConfig(**CONFIG))
 
 
-def _decode_mgr(layers=4, **kw):
+def _decode_mgr(layers=4, **config):
     kv = [np.zeros(PAGES * ITEM, dtype=np.uint8) for _ in range(2 * layers)]
-    args = kvrecv.KVArgs.from_buffers(0, kv, [ITEM] * len(kv), num_layers=layers, **kw)
-    return KVManager(args, "decode", config=KVConfig(**CONFIG)), kv
+    args = kvrecv.KVArgs.from_buffers(0, kv, [ITEM] * len(kv), num_layers=layers)
+    return KVManager(args, "decode", config=KVConfig(**{**CONFIG, **config})), kv
+
+
+def test_pp_stage_never_registered():
+    """Stage 1 of 2 never registered: the room fails at the bootstrap
+    timeout with BOOTSTRAP naming the missing stage, and stage 0's sender
+    fails with that cause too."""
+    bs = BootstrapServer(port=0)
+    made = [bs]
+    try:
+        stage0 = _stage_mgr(bs.address, 2, 0, 0, 2)
+        made.append(stage0)
+        dec, _ = _decode_mgr(bootstrap_timeout_ms=1500)
+        made.append(dec)
+        r = KVReceiver(dec, bs.address, 401)
+        r.init(prefill_pp_size=2)
+        s = KVSender(stage0, bs.address, 401)
+        s.init(2)
+        st, _ = _wait_state(r, TERMINAL, 15)
+        assert st == KVPoll.Failed, st
+        with pytest.raises(KVBootstrapError) as ei:
+            r.failure_exception()
+        want = (f"{bs.address} (prefill rank 0, PP stage 1) was not found at the bootstrap "
+                "server (unreachable, or the prefill rank is not registered) within the "
+                "bootstrap timeout (1500 ms)")
+        assert want in ei.value.failure_reason, ei.value.failure_reason
+        st, _ = _wait_state(s, TERMINAL, 15)
+        assert st == KVPoll.Failed, st
+        with pytest.raises(KVBootstrapError) as ei:
+            s.failure_exception()
+        assert want in ei.value.failure_reason, ei.value.failure_reason
+        r.clear()
+    finally:
+        for m in reversed(made):
+            m.close()
 
 
 @pytest.mark.parametrize("case", ["gap", "overlap", "past_the_end", "pp_not_asked"])
