@@ -41,16 +41,16 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
     }
     kvr_msg_pieces(e, h, r->src_pages, r->src_aux, r->src_states, s, op->iov, &len);
     kvr_am_header_t wire = *h;
+    if (h->kind == KVR_AM_KIND_KV) {
+        /* The decode's numbering of the buffers (a PP stage's layers). */
+        wire.buf = (uint16_t)kvr_layers_map(&e->layers, &r->peer->layers, h->buf);
+    }
     if (e->test_corrupt != KVR_TEST_CORRUPT_NONE) {
         kvr_test_corrupt_header(&wire, e->test_corrupt, r->ndst, e->nkv, e->naux);
     }
     if (e->test_forge_tag != 0) {
         wire.tag = e->test_forge_tag;
         wire.epoch = e->test_forge_epoch;
-    }
-    if (h->kind == KVR_AM_KIND_KV) {
-        /* The decode's numbering of the buffers (a PP stage's layers). */
-        wire.buf = (uint16_t)kvr_layers_map(&e->layers, &r->peer->layers, h->buf);
     }
     if (slot == NULL && kvr_cma_post_locked(e, r, op, &wire, niov)) {
         niov = 1; /* the descriptor */

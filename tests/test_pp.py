@@ -18,6 +18,7 @@ the decode and on every stage), and bad input (ValueError).
 
 from __future__ import annotations
 
+import re
 import time
 
 import numpy as np
@@ -264,7 +265,7 @@ PAGES = 8
 
 
 def _stage_mgr(addr, size, rank, start, layers):
-    kv = [np.full(PAGES * ITEM, 7, dtype=np.uint8) for _ in range(2 * layers)]
+    kv = [np.full(PAGES * ITEM, 10 + rank, dtype=np.uint8) for _ in range(2 * layers)]
     args = kvrecv.KVArgs.from_buffers(0, kv, [ITEM] * len(kv), pp_size=size, pp_rank=rank,
                                       start_layer=start, num_layers=layers)
     return KVManager(args, "prefill", bootstrap_addr=addr, config=KVConfig(**CONFIG))
@@ -363,6 +364,43 @@ def test_pp_layer_ranges_mismatch(case):
                 s.failure_exception()
             assert want in ei.value.failure_reason, ei.value.failure_reason
         assert all((b == 0).all() for b in dec_kv), "bytes landed"
+        r.clear()
+    finally:
+        for m in reversed(made):
+            m.close()
+
+
+def test_pp_data_outside_the_stage_refused():
+    """A stage whose data messages name the decode's buffers of the next
+    stage's layers (the test hook of csrc/testhook.h): the decode fails the
+    room with PROTOCOL naming the stage, and none of its bytes land."""
+    bs = BootstrapServer(port=0)
+    made = [bs]
+    try:
+        stages = [_stage_mgr(bs.address, 2, s, 2 * s, 2) for s in range(2)]
+        made += stages
+        stages[0]._core._test_corrupt_data(10)
+        dec, dec_kv = _decode_mgr()
+        made.append(dec)
+        r = KVReceiver(dec, bs.address, 12)
+        r.init(prefill_pp_size=2)
+        st, _ = _wait_state(r, (KVPoll.WaitingForInput, KVPoll.Failed), 15)
+        assert st == KVPoll.WaitingForInput, st
+        r.send_metadata(np.asarray([0, 1], dtype=np.int32))
+        senders = [KVSender(m, bs.address, 12) for m in stages]
+        for s in senders:
+            s.init(2)
+            s.send(np.asarray([3, 4], dtype=np.int32))
+        st, _ = _wait_state(r, TERMINAL, 15)
+        assert st == KVPoll.Failed, st
+        with pytest.raises(KVTransferError) as ei:
+            r.failure_exception()
+        e = ei.value
+        assert e.code == "PROTOCOL", e.failure_reason
+        assert re.fullmatch(r"room 12: prefill rank 0 of PP stage 0 at 127\.0\.0\.1:\d+ sent a "
+                            r"bad data message: buffers outside the sender's PP stage",
+                            e.failure_reason), e.failure_reason
+        assert not any((b == 10).any() for b in dec_kv), "stage 0's bytes landed"
         r.clear()
     finally:
         for m in reversed(made):
