@@ -393,7 +393,8 @@ static int kvr_engine_check_params(const kvr_engine_params_t *p, char *err, size
     if (p->num_layers) {
         char why[256];
         kvr_layers_t l = {p->pp_size, p->pp_rank, p->start_layer, p->num_layers, p->nkv};
-        if (kvr_layers_check(&l, p->mode == KVR_MODE_PREFILL ? "prefill" : "decode", why, sizeof(why)) != 0 ||
+        const char *side = p->mode == KVR_MODE_PREFILL ? "prefill" : "decode";
+        if (kvr_layers_check(&l, side, why, sizeof(why)) != 0 ||
             p->pp_size > KVR_WIRE_MAX_DP_PP) {
             return kvr_err(err, errlen, KVR_EVALUE, "%s",
                            p->pp_size > KVR_WIRE_MAX_DP_PP ? "pp_size is above 65535" : why);

@@ -203,8 +203,8 @@ static uint64_t kvr_leg_page_bytes(const kvr_engine_t *e, const kvr_room_t *r)
         if (y != NULL && !kvr_layers_holds(y, &e->layers, b)) {
             continue;
         }
-        bytes += e->heads.heads ? e->kv_item[b] / e->heads.heads * ((const kvr_eroom_t *)r)->leg_heads
-                                : e->kv_item[b];
+        uint32_t n = ((const kvr_eroom_t *)r)->leg_heads;
+        bytes += e->heads.heads ? e->kv_item[b] / e->heads.heads * n : e->kv_item[b];
     }
     return bytes;
 }
@@ -296,7 +296,6 @@ int kvr_group_open_locked(kvr_engine_t *e, kvr_room_t *h, uint32_t prefill_dp,
 /* Decode PP room h: the layers of stage s as its prefill ranks told. */
 static int kvr_group_stage_layers(const kvr_room_t *h, kvr_layers_t *st, char *why, size_t n)
 {
-    uint32_t stages = ((const kvr_eroom_t *)h)->pp_stages;
     uint8_t seen[KVR_MAX_LEGS] = {0};
     for (uint32_t i = 0; i < h->nlegs; i++) {
         const kvr_room_t *leg = h->legs[i];
@@ -312,7 +311,7 @@ static int kvr_group_stage_layers(const kvr_room_t *h, kvr_layers_t *st, char *w
             return -1;
         }
     }
-    return stages > 0 ? 0 : -1;
+    return 0;
 }
 
 int kvr_group_may_request_locked(kvr_engine_t *e, kvr_room_t *r)

@@ -206,9 +206,9 @@ int kvr_layers_compat(const kvr_layers_t *pre, const kvr_layers_t *dec, char *wh
         return -1;
     }
     if (pre->start + pre->layers > dec->layers) {
-        snprintf(why, n,
-                 "prefill PP stage %u of %u holds layers %u-%u, the decode has %u layers", pre->pp_rank,
-                 pre->pp_size, pre->start, pre->start + pre->layers - 1, dec->layers);
+        snprintf(why, n, "prefill PP stage %u of %u holds layers %u-%u, the decode has %u layers",
+                 pre->pp_rank, pre->pp_size, pre->start, pre->start + pre->layers - 1,
+                 dec->layers);
         return -1;
     }
     if (pre->pp_size == 1 && !kvr_layers_identity(pre, dec)) {

@@ -327,8 +327,9 @@ static void kvr_on_hello_locked(kvr_engine_t *e, const void *ident, size_t ident
         if (e->layers.pp_size > 1) {
             snprintf(stage, sizeof(stage), " of PP stage %u", e->layers.pp_rank);
         }
-        snprintf(reason, sizeof(reason), "layout mismatch between prefill rank %d%s (%s) and %s: %s",
-                 e->rank, stage, kvr_ctl_endpoint(e->ctl), p->name, why);
+        snprintf(reason, sizeof(reason),
+                 "layout mismatch between prefill rank %d%s (%s) and %s: %s", e->rank, stage,
+                 kvr_ctl_endpoint(e->ctl), p->name, why);
         kvr_hello_reject_locked(e, p, KVR_LAYOUT_MISMATCH, reason);
         return;
     }

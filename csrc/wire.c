@@ -360,8 +360,9 @@ static void kvr_rd_hello_fields(kvr_rd_t *r, kvr_msg_t *m)
         l->pp_rank = (uint32_t)kvr_rd_int(r, 4, "truncated layers");
         l->start_layer = (uint32_t)kvr_rd_int(r, 4, "truncated layers");
         l->layers = (uint32_t)kvr_rd_int(r, 4, "truncated layers");
-        if (!r->why && (l->layers == 0 || l->pp_rank >= l->pp_size ||
-                        l->pp_size > KVR_WIRE_MAX_DP_PP || l->start_layer > UINT32_MAX - l->layers)) {
+        int bad = l->pp_rank >= l->pp_size || l->pp_size > KVR_WIRE_MAX_DP_PP ||
+                  l->start_layer > UINT32_MAX - l->layers;
+        if (!r->why && (l->layers == 0 || bad)) {
             r->why = l->layers == 0 ? "explicit zero layers" : "impossible layers";
         }
     }

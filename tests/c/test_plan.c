@@ -563,7 +563,8 @@ TEST_IMPL(plan_layers_bad)
                        "decode (4 buffers, 4 layers)") == 0);
     kvr_layers_t one = {1, 0, 0, 2, 4};
     ASSERT_EQ(kvr_layers_compat(&one, &dec, why, sizeof(why)), -1);
-    ASSERT(strcmp(why, "the prefill (one PP stage) holds layers 0-1, the decode has 4 layers") == 0);
+    ASSERT(strcmp(why, "the prefill (one PP stage) holds layers 0-1, the decode has 4 layers") ==
+           0);
 }
 
 /* The stages' ranges must cover the decode's layers once each. */
