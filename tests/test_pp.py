@@ -277,6 +277,18 @@ def _decode_mgr(layers=4, **config):
     return KVManager(args, "decode", config=KVConfig(**{**CONFIG, **config})), kv
 
 
+def _metadata_and_senders(r, stages, addr, rid):
+    """Receiver r's pages [0, 1] once it waits for them, then a sender of 2
+    pages on every stage's manager."""
+    st, _ = _wait_state(r, (KVPoll.WaitingForInput, KVPoll.Failed), 15)
+    assert st == KVPoll.WaitingForInput, st
+    r.send_metadata(np.asarray([0, 1], dtype=np.int32))
+    senders = [KVSender(m, addr, rid) for m in stages]
+    for s in senders:
+        s.init(2)
+    return senders
+
+
 def test_pp_stage_never_registered():
     """Stage 1 of 2 never registered: the room fails at the bootstrap
     timeout with BOOTSTRAP naming the missing stage, and stage 0's sender
@@ -343,12 +355,7 @@ def test_pp_layer_ranges_mismatch(case):
         if case in ("gap", "overlap"):
             # Every stage is reachable: the room waits for metadata, then
             # fails when its stages' layers are compared.
-            st, _ = _wait_state(r, (KVPoll.WaitingForInput, KVPoll.Failed), 15)
-            assert st == KVPoll.WaitingForInput, st
-            senders = [KVSender(m, bs.address, 9) for m in stages]
-            for s in senders:
-                s.init(2)
-            r.send_metadata(np.asarray([0, 1], dtype=np.int32))
+            senders = _metadata_and_senders(r, stages, bs.address, 9)
         st, _ = _wait_state(r, TERMINAL, 15)
         assert st == KVPoll.Failed, st
         with pytest.raises(KVLayoutError) as ei:
@@ -384,12 +391,7 @@ def test_pp_data_outside_the_stage_refused():
         made.append(dec)
         r = KVReceiver(dec, bs.address, 12)
         r.init(prefill_pp_size=2)
-        st, _ = _wait_state(r, (KVPoll.WaitingForInput, KVPoll.Failed), 15)
-        assert st == KVPoll.WaitingForInput, st
-        r.send_metadata(np.asarray([0, 1], dtype=np.int32))
-        senders = [KVSender(m, bs.address, 12) for m in stages]
-        for s in senders:
-            s.init(2)
+        for s in _metadata_and_senders(r, stages, bs.address, 12):
             s.send(np.asarray([3, 4], dtype=np.int32))
         st, _ = _wait_state(r, TERMINAL, 15)
         assert st == KVPoll.Failed, st
