@@ -391,7 +391,8 @@ def test_pp_data_outside_the_stage_refused():
         made.append(dec)
         r = KVReceiver(dec, bs.address, 12)
         r.init(prefill_pp_size=2)
-        for s in _metadata_and_senders(r, stages, bs.address, 12):
+        senders = _metadata_and_senders(r, stages, bs.address, 12)  # alive to the end
+        for s in senders:
             s.send(np.asarray([3, 4], dtype=np.int32))
         st, _ = _wait_state(r, TERMINAL, 15)
         assert st == KVPoll.Failed, st
