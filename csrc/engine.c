@@ -384,6 +384,22 @@ static int kvr_engine_check_params(const kvr_engine_params_t *p, char *err, size
         return kvr_err(err, errlen, KVR_EVALUE, "attn_dp_rank=%u is above %d", p->dp_rank,
                        KVR_WIRE_MAX_DP_PP);
     }
+    if (p->mode == KVR_MODE_DECODE && p->num_layers && (p->pp_size > 1 || p->start_layer)) {
+        return kvr_err(err, errlen, KVR_EVALUE,
+                       "pp_size=%u, start_layer=%u on a decode: a decode split into pipeline "
+                       "stages is not supported",
+                       p->pp_size, p->start_layer);
+    }
+    if (p->num_layers) {
+        char why[256];
+        kvr_layers_t l = {p->pp_size, p->pp_rank, p->start_layer, p->num_layers, p->nkv};
+        const char *side = p->mode == KVR_MODE_PREFILL ? "prefill" : "decode";
+        if (kvr_layers_check(&l, side, why, sizeof(why)) != 0 ||
+            p->pp_size > KVR_WIRE_MAX_DP_PP) {
+            return kvr_err(err, errlen, KVR_EVALUE, "%s",
+                           p->pp_size > KVR_WIRE_MAX_DP_PP ? "pp_size is above 65535" : why);
+        }
+    }
     if (p->cfg.deadline_floor_bps == 0 || p->cfg.heartbeat_interval_ms == 0 ||
         p->cfg.heartbeat_timeout_ms == 0) {
         return kvr_err(err, errlen, KVR_EVALUE,
@@ -500,6 +516,9 @@ int kvr_engine_create(const kvr_engine_params_t *p, kvr_engine_t **e_p, char *er
     e->cfg = p->cfg;
     e->page_size = p->page_size;
     e->heads = (kvr_heads_t){p->tp_size, p->tp_rank, p->heads, p->total_heads};
+    e->layers = p->num_layers ? (kvr_layers_t){p->pp_size, p->pp_rank, p->start_layer,
+                                               p->num_layers, p->nkv}
+                              : (kvr_layers_t){1, 0, 0, p->nkv, p->nkv};
     e->nkv = p->nkv;
     e->naux = p->naux;
     e->wake_fd = -1;

@@ -96,6 +96,11 @@ typedef struct {
     /* The head layout of this rank's KV pages (plan.h's kvr_heads_t):
      * heads 0 when not given. */
     uint32_t tp_size, tp_rank, heads, total_heads;
+    /* The layers of this rank's KV buffers (plan.h's kvr_layers_t): a
+     * prefill split into pp_size pipeline stages holds layers
+     * [start_layer, start_layer + num_layers) as stage pp_rank.  num_layers
+     * 0: not given (one buffer per layer, all of them, one stage). */
+    uint32_t pp_size, pp_rank, start_layer, num_layers;
     kvr_config_t cfg;
 } kvr_engine_params_t;
 
@@ -200,9 +205,13 @@ void kvr_handle_release(kvr_handle_t *h);
  * kvr_handle_recv_init: bootstrap_addr, unless NULL or empty, replaces the
  * rendezvous named at open; prefill_dp_rank (0..65535) the prefill DP group
  * whose ranks serve the room (one server may hold several); prefill_tp_size, unless 0, the prefill's TP size: the room reads this
- * rank's heads from the prefill ranks the head layouts say (group.c). */
+ * rank's heads from the prefill ranks the head layouts say (group.c);
+ * prefill_pp_size, unless 0, the prefill's pipeline stages (at most
+ * KVR_MAX_PP): the room reads each stage's layers from it. */
+#define KVR_MAX_PP 64
 int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *bootstrap_addr,
-                         uint32_t prefill_tp_size, char *err, size_t errlen);
+                         uint32_t prefill_tp_size, uint32_t prefill_pp_size, char *err,
+                         size_t errlen);
 /* states: the slot of each of the first nstates state components (-1:
  * none), checked against the registered slots (state.c). */
 int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, int64_t aux_index,

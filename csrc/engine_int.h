@@ -114,6 +114,12 @@ typedef struct kvr_peer {
     uint32_t query_dp;          /* decode: the prefill DP group asked in */
     uint32_t want_tp;           /* decode: the prefill TP size rooms asked for (0: none) */
     uint32_t links;             /* prefill: decode ranks a room of ours goes to */
+    /* Layers (group.c): the peer's, from its HELLO or HELLO_OK; decode:
+     * the PP stage asked for (-1: no PP room) and the PP size rooms asked
+     * for (0: none). */
+    kvr_layers_t layers;
+    int query_pp;
+    uint32_t want_pp;
     /* Cross-memory reads (cma.c): prefill: the decode takes descriptors;
      * decode: we read from pid cma_pid; cma_refused: our probe failed,
      * offer no more. */
@@ -177,6 +183,9 @@ typedef struct kvr_eroom {
     kvr_failure_t *notice;  /* failure to tell the peer, sent by the engine thread */
     kvr_plan_cursor_t post; /* prefill: how far posting got (plan.h) */
     uint32_t leg_heads;     /* decode leg: heads it reads (group.c) */
+    uint32_t leg_stage;     /* decode leg: the prefill PP stage it reads */
+    uint32_t pp_stages;     /* decode lead: prefill PP stages (0: not a PP room) */
+    int layers_checked;     /* decode lead: the stages' layers cover ours */
     uint64_t lease;         /* prefill: the decode's tag while it may read our pages (cma.c) */
     int done_pending;       /* decode: ROOM_DONE for the engine thread to send */
     /* the lists the room is on; each holds a reference (kvr_room_list_push) */
@@ -262,6 +271,7 @@ struct kvr_engine {
     char bootstrap_addr[128];
     uint32_t page_size;
     kvr_heads_t heads;   /* this rank's head layout (heads 0: none given) */
+    kvr_layers_t layers; /* the layers of its KV buffers (plan.h) */
     uint32_t nkv, naux;
     uint64_t *kv_ptrs, *kv_lens, *kv_item;
     uint64_t kv_item_max; /* the widest KV item */
@@ -446,10 +456,12 @@ int kvr_layout_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *why, size
  * follows every peer's key (kvr_peer_new, kvr_peer_rekey). */
 kvr_peer_t *kvr_peer_find(kvr_engine_t *e, int kind, const char *key);
 kvr_peer_t *kvr_peer_new(kvr_engine_t *e, int kind, const char *key);
-/* Decode: the peer for prefill rank `rank` (-1: ours) of DP group dp at the
+/* Decode: the peer for prefill rank `rank` (-1: ours) of DP group dp, PP
+ * stage pp (-1: a room that names no PP stage; asks for stage 0), at the
  * bootstrap server addr, made (to be resolved by the engine thread) if
  * new; NULL if memory ran out. */
-kvr_peer_t *kvr_prefill_peer_get(kvr_engine_t *e, const char *addr, uint32_t dp, int rank);
+kvr_peer_t *kvr_prefill_peer_get(kvr_engine_t *e, const char *addr, uint32_t dp, int rank,
+                                 int pp);
 /* Gives peer p a new key (a recycled decode peer); -1 if memory ran out
  * (p then has no key and is found by no lookup). */
 int kvr_peer_rekey(kvr_engine_t *e, kvr_peer_t *p, const char *key);
@@ -578,9 +590,14 @@ void kvr_state_copy(int64_t *dst, const int64_t *src, uint32_t n);
 int kvr_state_any(const int64_t *states);
 
 int kvr_heads_params_check(const kvr_engine_params_t *p, char *err, size_t errlen);
-/* Compares a peer's head layout with ours (both given): 0, or -1 with the
+/* A peer's layers as its layout l says (one stage, all layers, when it
+ * gave none). */
+kvr_layers_t kvr_wire_layers(const kvr_wire_layout_t *l);
+/* Compares the KV buffers of a peer's layout with ours, each prefill
+ * buffer with the decode buffer it lands in (layers compatible), by head
+ * layouts where both gave one, else equal item lengths: 0, or -1 with the
  * difference naming both sides' numbers. */
-int kvr_layout_heads_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *why, size_t n);
+int kvr_layout_kv_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *why, size_t n);
 /* Sets peer p's slices from its layout l (its HELLO or HELLO_OK); -1 with
  * why if our ranks have no link that one room can use. */
 int kvr_peer_link(kvr_engine_t *e, kvr_peer_t *p, const kvr_wire_layout_t *l, char *why,
@@ -588,11 +605,18 @@ int kvr_peer_link(kvr_engine_t *e, kvr_peer_t *p, const kvr_wire_layout_t *l, ch
 /* Room r's slice of its own pages (peer_side 0) or its peer's (1); NULL
  * for whole pages. */
 const kvr_slice_t *kvr_room_slice(const kvr_room_t *r, int peer_side);
-/* Decode: room h reads from prefill_tp prefill ranks of DP group
- * prefill_dp: one leg per link. */
+/* Decode: room h reads from prefill_tp prefill ranks (0: the rank of our
+ * number, whole pages) of each of prefill_pp PP stages (0: a room that
+ * names no PP stage) of DP group prefill_dp: one leg per link and stage. */
 int kvr_group_open_locked(kvr_engine_t *e, kvr_room_t *h, uint32_t prefill_dp,
-                          uint32_t prefill_tp, char *err,
-                          size_t errlen);
+                          uint32_t prefill_tp, uint32_t prefill_pp, char *err, size_t errlen);
+/* Decode: the bytes leg r reads (its pages of its stage's buffers, its
+ * rows). */
+uint64_t kvr_group_leg_bytes(const kvr_engine_t *e, const kvr_room_t *r);
+/* Decode: 1 if leg r may send its request: not a PP room, or every
+ * stage's layers are known and cover ours (checked once; a room whose
+ * stages do not fails with LAYOUT_MISMATCH). */
+int kvr_group_may_request_locked(kvr_engine_t *e, kvr_room_t *r);
 /* Decode: h's pages and aux row, handed to its legs; -1 out of memory. */
 int kvr_group_meta_locked(kvr_engine_t *e, kvr_room_t *h);
 /* Room r (a lead or a leg) failed with f: its lead and legs fail with it. */

@@ -56,23 +56,73 @@ static kvr_heads_t kvr_wire_heads(const kvr_wire_layout_t *l)
     return h;
 }
 
-int kvr_layout_heads_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *why, size_t n)
+kvr_layers_t kvr_wire_layers(const kvr_wire_layout_t *l)
 {
-    kvr_heads_t theirs = kvr_wire_heads(l);
-    uint64_t *items = malloc((e->nkv ? e->nkv : 1) * sizeof(uint64_t));
+    if (l->layers == 0) {
+        return (kvr_layers_t){1, 0, 0, l->nkv, l->nkv};
+    }
+    return (kvr_layers_t){l->pp_size, l->pp_rank, l->start_layer, l->layers, l->nkv};
+}
+
+int kvr_layout_kv_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *why, size_t n)
+{
+    /* Per buffer of the prefill (stage): its item length and the one of
+     * the decode buffer it lands in (layers checked compatible). */
+    kvr_layers_t theirs_l = kvr_wire_layers(l);
+    int pre = e->mode == KVR_MODE_PREFILL;
+    const kvr_layers_t *pl = pre ? &e->layers : &theirs_l, *dl = pre ? &theirs_l : &e->layers;
+    uint32_t nb = pl->nkv;
+    uint64_t *items = malloc(2 * (nb ? nb : 1) * sizeof(uint64_t));
     if (items == NULL) {
         snprintf(why, n, "out of memory");
         return -1;
     }
-    for (uint32_t b = 0; b < e->nkv; b++) {
-        items[b] = kvr_wire_u64_at(l->kv_item_lens, b);
+    uint64_t *pi = items, *di = items + nb;
+    for (uint32_t b = 0; b < nb; b++) {
+        uint32_t d = kvr_layers_map(pl, dl, b);
+        pi[b] = pre ? e->kv_item[b] : kvr_wire_u64_at(l->kv_item_lens, b);
+        di[b] = pre ? kvr_wire_u64_at(l->kv_item_lens, d) : e->kv_item[d];
     }
-    int pre = e->mode == KVR_MODE_PREFILL;
-    int rc = kvr_heads_compat(pre ? &e->heads : &theirs, pre ? e->kv_item : items,
-                              pre ? &theirs : &e->heads, pre ? items : e->kv_item, e->nkv,
+    int rc = 0;
+    if (e->heads.heads && l->heads) {
+        kvr_heads_t theirs = kvr_wire_heads(l);
+        rc = kvr_heads_compat(pre ? &e->heads : &theirs, pi, pre ? &theirs : &e->heads, di, nb,
                               e->page_size, why, n);
+    }
+    for (uint32_t b = 0; rc == 0 && !(e->heads.heads && l->heads) && b < nb; b++) {
+        if (pi[b] != di[b]) {
+            snprintf(why, n, "KV buffer %u item_len %" PRIu64 " here, %" PRIu64 " there",
+                     pre ? b : kvr_layers_map(pl, dl, b), pre ? pi[b] : di[b],
+                     pre ? di[b] : pi[b]);
+            rc = -1;
+        }
+    }
     free(items);
     return rc;
+}
+
+/* Decode: prefill p (its layers known) is the PP stage its rooms asked for. */
+static int kvr_peer_link_stage(const kvr_peer_t *p, char *why, size_t n)
+{
+    const kvr_layers_t *y = &p->layers;
+    if (p->want_pp == 0 && y->pp_size > 1) {
+        snprintf(why, n,
+                 "the prefill has PP %u (stage %u holds layers %u-%u); give the receiver's "
+                 "init() prefill_pp_size",
+                 y->pp_size, y->pp_rank, y->start, y->start + y->layers - 1);
+        return -1;
+    }
+    if (p->want_pp > 0 && y->pp_size != p->want_pp) {
+        snprintf(why, n, "the room asks for prefill PP %u, the prefill has PP %u", p->want_pp,
+                 y->pp_size);
+        return -1;
+    }
+    if (p->query_pp >= 0 && y->pp_rank != (uint32_t)p->query_pp) {
+        snprintf(why, n, "registered as PP stage %d, it says it is stage %u", p->query_pp,
+                 y->pp_rank);
+        return -1;
+    }
+    return 0;
 }
 
 int kvr_peer_link(kvr_engine_t *e, kvr_peer_t *p, const kvr_wire_layout_t *l, char *why,
@@ -80,6 +130,10 @@ int kvr_peer_link(kvr_engine_t *e, kvr_peer_t *p, const kvr_wire_layout_t *l, ch
 {
     kvr_slice_t whole = {0, 0, 0};
     p->slice = p->peer_slice = whole;
+    p->layers = kvr_wire_layers(l);
+    if (e->mode == KVR_MODE_DECODE && kvr_peer_link_stage(p, why, n) != 0) {
+        return -1;
+    }
     if (e->heads.heads == 0 || l->heads == 0) {
         if (p->want_tp) {
             snprintf(why, n,
@@ -138,58 +192,97 @@ const kvr_slice_t *kvr_room_slice(const kvr_room_t *r, int peer_side)
     return s->n == s->heads ? NULL : s;
 }
 
-/* Bytes of one page of every KV buffer in a slice of n of `heads` heads. */
-static uint64_t kvr_slice_page_bytes(const kvr_engine_t *e, uint32_t n, uint32_t heads)
+/* Bytes of one page of every KV buffer decode leg r reads: the buffers of
+ * its prefill's PP stage (all of them before its layers are known), a
+ * slice of leg_heads of their heads (whole pages without head layouts). */
+static uint64_t kvr_leg_page_bytes(const kvr_engine_t *e, const kvr_room_t *r)
 {
+    const kvr_layers_t *y = r->peer != NULL && r->peer->layers.layers ? &r->peer->layers : NULL;
     uint64_t bytes = 0;
     for (uint32_t b = 0; b < e->nkv; b++) {
-        bytes += e->kv_item[b] / heads * n;
+        if (y != NULL && !kvr_layers_holds(y, &e->layers, b)) {
+            continue;
+        }
+        uint32_t n = ((const kvr_eroom_t *)r)->leg_heads;
+        bytes += e->heads.heads ? e->kv_item[b] / e->heads.heads * n : e->kv_item[b];
     }
     return bytes;
 }
 
-int kvr_group_open_locked(kvr_engine_t *e, kvr_room_t *h, uint32_t prefill_dp,
-                          uint32_t prefill_tp, char *err, size_t errlen)
+uint64_t kvr_group_leg_bytes(const kvr_engine_t *e, const kvr_room_t *r)
 {
-    KVR_ASSERT_LOCKED(e);
+    return (uint64_t)r->npages * kvr_leg_page_bytes(e, r) +
+           kvr_state_bytes(e, r->aux_index, r->states);
+}
+
+/* The links of decode room h to the prefill's TP ranks: by the head
+ * layouts with prefill_tp, else the prefill rank of our number, whole. */
+static int kvr_group_links(kvr_engine_t *e, uint32_t prefill_tp, kvr_link_t *links,
+                           uint32_t *n, char *err, size_t errlen)
+{
+    if (prefill_tp == 0) {
+        uint32_t first = e->heads.heads ? kvr_heads_first(&e->heads, e->heads.tp_rank) : 0;
+        links[0] = (kvr_link_t){(uint32_t)e->rank, (uint32_t)e->rank, first, e->heads.heads};
+        *n = 1;
+        return 0;
+    }
     if (e->heads.heads == 0) {
         return kvr_err(err, errlen, KVR_EVALUE,
                        "prefill_tp_size=%u needs the decode's head layout (KVArgs kv_head_num, "
                        "total_kv_head_num)",
                        prefill_tp);
     }
-    uint32_t total = e->heads.total_heads; /* prefill_tp > 0 (the caller's check) */
+    uint32_t total = e->heads.total_heads;
     kvr_heads_t pre = {prefill_tp, 0, prefill_tp <= total ? total / prefill_tp : 1, total};
     char why[256];
     if (kvr_heads_check(&pre, "prefill", why, sizeof(why)) != 0) {
         return kvr_err(err, errlen, KVR_EVALUE, "prefill_tp_size=%u: %s", prefill_tp, why);
     }
+    *n = kvr_heads_links(&pre, &e->heads, 1, e->heads.tp_rank, links, KVR_MAX_LEGS);
+    return 0;
+}
+
+int kvr_group_open_locked(kvr_engine_t *e, kvr_room_t *h, uint32_t prefill_dp,
+                          uint32_t prefill_tp, uint32_t prefill_pp, char *err, size_t errlen)
+{
+    KVR_ASSERT_LOCKED(e);
     kvr_link_t links[KVR_MAX_LEGS];
-    uint32_t n = kvr_heads_links(&pre, &e->heads, 1, e->heads.tp_rank, links, KVR_MAX_LEGS);
-    if (n > KVR_MAX_LEGS) {
-        return kvr_err(err, errlen, KVR_EVALUE, "decode rank %u would read from %u prefill ranks "
-                       "(at most %u)", e->heads.tp_rank, n, KVR_MAX_LEGS);
+    uint32_t k = 0, stages = prefill_pp ? prefill_pp : 1;
+    int rc = kvr_group_links(e, prefill_tp, links, &k, err, errlen);
+    if (rc != 0) {
+        return rc;
+    }
+    uint32_t n = k * stages;
+    if (k > KVR_MAX_LEGS || n > KVR_MAX_LEGS) {
+        return kvr_err(err, errlen, KVR_EVALUE,
+                       "decode rank %d would read from %u prefill ranks (at most %u)", e->rank, n,
+                       KVR_MAX_LEGS);
     }
     h->legs = calloc(n, sizeof(*h->legs));
     if (h->legs == NULL) {
         return kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
     }
+    kvr_eroom(h)->pp_stages = prefill_pp;
     for (uint32_t i = 0; i < n; i++) {
+        /* Stage after stage, each with every TP link. */
+        const kvr_link_t *l = &links[i % k];
         kvr_room_t *leg = kvr_room_new(sizeof(kvr_eroom_t), h->id, kvr_new_tag_locked(e),
                                        KVR_ROLE_DECODE);
-        kvr_peer_t *p = kvr_prefill_peer_get(e, h->bootstrap_addr, prefill_dp,
-                                             (int)links[i].prefill);
+        kvr_peer_t *p = kvr_prefill_peer_get(e, h->bootstrap_addr, prefill_dp, (int)l->prefill,
+                                             prefill_pp ? (int)(i / k) : -1);
         if (leg == NULL || p == NULL || kvr_table_put(&e->tags, leg->tag, leg) != 0) {
             kvr_room_free(leg);
             return kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
         }
         kvr_eroom(leg)->owner = e;
-        kvr_eroom(leg)->leg_heads = links[i].nheads;
+        kvr_eroom(leg)->leg_heads = l->nheads;
+        kvr_eroom(leg)->leg_stage = i / k;
         snprintf(leg->bootstrap_addr, sizeof(leg->bootstrap_addr), "%s", h->bootstrap_addr);
         leg->refs = 1; /* the lead's */
         leg->lead = h;
         kvr_room_ref(h);
         p->want_tp = prefill_tp;
+        p->want_pp = prefill_pp;
         leg->peer = p;
         leg->init_called = 1;
         h->legs[h->nlegs++] = leg;
@@ -198,6 +291,59 @@ int kvr_group_open_locked(kvr_engine_t *e, kvr_room_t *h, uint32_t prefill_dp,
     }
     h->legs_want = n;
     return 0;
+}
+
+/* Decode PP room h: the layers of stage s as its prefill ranks told. */
+static int kvr_group_stage_layers(const kvr_room_t *h, kvr_layers_t *st, char *why, size_t n)
+{
+    uint8_t seen[KVR_MAX_LEGS] = {0};
+    for (uint32_t i = 0; i < h->nlegs; i++) {
+        const kvr_room_t *leg = h->legs[i];
+        uint32_t s = ((const kvr_eroom_t *)leg)->leg_stage;
+        const kvr_layers_t *y = &leg->peer->layers;
+        if (!seen[s]) {
+            st[s] = *y;
+            seen[s] = 1;
+        } else if (st[s].start != y->start || st[s].layers != y->layers) {
+            snprintf(why, n, "prefill ranks of PP stage %u hold layers %u-%u and %u-%u", s,
+                     st[s].start, st[s].start + st[s].layers - 1, y->start,
+                     y->start + y->layers - 1);
+            return -1;
+        }
+    }
+    return 0;
+}
+
+int kvr_group_may_request_locked(kvr_engine_t *e, kvr_room_t *r)
+{
+    KVR_ASSERT_LOCKED(e);
+    kvr_room_t *h = r->lead;
+    if (h == NULL || kvr_eroom(h)->pp_stages == 0 || kvr_eroom(h)->layers_checked) {
+        return 1;
+    }
+    /* Every stage's layers are known before any of them is asked for
+     * data: the room fails before any byte moves if they do not cover
+     * ours exactly. */
+    for (uint32_t i = 0; i < h->nlegs; i++) {
+        kvr_peer_t *p = h->legs[i]->peer;
+        if (p == NULL || p->state != KVR_PEER_READY || p->layers.layers == 0) {
+            return 0;
+        }
+    }
+    kvr_layers_t st[KVR_MAX_LEGS];
+    char why[400];
+    if (kvr_group_stage_layers(h, st, why, sizeof(why)) != 0 ||
+        kvr_layers_cover(st, kvr_eroom(h)->pp_stages, e->layers.layers, why, sizeof(why)) != 0) {
+        kvr_room_failf_locked(e, r, KVR_LAYOUT_MISMATCH, 1, "room %" PRIu64 ": %s", h->id, why);
+        return 0;
+    }
+    kvr_eroom(h)->layers_checked = 1;
+    for (uint32_t i = 0; i < h->nlegs; i++) {
+        if (h->legs[i] != r) {
+            kvr_work_push_locked(e, h->legs[i]);
+        }
+    }
+    return 1;
 }
 
 int kvr_group_meta_locked(kvr_engine_t *e, kvr_room_t *h)
@@ -213,13 +359,16 @@ int kvr_group_meta_locked(kvr_engine_t *e, kvr_room_t *h)
         }
         leg->npages = h->npages;
         leg->prefix_len = h->prefix_len;
-        /* The aux row and state slots come with the first leg, which always
-         * reads heads (state buffers only with equal TP: kvr_peer_link). */
-        leg->aux_index = i == 0 ? h->aux_index : -1;
-        kvr_state_copy(leg->states, h->states, i == 0 ? KVR_MAX_STATES : 0);
-        leg->expected = (uint64_t)h->npages *
-                            kvr_slice_page_bytes(e, kvr_eroom(leg)->leg_heads, e->heads.heads) +
-                        kvr_state_bytes(e, leg->aux_index, leg->states);
+        /* The aux row and state slots come with the first leg of the last
+         * PP stage (the one that has the output, as in sglang), which
+         * always reads heads (state buffers only with equal TP:
+         * kvr_peer_link). */
+        int rows = kvr_eroom(leg)->leg_stage + 1 ==
+                   (kvr_eroom(h)->pp_stages ? kvr_eroom(h)->pp_stages : 1) &&
+                   (i == 0 || kvr_eroom(h->legs[i - 1])->leg_stage != kvr_eroom(leg)->leg_stage);
+        leg->aux_index = rows ? h->aux_index : -1;
+        kvr_state_copy(leg->states, h->states, rows ? KVR_MAX_STATES : 0);
+        leg->expected = kvr_group_leg_bytes(e, leg);
         leg->meta_set = 1;
         kvr_work_push_locked(e, leg);
     }

@@ -163,7 +163,8 @@ void kvr_handle_release(kvr_handle_t *h)
 }
 
 int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *bootstrap_addr,
-                         uint32_t prefill_tp_size, char *err, size_t errlen)
+                         uint32_t prefill_tp_size, uint32_t prefill_pp_size, char *err,
+                         size_t errlen)
 {
     kvr_engine_t *e = kvr_handle_engine(h);
     int rc = kvr_handle_enter(h, err, errlen);
@@ -193,10 +194,16 @@ int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *boots
                      h->bootstrap_addr);
         goto out;
     }
-    if (prefill_tp_size > 0 && !h->failing) {
-        /* Heads from prefill ranks chosen by the head layouts (group.c). */
-        rc = kvr_group_open_locked(e, h, (uint32_t)prefill_dp_rank, prefill_tp_size, err,
-                                   errlen);
+    if (prefill_pp_size > KVR_MAX_PP) {
+        rc = kvr_err(err, errlen, KVR_EVALUE, "prefill_pp_size=%u is above %d", prefill_pp_size,
+                     KVR_MAX_PP);
+        goto out;
+    }
+    if ((prefill_tp_size > 0 || prefill_pp_size > 0) && !h->failing) {
+        /* Heads from prefill ranks chosen by the head layouts, layers from
+         * every PP stage (group.c). */
+        rc = kvr_group_open_locked(e, h, (uint32_t)prefill_dp_rank, prefill_tp_size,
+                                   prefill_pp_size, err, errlen);
         h->init_called = rc == 0;
         goto out;
     }
@@ -204,7 +211,7 @@ int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *boots
     if (h->failing) {
         goto out;
     }
-    kvr_peer_t *p = kvr_prefill_peer_get(e, h->bootstrap_addr, (uint32_t)prefill_dp_rank, -1);
+    kvr_peer_t *p = kvr_prefill_peer_get(e, h->bootstrap_addr, (uint32_t)prefill_dp_rank, -1, -1);
     if (p == NULL) {
         rc = kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
         goto out;
@@ -485,8 +492,12 @@ int kvr_handle_abort(kvr_handle_t *h, char *err, size_t errlen)
     kvr_engine_t *e = kvr_handle_engine(h);
     kvr_engine_lock(e);
     if (!e->closed && h->in_table && !kvr_room_terminal(h) && !h->failing) {
-        kvr_room_failf_locked(e, h, KVR_ABORTED, 1, "aborted by %s rank %d", kvr_side(e),
-                              e->rank);
+        char stage[32] = "";
+        if (e->layers.pp_size > 1) {
+            snprintf(stage, sizeof(stage), " of PP stage %u", e->layers.pp_rank);
+        }
+        kvr_room_failf_locked(e, h, KVR_ABORTED, 1, "aborted by %s rank %d%s", kvr_side(e),
+                              e->rank, stage);
         kvr_work_push_locked(e, h);
     }
     kvr_engine_unlock(e);

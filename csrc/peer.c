@@ -77,6 +77,12 @@ void kvr_fill_layout(kvr_engine_t *e, kvr_wire_layout_t *l)
     l->kv_item_lens = e->layout_kv;
     l->naux = e->naux;
     l->aux_item_lens = e->layout_aux;
+    const kvr_layers_t *y = &e->layers;
+    int given = y->pp_size > 1 || y->start > 0 || y->layers != y->nkv;
+    l->pp_size = given ? y->pp_size : 0;
+    l->pp_rank = given ? y->pp_rank : 0;
+    l->start_layer = given ? y->start : 0;
+    l->layers = given ? y->layers : 0;
 }
 
 /* Compares one kind of buffers' item lengths (ours against the wire's). */
@@ -102,13 +108,14 @@ int kvr_layout_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *why, size
         snprintf(why, n, "page_size %u here, %u there", e->page_size, l->page_size);
         return -1;
     }
-    if (l->nkv != e->nkv) {
+    kvr_layers_t theirs = kvr_wire_layers(l);
+    int pre = e->mode == KVR_MODE_PREFILL;
+    const kvr_layers_t *pl = pre ? &e->layers : &theirs, *dl = pre ? &theirs : &e->layers;
+    if (l->nkv != e->nkv && pl->pp_size == 1) {
         snprintf(why, n, "%u KV buffers here, %u there", e->nkv, l->nkv);
         return -1;
     }
-    if (e->heads.heads && l->heads ? kvr_layout_heads_diff(e, l, why, n) != 0
-                                   : kvr_items_diff("KV", e->nkv, e->kv_item, l->kv_item_lens,
-                                                    why, n) != 0) {
+    if (kvr_layers_compat(pl, dl, why, n) != 0 || kvr_layout_kv_diff(e, l, why, n) != 0) {
         return -1;
     }
     if (l->naux != e->naux) {
@@ -189,6 +196,7 @@ kvr_peer_t *kvr_peer_new(kvr_engine_t *e, int kind, const char *key)
     p->kind = kind;
     p->remote_rank = -1;
     p->query_rank = -1;
+    p->query_pp = -1;
     snprintf(p->key, sizeof(p->key), "%s", key);
     snprintf(p->name, sizeof(p->name), "%s", key);
     if (kvr_peer_index_add(e, p) != 0) {
@@ -204,20 +212,25 @@ kvr_peer_t *kvr_peer_new(kvr_engine_t *e, int kind, const char *key)
 /* The key: the server's "host:port", then "#rank" for a rank not ours and
  * "#dpN" for a DP group other than 0 (kvr_peer_bs_endpoint reads the
  * server back from it). */
-kvr_peer_t *kvr_prefill_peer_get(kvr_engine_t *e, const char *addr, uint32_t dp, int rank)
+kvr_peer_t *kvr_prefill_peer_get(kvr_engine_t *e, const char *addr, uint32_t dp, int rank,
+                                 int pp)
 {
-    char key[sizeof(((kvr_peer_t *)0)->key)], r[16] = "", d[16] = "";
+    char key[sizeof(((kvr_peer_t *)0)->key)], r[16] = "", d[16] = "", s[16] = "";
     if (rank >= 0) {
         snprintf(r, sizeof(r), "#%d", rank);
     }
     if (dp > 0) {
         snprintf(d, sizeof(d), "#dp%u", dp);
     }
-    snprintf(key, sizeof(key), "%.128s%s%s", addr, r, d);
+    if (pp >= 0) {
+        snprintf(s, sizeof(s), "#pp%d", pp);
+    }
+    snprintf(key, sizeof(key), "%.128s%s%s%s", addr, r, d, s);
     kvr_peer_t *p = kvr_peer_find(e, KVR_PEER_IS_PREFILL, key);
     if (p == NULL && (p = kvr_peer_new(e, KVR_PEER_IS_PREFILL, key)) != NULL) {
         p->query_rank = rank;
         p->query_dp = dp;
+        p->query_pp = pp;
         kvr_peer_set_state(p, KVR_PEER_FAILED); /* the engine thread resolves it */
     }
     return p;
@@ -434,10 +447,17 @@ int kvr_peer_resolve(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen)
     kvr_peer_disconnect(e, p);
     kvr_peer_set_state(p, KVR_PEER_RESOLVING);
     p->epoch = 0;
-    if (p->query_dp > 0) {
-        snprintf(p->name, sizeof(p->name), "%.*s (prefill DP group %u, rank %d)",
-                 (int)strcspn(p->key, "#"), p->key, p->query_dp,
-                 p->query_rank >= 0 ? p->query_rank : e->rank);
+    if (p->query_dp > 0 || p->query_pp >= 0) {
+        char dp[32] = "", pp[32] = "";
+        if (p->query_dp > 0) {
+            snprintf(dp, sizeof(dp), "DP group %u, ", p->query_dp);
+        }
+        if (p->query_pp >= 0) {
+            snprintf(pp, sizeof(pp), ", PP stage %d", p->query_pp);
+        }
+        snprintf(p->name, sizeof(p->name), "%.*s (prefill %srank %d%s)",
+                 (int)strcspn(p->key, "#"), p->key, dp,
+                 p->query_rank >= 0 ? p->query_rank : e->rank, pp);
     } else {
         snprintf(p->name, sizeof(p->name), "%s", p->key);
     }
@@ -456,7 +476,8 @@ int kvr_peer_resolve(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen)
 void kvr_bs_query(kvr_engine_t *e, const kvr_peer_t *p, kvr_ctl_conn_t *conn)
 {
     int rank = p->query_rank >= 0 ? p->query_rank : e->rank;
-    kvr_msg_t m = kvr_msg_bs(KVR_MSG_BS_QUERY, p->query_dp, (uint32_t)rank, 0, NULL);
+    kvr_msg_t m = kvr_msg_bs(KVR_MSG_BS_QUERY, p->query_dp, (uint32_t)rank,
+                             p->query_pp > 0 ? (uint32_t)p->query_pp : 0, NULL);
     kvr_send_conn_locked(e, conn, &m);
 }
 

@@ -153,6 +153,134 @@ int kvr_heads_compat(const kvr_heads_t *pre, const uint64_t *pre_items, const kv
     return 0;
 }
 
+int kvr_layers_check(const kvr_layers_t *l, const char *side, char *why, size_t n)
+{
+    if (l->pp_size == 0 || l->pp_rank >= l->pp_size) {
+        snprintf(why, n, "%s: pp_rank %u is not a stage of pp_size %u", side, l->pp_rank,
+                 l->pp_size);
+        return -1;
+    }
+    if (l->layers == 0 || l->nkv == 0 || l->nkv % l->layers != 0) {
+        snprintf(why, n,
+                 "%s: %u KV buffers do not hold num_layers=%u layers (the buffers must be a "
+                 "whole number of groups, e.g. K and V, of one buffer per layer)",
+                 side, l->nkv, l->layers);
+        return -1;
+    }
+    if (l->start > UINT32_MAX - l->layers) {
+        snprintf(why, n, "%s: start_layer %u + num_layers %u is past the last layer", side,
+                 l->start, l->layers);
+        return -1;
+    }
+    return 0;
+}
+
+int kvr_layers_identity(const kvr_layers_t *pre, const kvr_layers_t *dec)
+{
+    return pre->start == 0 && pre->layers == dec->layers;
+}
+
+uint32_t kvr_layers_map(const kvr_layers_t *pre, const kvr_layers_t *dec, uint32_t b)
+{
+    return b / pre->layers * dec->layers + pre->start + b % pre->layers;
+}
+
+int kvr_layers_holds(const kvr_layers_t *pre, const kvr_layers_t *dec, uint32_t b)
+{
+    uint32_t j = b % dec->layers;
+    return j >= pre->start && j - pre->start < pre->layers;
+}
+
+int kvr_layers_compat(const kvr_layers_t *pre, const kvr_layers_t *dec, char *why, size_t n)
+{
+    if (kvr_layers_check(pre, "prefill", why, n) != 0 ||
+        kvr_layers_check(dec, "decode", why, n) != 0) {
+        return -1;
+    }
+    if (pre->nkv / pre->layers != dec->nkv / dec->layers) {
+        snprintf(why, n,
+                 "%u KV buffers per layer on the prefill (%u buffers, %u layers), %u on the "
+                 "decode (%u buffers, %u layers)",
+                 pre->nkv / pre->layers, pre->nkv, pre->layers, dec->nkv / dec->layers, dec->nkv,
+                 dec->layers);
+        return -1;
+    }
+    if (pre->start + pre->layers > dec->layers) {
+        snprintf(why, n, "prefill PP stage %u of %u holds layers %u-%u, the decode has %u layers",
+                 pre->pp_rank, pre->pp_size, pre->start, pre->start + pre->layers - 1,
+                 dec->layers);
+        return -1;
+    }
+    if (pre->pp_size == 1 && !kvr_layers_identity(pre, dec)) {
+        snprintf(why, n, "the prefill (one PP stage) holds layers %u-%u, the decode has %u layers",
+                 pre->start, pre->start + pre->layers - 1, dec->layers);
+        return -1;
+    }
+    return 0;
+}
+
+/* Appends "a-b (stage s), " for every stage to out. */
+static void kvr_layers_list(const kvr_layers_t *st, uint32_t n, char *out, size_t len)
+{
+    size_t at = 0;
+    out[0] = '\0';
+    for (uint32_t s = 0; s < n && at < len; s++) {
+        int k = snprintf(out + at, len - at, "%s%u-%u (stage %u)", s ? ", " : "", st[s].start,
+                         st[s].start + st[s].layers - 1, s);
+        at += k > 0 ? (size_t)k : 0;
+    }
+}
+
+int kvr_layers_cover(const kvr_layers_t *stages, uint32_t n, uint32_t total, char *why,
+                     size_t len)
+{
+    char list[256];
+    kvr_layers_list(stages, n, list, sizeof(list));
+    /* Stages in the order of their first layer (n is small). */
+    uint32_t next = 0, prev = UINT32_MAX;
+    for (uint32_t done = 0; done < n; done++) {
+        uint32_t s = UINT32_MAX;
+        for (uint32_t i = 0; i < n; i++) {
+            int after = prev == UINT32_MAX || stages[i].start > stages[prev].start ||
+                        (stages[i].start == stages[prev].start && i > prev);
+            if (after && (s == UINT32_MAX || stages[i].start < stages[s].start)) {
+                s = i;
+            }
+        }
+        if (stages[s].start > next) {
+            break; /* a gap: reported below */
+        }
+        if (stages[s].start < next) {
+            snprintf(why, len,
+                     "the prefill's PP stages hold layers %s: layer %u is in stage %u and "
+                     "stage %u",
+                     list, stages[s].start, prev, s);
+            return -1;
+        }
+        next = stages[s].start + stages[s].layers;
+        prev = s;
+    }
+    if (next != total) {
+        uint32_t end = total;
+        for (uint32_t i = 0; i < n; i++) {
+            if (stages[i].start > next && stages[i].start < end) {
+                end = stages[i].start;
+            }
+        }
+        if (next > total) {
+            snprintf(why, len, "the prefill's PP stages hold layers %s, the decode has %u", list,
+                     total);
+        } else {
+            snprintf(why, len,
+                     "the prefill's PP stages hold layers %s: layers %u-%u of the decode's %u "
+                     "are in none",
+                     list, next, end - 1, total);
+        }
+        return -1;
+    }
+    return 0;
+}
+
 uint16_t kvr_plan_buf_group(const uint64_t *items, uint32_t n, uint32_t b, uint32_t npages,
                             uint32_t pieces, uint64_t merge)
 {
@@ -220,7 +348,7 @@ int kvr_post_plan(const kvr_plan_t *p, kvr_plan_cursor_t *c, kvr_am_header_t *h)
             pieces = h->npages * p->dst_rows;
         }
         h->buf = (uint16_t)c->buf;
-        h->nbuf = kvr_plan_buf_group(p->kv_item, p->nkv, c->buf, h->npages, pieces, p->merge);
+        h->nbuf = kvr_plan_kv_group(p, c->buf, h->npages, pieces);
         c->buf += h->nbuf;
         if (c->buf >= p->nkv) {
             c->posted = c->end;
@@ -254,6 +382,12 @@ int kvr_post_plan(const kvr_plan_t *p, kvr_plan_cursor_t *c, kvr_am_header_t *h)
     }
     c->aux_done = c->aux_buf >= p->naux;
     return 1;
+}
+
+uint16_t kvr_plan_kv_group(const kvr_plan_t *p, uint32_t b, uint32_t npages, uint32_t pieces)
+{
+    uint32_t n = p->group ? (b / p->group + 1) * p->group : p->nkv;
+    return kvr_plan_buf_group(p->kv_item, n < p->nkv ? n : p->nkv, b, npages, pieces, p->merge);
 }
 
 int kvr_plan_row_wanted(const kvr_plan_t *p, uint32_t b)

@@ -88,6 +88,39 @@ int kvr_heads_compat(const kvr_heads_t *pre, const uint64_t *pre_items, const kv
                      const uint64_t *dec_items, uint32_t nkv, uint32_t page_size, char *why,
                      size_t n);
 
+/*
+ * Layers: which layers one rank's KV buffers hold.  The nkv buffers are
+ * nkv / layers groups (sglang's MHA pools: K then V, 2 groups; MLA: 1) of
+ * `layers` buffers each, in layer order; the rank holds layers [start,
+ * start + layers) of the model.  A pipeline-parallel prefill stage
+ * pp_rank of pp_size holds a contiguous range; a decode (and a prefill of
+ * one stage) holds them all from 0.  Buffer b of a prefill stage lands in
+ * decode buffer (b / pre.layers) * dec.layers + pre.start + b % pre.layers.
+ */
+typedef struct {
+    uint32_t pp_size, pp_rank;
+    uint32_t start, layers;
+    uint32_t nkv;
+} kvr_layers_t;
+
+/* 0 if l is a layer layout its side can have, else -1 with why. */
+int kvr_layers_check(const kvr_layers_t *l, const char *side, char *why, size_t n);
+/* 1 if prefill buffer b lands in decode buffer b (start 0, equal layers). */
+int kvr_layers_identity(const kvr_layers_t *pre, const kvr_layers_t *dec);
+/* The decode buffer prefill buffer b lands in. */
+uint32_t kvr_layers_map(const kvr_layers_t *pre, const kvr_layers_t *dec, uint32_t b);
+/* 1 if decode buffer b is one of prefill stage pre's. */
+int kvr_layers_holds(const kvr_layers_t *pre, const kvr_layers_t *dec, uint32_t b);
+/* Compatibility of a prefill stage's layers with a decode's: equal
+ * buffers per layer, the stage's range inside the decode's layers, and a
+ * prefill of one stage holding them all.  0, or -1 naming both sides'
+ * numbers. */
+int kvr_layers_compat(const kvr_layers_t *pre, const kvr_layers_t *dec, char *why, size_t n);
+/* The ranges of stages[0..n) (stage s at index s) cover [0, total) once
+ * each: 0, or -1 naming the first layer in no stage or in two. */
+int kvr_layers_cover(const kvr_layers_t *stages, uint32_t n, uint32_t total, char *why,
+                     size_t len);
+
 typedef struct {
     const int32_t *src_pages;   /* the prefill's pages, by position */
     const int32_t *dst_pages;   /* the decode's pages, by position */
@@ -106,6 +139,10 @@ typedef struct {
     uint64_t cap;               /* most bytes per buffer of a coalesced message */
     uint64_t merge;             /* buffers share a message within this many bytes */
     uint32_t max_pages;         /* most positions in one message (> 0) */
+    /* Layers (kvr_layers_t): buffers land in groups of `group` buffers
+     * that are contiguous on the decode, so a message stays inside one
+     * (0: no limit). */
+    uint32_t group;
     /* Head slices (kvr_slice_t): pieces per page on each side, 1 for whole
      * pages, page_size for a slice of the rows; kv_none: the slice is
      * empty (no KV message, only the aux rows). */
@@ -143,5 +180,8 @@ int kvr_plan_row_wanted(const kvr_plan_t *p, uint32_t b);
 
 uint16_t kvr_plan_buf_group(const uint64_t *items, uint32_t n, uint32_t b, uint32_t npages,
                             uint32_t pieces, uint64_t merge);
+/* As kvr_plan_buf_group, never past the end of b's group of `group`
+ * buffers (0: no groups). */
+uint16_t kvr_plan_kv_group(const kvr_plan_t *p, uint32_t b, uint32_t npages, uint32_t pieces);
 
 #endif

@@ -41,6 +41,10 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
     }
     kvr_msg_pieces(e, h, r->src_pages, r->src_aux, r->src_states, s, op->iov, &len);
     kvr_am_header_t wire = *h;
+    if (h->kind == KVR_AM_KIND_KV) {
+        /* The decode's numbering of the buffers (a PP stage's layers). */
+        wire.buf = (uint16_t)kvr_layers_map(&e->layers, &r->peer->layers, h->buf);
+    }
     if (e->test_corrupt != KVR_TEST_CORRUPT_NONE) {
         kvr_test_corrupt_header(&wire, e->test_corrupt, r->ndst, e->nkv, e->naux);
     }
@@ -149,6 +153,7 @@ static void kvr_post_limits(const kvr_engine_t *e, const kvr_room_t *r, kvr_plan
      * is staged or handed to UCX on its own). */
     p->merge = e->ndev > 0 ? 0 : run_bytes < cap ? run_bytes : cap;
     p->max_pages = max_pages;
+    p->group = kvr_layers_identity(&e->layers, &r->peer->layers) ? 0 : e->layers.layers;
     /* A slice of the heads: a piece per token row on the sliced side, and
      * n of `heads` heads of each item on the wire, which the plan counts
      * as whole items: its byte limits grow by heads / n. */

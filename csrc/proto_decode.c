@@ -23,6 +23,25 @@ void kvr_send_done_locked(kvr_engine_t *e, kvr_room_t *r)
     }
 }
 
+/* Why KV message h does not fit room r (positions, and buffers of its
+ * prefill's PP stage, of one K or V group), or NULL. */
+static const char *kvr_kv_range_why(const kvr_engine_t *e, const kvr_room_t *r,
+                                    const kvr_am_header_t *h)
+{
+    if ((uint32_t)h->buf + h->nbuf > e->nkv || h->npages == 0 || h->pos >= r->npages ||
+        h->npages > r->npages - h->pos) {
+        return "run outside the room";
+    }
+    const kvr_layers_t *y = &r->peer->layers, *ours = &e->layers;
+    uint32_t last = (uint32_t)h->buf + h->nbuf - 1u;
+    if (!kvr_layers_identity(y, ours) &&
+        (!kvr_layers_holds(y, ours, h->buf) || !kvr_layers_holds(y, ours, last) ||
+         h->buf / ours->layers != last / ours->layers)) {
+        return "buffers outside the sender's PP stage";
+    }
+    return NULL;
+}
+
 /* Decode: a data message arrived; decide where (if anywhere) it lands. */
 void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len, size_t len,
                  int rndv, kvr_tp_accept_t *acc)
@@ -65,9 +84,7 @@ void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len,
      * never an address the sender names: one piece per buffer and run of
      * consecutive destination pages. */
     if (h.kind == KVR_AM_KIND_KV) {
-        if ((uint32_t)h.buf + h.nbuf > e->nkv || h.npages == 0 || h.pos >= r->npages ||
-            h.npages > r->npages - h.pos) {
-            why = "run outside the room";
+        if ((why = kvr_kv_range_why(e, r, &h)) != NULL) {
             goto protocol;
         }
     } else if ((uint32_t)h.buf + h.nbuf > e->naux || h.npages != 1) {
@@ -179,6 +196,9 @@ void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r)
                                    (const unsigned char *)r->states);
     kvr_send_ctrl_to_peer(e, r->peer, &m);
     r->req_sent = 1;
+    if (r->lead != NULL) {
+        r->expected = kvr_group_leg_bytes(e, r); /* its prefill's layers are known now */
+    }
     r->started_ns = kvr_now_ns();
     r->deadline_ns = kvr_deadline_ns(e, r->started_ns, r->expected);
     kvr_timer_arm_locked(e, r);
@@ -280,11 +300,14 @@ static void kvr_on_bs_reply_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
     p->conn_ep[m->str_len] = '\0';
     kvr_peer_disconnect(e, p); /* retires the bootstrap connection */
     p->epoch = m->peer_epoch;
-    char dp[32] = "";
+    char dp[32] = "", pp[32] = "";
     if (p->query_dp > 0) {
         snprintf(dp, sizeof(dp), " of DP group %u", p->query_dp);
     }
-    snprintf(p->name, sizeof(p->name), "prefill rank %u%s at %.100s", m->rank, dp,
+    if (p->query_pp >= 0) {
+        snprintf(pp, sizeof(pp), " of PP stage %d", p->query_pp);
+    }
+    snprintf(p->name, sizeof(p->name), "prefill rank %u%s%s at %.100s", m->rank, dp, pp,
              strncmp(p->conn_ep, "tcp://", 6) == 0 ? p->conn_ep + 6 : p->conn_ep);
     if (kvr_peer_worker(e, p, err, sizeof(err)) != 0) {
         char what[400];

@@ -323,8 +323,13 @@ static void kvr_on_hello_locked(kvr_engine_t *e, const void *ident, size_t ident
     }
     if (kvr_layout_diff(e, &m->layout, why, sizeof(why)) != 0 ||
         kvr_peer_link(e, p, &m->layout, why, sizeof(why)) != 0) {
-        snprintf(reason, sizeof(reason), "layout mismatch between prefill rank %d (%s) and %s: %s",
-                 e->rank, kvr_ctl_endpoint(e->ctl), p->name, why);
+        char stage[32] = "";
+        if (e->layers.pp_size > 1) {
+            snprintf(stage, sizeof(stage), " of PP stage %u", e->layers.pp_rank);
+        }
+        snprintf(reason, sizeof(reason),
+                 "layout mismatch between prefill rank %d%s (%s) and %s: %s", e->rank, stage,
+                 kvr_ctl_endpoint(e->ctl), p->name, why);
         kvr_hello_reject_locked(e, p, KVR_LAYOUT_MISMATCH, reason);
         return;
     }
@@ -762,7 +767,7 @@ void kvr_register_tick_locked(kvr_engine_t *e, uint64_t now)
         now < e->next_register_ns) {
         return;
     }
-    kvr_msg_t m = kvr_msg_bs(KVR_MSG_BS_REGISTER, e->dp_rank, (uint32_t)e->rank, 0,
+    kvr_msg_t m = kvr_msg_bs(KVR_MSG_BS_REGISTER, e->dp_rank, (uint32_t)e->rank, e->layers.pp_rank,
                              kvr_ctl_endpoint(e->ctl));
     kvr_send_conn_locked(e, e->bs_conn, &m);
     e->next_register_ns = now + 200 * KVR_MS;

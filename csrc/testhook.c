@@ -38,6 +38,9 @@ void kvr_test_corrupt_header(kvr_am_header_t *h, int mode, uint32_t room_pages, 
     case KVR_TEST_CORRUPT_FLAG:
         h->flags |= KVR_AM_FLAG_READ;
         break;
+    case KVR_TEST_CORRUPT_STAGE:
+        h->buf = (uint16_t)(h->buf + h->nbuf);
+        break;
     default:
         break;
     }

@@ -26,6 +26,8 @@ enum {
     KVR_TEST_CORRUPT_SRC = 7,   /* read descriptors name an unmapped source (cma.c) */
     KVR_TEST_CORRUPT_LEASE = 8, /* read descriptors name a word that is not the lease */
     KVR_TEST_CORRUPT_FLAG = 9,  /* data (not a descriptor) flagged as a read descriptor */
+    KVR_TEST_CORRUPT_STAGE = 10, /* KV messages name the decode's buffers after their own
+                                  * (a PP stage's: those of the next layers) */
     KVR_TEST_CORRUPT_LAST
 };
 

@@ -58,7 +58,9 @@ typedef enum {
  * layout (plan.h's kvr_heads_t, only when heads > 0: 4 u32 tp_size,
  * tp_rank, heads, total_heads), the cross-memory offer (when has_cma: the
  * host's 16-byte boot id; a HELLO_OK adds the prefill's pid u32 and the
- * address of its epoch u64, which the decode reads to check it may).
+ * address of its epoch u64, which the decode reads to check it may), the
+ * layers (only when layers > 0: 4 u32 pp_size, pp_rank, start_layer,
+ * layers).
  * None: no flags byte. */
 typedef struct {
     uint32_t page_size;
@@ -67,6 +69,9 @@ typedef struct {
     uint32_t naux;
     const unsigned char *aux_item_lens; /* naux x u64 */
     uint32_t tp_size, tp_rank, heads, total_heads; /* heads 0: none given */
+    /* plan.h's kvr_layers_t; layers 0: none given (one stage, one buffer
+     * per layer). */
+    uint32_t pp_size, pp_rank, start_layer, layers;
 } kvr_wire_layout_t;
 
 /* A decoded control message; pointers point into the decoded buffer. */

@@ -207,7 +207,7 @@ static void kvr_service_room_locked(kvr_engine_t *e, kvr_room_t *r)
         }
         if (p->state == KVR_PEER_READY && !p->verifying) {
             kvr_room_advance(r, KVR_POLL_WAITING);
-            if (r->meta_set && !r->req_sent) {
+            if (r->meta_set && !r->req_sent && kvr_group_may_request_locked(e, r)) {
                 kvr_decode_send_req_locked(e, r);
             }
         }

@@ -44,7 +44,7 @@ def wire_seeds():
     out["hello"] = (header(HELLO) + struct.pack("<I", 0) + layout(16, [4096, 4096, 8192], [128])
                     + struct.pack("<I", 8) + bytes(range(8)))
     # the optional fields: a flags byte (1 tcp receive size, 2 shared-memory
-    # sizes, 4 head layout, 8 cross-memory offer), then each present field
+    # sizes, 4 head layout, 8 cross-memory offer, 16 layers), then each present field
     # in that order
     rx, shm = struct.pack("<I", 512 << 10), struct.pack("<II", 32 << 10, 256)
     heads = struct.pack("<4I", 4, 1, 2, 8)  # tp_size, tp_rank, heads, total_heads
@@ -56,6 +56,8 @@ def wire_seeds():
     boot = bytes(range(0xB0, 0xC0))
     out["hello_cma"] = out["hello"] + b"\x0b" + rx + shm + boot
     out["hello_ok_cma"] = out["hello_ok"] + b"\x08" + boot + struct.pack("<IQ", 4242, 0x7F0011223344)
+    # 16 layers: pp_size, pp_rank, start_layer, layers (a PP stage)
+    out["hello_ok_layers"] = out["hello_ok"] + b"\x14" + heads + struct.pack("<4I", 2, 1, 1, 1)
     out["hello_ok_empty"] = (header(HELLO_OK) + struct.pack("<I", 0) + layout(1, [], [])
                              + struct.pack("<I", 1) + b"\x01")
     out["hello_reject"] = header(HELLO_REJECT) + struct.pack("<IH", 0, 2) + s(b"layout mismatch")

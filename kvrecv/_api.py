@@ -115,6 +115,13 @@ class KVArgs:
     its DP group and engine_rank); a decode room picks one with
     KVReceiver.init(prefill_dp_rank).
 
+    Pipeline-parallel prefill: a stage registers as pp_rank of pp_size and
+    holds layers [start_layer, start_layer + num_layers); its KV buffers are
+    groups (K, then V; one for MLA) of num_layers buffers in layer order.
+    num_layers (both sides) defaults to one buffer per layer; a decode
+    reading a PP prefill gives its own (all layers) and
+    KVReceiver.init(prefill_pp_size=).
+
     State buffers (hybrid models, sglang's state_* fields): per component
     (state_types, e.g. Mamba), a list of buffers, each of its own item length,
     indexed by the request's slot of that component (docs/layouts.md)."""
@@ -139,6 +146,10 @@ class KVArgs:
         state_data_lens: Sequence[Sequence[int]] = (),
         state_item_lens: Sequence[Sequence[int]] = (),
         state_types: Sequence[Any] = (),
+        pp_rank: int = 0,
+        pp_size: int = 1,
+        start_layer: int = 0,
+        num_layers: Optional[int] = None,
     ):
         self.engine_rank = int(engine_rank)
         self.attn_dp_rank = _dp_rank("attn_dp_rank", attn_dp_rank)
@@ -174,6 +185,7 @@ class KVArgs:
             mem_kinds, len(self.kv_data_ptrs) + len(self.aux_data_ptrs) + nstate
         )
         self.heads = _heads(self.tp_size, self.engine_rank, kv_head_num, total_kv_head_num, is_mla)
+        self.layers = _layers(pp_size, pp_rank, start_layer, num_layers)
         for kind in ("kv", "aux"):
             lens = getattr(self, f"{kind}_data_lens")
             items = getattr(self, f"{kind}_item_lens")
@@ -289,6 +301,21 @@ def _heads(tp_size: int, rank: int, heads: Optional[int], total: Optional[int], 
     return (tp_size, rank, heads, total)
 
 
+def _layers(pp_size: Any, pp_rank: Any, start: Any, layers: Any):
+    """(pp_size, pp_rank, start_layer, num_layers) for the core, or None.
+    The core checks them against the buffers (ValueError naming them)."""
+    if layers is None and (pp_size, pp_rank, start) == (1, 0, 0):
+        return None
+    if layers is None:
+        raise ValueError("num_layers is needed with pp_size, pp_rank or start_layer: the layers "
+                         "this rank's KV buffers hold")
+    for name, v, low in (("pp_size", pp_size, 1), ("pp_rank", pp_rank, 0),
+                         ("start_layer", start, 0), ("num_layers", layers, 1)):
+        if isinstance(v, bool) or not isinstance(v, int) or not low <= v < 2**32:
+            raise ValueError(f"{name}={v!r} must be an integer >= {low}")
+    return (pp_size, pp_rank, start, layers)
+
+
 def _mem_kinds(value: Any, n: int) -> list:
     """One kind for every buffer, or one per buffer (KV buffers first, then
     aux, then state): "host", "cuda" (device memory; needs the CUDA runtime) or "auto"
@@ -385,6 +412,7 @@ class KVManager:
             args.heads,
             args.attn_dp_rank,
             args.state,
+            args.layers,
         )
         # The core's events reach logging.getLogger("kvrecv") through one
         # thread per manager that waits (without the GIL) for them.  It holds
@@ -500,20 +528,25 @@ class KVReceiver(_Room):
     def __init__(self, mgr: KVManager, bootstrap_addr: str, bootstrap_room: int):
         super().__init__(mgr, bootstrap_addr, bootstrap_room, "decode")
 
-    def init(self, prefill_dp_rank: int = 0, prefill_tp_size: Optional[int] = None) -> None:
+    def init(self, prefill_dp_rank: int = 0, prefill_tp_size: Optional[int] = None,
+             prefill_pp_size: Optional[int] = None) -> None:
         """Starts resolving the prefill peer without blocking: the ranks of
         prefill DP group prefill_dp_rank (KVArgs.attn_dp_rank) registered
         with the bootstrap server.  With prefill_tp_size (and a head layout
         in the manager's KVArgs), the room reads this rank's heads from the
         prefill ranks of that group that hold them, whatever the two TP
-        sizes (docs/layouts.md)."""
+        sizes; with prefill_pp_size, each of the prefill's pipeline stages'
+        layers from that stage (docs/layouts.md)."""
         prefill_dp_rank = _dp_rank("prefill_dp_rank", prefill_dp_rank)
-        if prefill_tp_size is None:
+        sizes = []
+        for name, v in (("prefill_tp_size", prefill_tp_size), ("prefill_pp_size", prefill_pp_size)):
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+                raise ValueError(f"{name}={v!r} must be a positive integer")
+            sizes.append(v or 0)
+        if sizes == [0, 0]:
             self.recv_init(prefill_dp_rank)
             return
-        if isinstance(prefill_tp_size, bool) or not isinstance(prefill_tp_size, int) or prefill_tp_size <= 0:
-            raise ValueError(f"prefill_tp_size={prefill_tp_size!r} must be a positive integer")
-        self.recv_init(prefill_dp_rank, None, prefill_tp_size)
+        self.recv_init(prefill_dp_rank, None, *sizes)
 
     def failure_exception(self):
         """Raises the room's KVTransferError (always raises)."""

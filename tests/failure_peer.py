@@ -115,9 +115,10 @@ def main() -> int:
     if spec.get("heads"):  # a prefill rank of a head layout (tests/hetero_peer.py)
         import hetero_peer as hp
         h = spec["heads"]
-        kv, aux = hp.prefill_buffers(int(spec.get("seed", 1)), h["tp"], rank, h["total"])
+        kv, aux = hp.prefill_buffers(int(spec.get("seed", 1)), h["tp"], rank, h["total"],
+                                     h.get("pp"))
         args = hp.kv_args(kvrecv, kv, aux, h["tp"], rank, h["total"], h.get("mla", False),
-                          h.get("dp", 0))
+                          h.get("dp", 0), stage=h.get("pp"))
     elif spec.get("state"):  # a prefill with state buffers (tests/state_peer.py)
         import state_peer as sp
         kv, aux = source_buffers(int(spec.get("seed", 1)))

@@ -22,6 +22,17 @@ AUX_ITEM = 32
 CANARY = 0xA5
 
 
+LAYERS = NBUF // 2  # the model's KV buffers: K of each layer, then V of each layer
+
+
+def stage_buffers(stage) -> list:
+    """The model's KV buffers a pipeline stage {"start", "layers"} holds (all
+    of them for None): its layers' K buffers, then their V buffers."""
+    if stage is None:
+        return list(range(NBUF))
+    return [g * LAYERS + stage["start"] + j for g in range(2) for j in range(stage["layers"])]
+
+
 def rank_heads(tp: int, rank: int, total: int) -> list:
     """The heads rank `rank` of `tp` holds (kvrecv's rule, docs/layouts.md)."""
     if tp <= total:
@@ -41,15 +52,21 @@ def model(seed: int, total: int) -> list:
             for _ in range(NBUF)]
 
 
+def stage_seed(seed: int, stage) -> int:
+    """The aux rows differ per PP stage, so a test sees which stage's came."""
+    return seed if stage is None else seed + 7 * stage["rank"]
+
+
 def aux_rows(seed: int) -> np.ndarray:
     return np.random.default_rng(seed + 1).integers(0, 256, size=AUX_ROWS * AUX_ITEM,
                                                     dtype=np.uint8)
 
 
-def prefill_buffers(seed: int, tp: int, rank: int, total: int):
+def prefill_buffers(seed: int, tp: int, rank: int, total: int, stage=None):
     heads = rank_heads(tp, rank, total)
-    kv = [np.ascontiguousarray(g[:, :, heads, :]).reshape(-1) for g in model(seed, total)]
-    return kv, [aux_rows(seed)]
+    m = model(seed, total)
+    kv = [np.ascontiguousarray(m[b][:, :, heads, :]).reshape(-1) for b in stage_buffers(stage)]
+    return kv, [aux_rows(stage_seed(seed, stage))]
 
 
 def decode_buffers(tp: int, total: int):
@@ -71,8 +88,16 @@ def expected_decode(seed: int, tp: int, rank: int, total: int, src_pages, dst_pa
     return out
 
 
-def kv_args(kvrecv, kv, aux, tp: int, rank: int, total: int, mla: bool = False, dp: int = 0):
+def kv_args(kvrecv, kv, aux, tp: int, rank: int, total: int, mla: bool = False, dp: int = 0,
+            stage=None, num_layers=None):
+    """stage: a prefill PP stage {"size", "rank", "start", "layers"};
+    num_layers: the layers of a decode reading one (LAYERS)."""
     heads = {"is_mla": True} if mla else {"kv_head_num": len(rank_heads(tp, rank, total)),
                                           "total_kv_head_num": total}
-    return kvrecv.KVArgs.from_buffers(rank, kv, [item_len(tp, total)] * NBUF, aux, [AUX_ITEM],
+    if stage is not None:
+        heads.update(pp_size=stage["size"], pp_rank=stage["rank"], start_layer=stage["start"],
+                     num_layers=stage["layers"])
+    elif num_layers is not None:
+        heads.update(num_layers=num_layers)
+    return kvrecv.KVArgs.from_buffers(rank, kv, [item_len(tp, total)] * len(kv), aux, [AUX_ITEM],
                                       page_size=PAGE_SIZE, tp_size=tp, attn_dp_rank=dp, **heads)

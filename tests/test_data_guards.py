@@ -105,8 +105,8 @@ def test_the_hook_is_off_by_default(res):
         assert wait_for(r, terminal()) == KVPoll.Success, describe_failure(r)
         r.clear()
         s.clear()
-    with pytest.raises(ValueError, match="no corruption mode 10"):
-        prefill._core._test_corrupt_data(10)
+    with pytest.raises(ValueError, match="no corruption mode 11"):
+        prefill._core._test_corrupt_data(11)
 
 
 def test_data_for_a_room_from_another_prefills_connection_is_foreign(res, caplog):

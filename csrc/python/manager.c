@@ -204,27 +204,52 @@ out:
     return rc;
 }
 
+/* Four uint32 from the sequence obj into *out[0..3] (None: nothing). */
+static int kvr_py_u32_four(PyObject *obj, const char *what, uint32_t *out[4])
+{
+    if (obj == Py_None) {
+        return 0;
+    }
+    uint64_t *v = NULL;
+    uint32_t n = 0;
+    if (kvr_py_u64_list(obj, what, &v, &n) < 0) {
+        return -1;
+    }
+    int ok = n == 4;
+    for (uint32_t i = 0; ok && i < 4; i++) {
+        ok = v[i] <= UINT32_MAX;
+    }
+    for (uint32_t i = 0; ok && i < 4; i++) {
+        *out[i] = (uint32_t)v[i];
+    }
+    PyMem_Free(v);
+    if (!ok) {
+        PyErr_SetString(PyExc_ValueError, what);
+        return -1;
+    }
+    return 0;
+}
+
 static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
 {
     kvr_py_manager_t *self = (kvr_py_manager_t *)op;
     static char *kwlist[] = {"mode", "engine_rank", "kv_data_ptrs", "kv_data_lens",
                              "kv_item_lens", "aux_data_ptrs", "aux_data_lens", "aux_item_lens",
                              "page_size", "host", "bootstrap_addr", "config", "mem_kinds",
-                             "heads", "dp_rank", "state", NULL};
+                             "heads", "dp_rank", "state", "layers", NULL};
     int mode, rank;
     unsigned int dp_rank = 0;
     unsigned int page_size = 1;
     PyObject *kp, *kl, *ki, *ap, *al, *ai, *cfg = Py_None, *kinds = Py_None, *heads = Py_None;
-    PyObject *state = Py_None;
-    uint64_t *head_list = NULL;
+    PyObject *state = Py_None, *layers = Py_None;
     const char *host = "127.0.0.1", *bs = "";
     if (self->engine != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Manager is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiOOOOOO|IssOOOIO", kwlist, &mode, &rank, &kp,
-                                     &kl, &ki, &ap, &al, &ai, &page_size, &host, &bs, &cfg,
-                                     &kinds, &heads, &dp_rank, &state)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiOOOOOO|IssOOOIOO", kwlist, &mode, &rank,
+                                     &kp, &kl, &ki, &ap, &al, &ai, &page_size, &host, &bs, &cfg,
+                                     &kinds, &heads, &dp_rank, &state, &layers)) {
         return -1;
     }
     kvr_engine_params_t p;
@@ -275,22 +300,15 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     p.aux_ptrs = bufs[3];
     p.aux_lens = bufs[4];
     p.aux_item_lens = bufs[5];
-    if (heads != Py_None) {
-        /* (tp_size, tp_rank, heads per rank, total heads) */
-        uint32_t nh = 0;
-        if (kvr_py_u64_list(heads, "heads", &head_list, &nh) < 0) {
-            goto out;
-        }
-        if (nh != 4 || head_list[0] > UINT32_MAX || head_list[1] > UINT32_MAX ||
-            head_list[2] > UINT32_MAX || head_list[3] > UINT32_MAX) {
-            PyErr_SetString(PyExc_ValueError,
-                            "heads must be (tp_size, tp_rank, heads, total_heads) of uint32");
-            goto out;
-        }
-        p.tp_size = (uint32_t)head_list[0];
-        p.tp_rank = (uint32_t)head_list[1];
-        p.heads = (uint32_t)head_list[2];
-        p.total_heads = (uint32_t)head_list[3];
+    /* (tp_size, tp_rank, heads per rank, total heads); (pp_size, pp_rank,
+     * start_layer, num_layers) */
+    uint32_t *four[2][4] = {{&p.tp_size, &p.tp_rank, &p.heads, &p.total_heads},
+                            {&p.pp_size, &p.pp_rank, &p.start_layer, &p.num_layers}};
+    if (kvr_py_u32_four(heads, "heads must be (tp_size, tp_rank, heads, total_heads) of uint32",
+                        four[0]) < 0 ||
+        kvr_py_u32_four(layers, "layers must be (pp_size, pp_rank, start_layer, num_layers) of "
+                        "uint32", four[1]) < 0) {
+        goto out;
     }
     if (kinds != Py_None) {
         /* KVR_MEM_* per buffer, KV buffers first, then aux. */
@@ -350,7 +368,6 @@ out:
     }
     PyMem_Free(kind_list);
     PyMem_Free(kind_bytes);
-    PyMem_Free(head_list);
     PyMem_Free(state_comp);
     return ret;
 }

@@ -339,7 +339,8 @@ static int kvr_module_exec(PyObject *m)
     }
     if (PyModule_AddIntConstant(m, "MODE_PREFILL", KVR_MODE_PREFILL) < 0 ||
         PyModule_AddIntConstant(m, "MODE_DECODE", KVR_MODE_DECODE) < 0 ||
-        PyModule_AddIntConstant(m, "MAX_DP_RANK", KVR_WIRE_MAX_DP_PP) < 0) {
+        PyModule_AddIntConstant(m, "MAX_DP_RANK", KVR_WIRE_MAX_DP_PP) < 0 ||
+        PyModule_AddIntConstant(m, "MAX_PP", KVR_MAX_PP) < 0) {
         return -1;
     }
     return 0;

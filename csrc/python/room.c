@@ -369,19 +369,20 @@ static int kvr_room_role_check(kvr_handle_t *h, int mode, const char *what)
 
 static PyObject *kvr_room_recv_init(PyObject *op, PyObject *args, PyObject *kwds)
 {
-    static char *kwlist[] = {"prefill_dp_rank", "bootstrap_addr", "prefill_tp_size", NULL};
+    static char *kwlist[] = {"prefill_dp_rank", "bootstrap_addr", "prefill_tp_size",
+                             "prefill_pp_size", NULL};
     int dp = 0;
-    unsigned int tp = 0;
+    unsigned int tp = 0, pp = 0;
     const char *addr = NULL;
     kvr_handle_t *h = kvr_room_handle((kvr_py_room_t *)op);
     if (h == NULL ||
-        !PyArg_ParseTupleAndKeywords(args, kwds, "|izI", kwlist, &dp, &addr, &tp)) {
+        !PyArg_ParseTupleAndKeywords(args, kwds, "|izII", kwlist, &dp, &addr, &tp, &pp)) {
         return NULL;
     }
     if (kvr_room_role_check(h, KVR_MODE_DECODE, "recv_init") < 0) {
         return NULL;
     }
-    KVR_CALL(kvr_handle_recv_init(h, dp, addr, tp, err, errlen));
+    KVR_CALL(kvr_handle_recv_init(h, dp, addr, tp, pp, err, errlen));
     Py_RETURN_NONE;
 }
 

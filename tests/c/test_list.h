@@ -60,6 +60,9 @@
     X(plan_heads_links, 10, 0)                                                \
     X(plan_heads_bad, 10, 0)                                                  \
     X(plan_heads_rows, 10, 0)                                                 \
+    X(plan_layers_map, 10, 0)                                                 \
+    X(plan_layers_bad, 10, 0)                                                 \
+    X(plan_layers_cover, 10, 0)                                               \
     X(room_claim_once, 10, 0)                                                 \
     X(room_ops_succeed_abandon, 10, 0)                                        \
     X(heap_empty_and_order, 10, 0)                                            \

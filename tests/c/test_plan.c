@@ -503,3 +503,93 @@ TEST_IMPL(plan_heads_rows)
     ASSERT_EQ(m.n, 1);
     ASSERT_EQ(m.h[0].kind, KVR_AM_KIND_AUX);
 }
+
+/* Layers: a PP stage's buffers (K of its layers, then V) land in the
+ * decode's K and V groups at its start layer; merged messages stay inside
+ * one group. */
+TEST_IMPL(plan_layers_map)
+{
+    kvr_layers_t st = {2, 1, 3, 2, 4}, dec = {1, 0, 0, 5, 10};
+    uint32_t want[4] = {3, 4, 8, 9};
+    for (uint32_t b = 0; b < 4; b++) {
+        ASSERT_EQ(kvr_layers_map(&st, &dec, b), want[b]);
+    }
+    for (uint32_t b = 0; b < 10; b++) {
+        int in = b == 3 || b == 4 || b == 8 || b == 9;
+        ASSERT_EQ(kvr_layers_holds(&st, &dec, b), in);
+    }
+    ASSERT_EQ(kvr_layers_identity(&st, &dec), 0);
+    kvr_layers_t whole = {1, 0, 0, 5, 10};
+    ASSERT_EQ(kvr_layers_identity(&whole, &dec), 1);
+    char why[256];
+    ASSERT_EQ(kvr_layers_compat(&st, &dec, why, sizeof(why)), 0);
+    /* merge as much as bytes allow, but never across K and V */
+    int32_t src[2] = {0, 1}, dst[2] = {4, 5};
+    uint64_t items[4] = {100, 100, 100, 100};
+    kvr_plan_t p;
+    base(&p, src, dst, 2, items, 4);
+    p.merge = UINT64_MAX;
+    p.group = 2;
+    kvr_plan_cursor_t c = {0};
+    msgs_t m = {0};
+    drain(&p, &c, &m);
+    ASSERT_EQ(m.n, 2);
+    ASSERT(m.h[0].buf == 0 && m.h[0].nbuf == 2 && m.h[1].buf == 2 && m.h[1].nbuf == 2);
+    p.group = 0;
+    memset(&c, 0, sizeof(c));
+    m.n = 0;
+    drain(&p, &c, &m);
+    ASSERT(m.n == 1 && m.h[0].nbuf == 4);
+}
+
+TEST_IMPL(plan_layers_bad)
+{
+    char why[256];
+    kvr_layers_t l = {2, 2, 0, 1, 2};
+    ASSERT_EQ(kvr_layers_check(&l, "prefill", why, sizeof(why)), -1);
+    ASSERT(strcmp(why, "prefill: pp_rank 2 is not a stage of pp_size 2") == 0);
+    l = (kvr_layers_t){2, 0, 0, 3, 4};
+    ASSERT_EQ(kvr_layers_check(&l, "prefill", why, sizeof(why)), -1);
+    ASSERT(strstr(why, "prefill: 4 KV buffers do not hold num_layers=3 layers") == why);
+    l = (kvr_layers_t){2, 1, UINT32_MAX, 1, 2};
+    ASSERT_EQ(kvr_layers_check(&l, "prefill", why, sizeof(why)), -1);
+    kvr_layers_t dec = {1, 0, 0, 4, 8}, mla = {1, 0, 0, 4, 4};
+    kvr_layers_t st = {2, 1, 2, 3, 6};
+    ASSERT_EQ(kvr_layers_compat(&st, &dec, why, sizeof(why)), -1);
+    ASSERT(strcmp(why, "prefill PP stage 1 of 2 holds layers 2-4, the decode has 4 layers") == 0);
+    st = (kvr_layers_t){2, 0, 0, 2, 4};
+    ASSERT_EQ(kvr_layers_compat(&st, &mla, why, sizeof(why)), -1);
+    ASSERT(strcmp(why, "2 KV buffers per layer on the prefill (4 buffers, 2 layers), 1 on the "
+                       "decode (4 buffers, 4 layers)") == 0);
+    kvr_layers_t one = {1, 0, 0, 2, 4};
+    ASSERT_EQ(kvr_layers_compat(&one, &dec, why, sizeof(why)), -1);
+    ASSERT(strcmp(why, "the prefill (one PP stage) holds layers 0-1, the decode has 4 layers") ==
+           0);
+}
+
+/* The stages' ranges must cover the decode's layers once each. */
+TEST_IMPL(plan_layers_cover)
+{
+    char why[256];
+    kvr_layers_t ok[3] = {{3, 0, 0, 2, 4}, {3, 1, 2, 1, 2}, {3, 2, 3, 3, 6}};
+    ASSERT_EQ(kvr_layers_cover(ok, 3, 6, why, sizeof(why)), 0);
+    kvr_layers_t shuffled[3] = {{3, 0, 3, 3, 6}, {3, 1, 0, 2, 4}, {3, 2, 2, 1, 2}};
+    ASSERT_EQ(kvr_layers_cover(shuffled, 3, 6, why, sizeof(why)), 0);
+    kvr_layers_t gap[2] = {{2, 0, 0, 2, 4}, {2, 1, 3, 1, 2}};
+    ASSERT_EQ(kvr_layers_cover(gap, 2, 4, why, sizeof(why)), -1);
+    ASSERT(strcmp(why, "the prefill's PP stages hold layers 0-1 (stage 0), 3-3 (stage 1): "
+                       "layers 2-2 of the decode's 4 are in none") == 0);
+    kvr_layers_t tail[2] = {{2, 0, 0, 2, 4}, {2, 1, 2, 1, 2}};
+    ASSERT_EQ(kvr_layers_cover(tail, 2, 4, why, sizeof(why)), -1);
+    ASSERT(strstr(why, ": layers 3-3 of the decode's 4 are in none") != NULL);
+    kvr_layers_t head[2] = {{2, 0, 1, 1, 2}, {2, 1, 2, 2, 4}};
+    ASSERT_EQ(kvr_layers_cover(head, 2, 4, why, sizeof(why)), -1);
+    ASSERT(strstr(why, ": layers 0-0 of the decode's 4 are in none") != NULL);
+    kvr_layers_t over[2] = {{2, 0, 0, 3, 6}, {2, 1, 2, 2, 4}};
+    ASSERT_EQ(kvr_layers_cover(over, 2, 4, why, sizeof(why)), -1);
+    ASSERT(strcmp(why, "the prefill's PP stages hold layers 0-2 (stage 0), 2-3 (stage 1): "
+                       "layer 2 is in stage 0 and stage 1") == 0);
+    kvr_layers_t same[2] = {{2, 0, 0, 2, 4}, {2, 1, 0, 2, 4}};
+    ASSERT_EQ(kvr_layers_cover(same, 2, 2, why, sizeof(why)), -1);
+    ASSERT(strstr(why, "layer 0 is in stage 0 and stage 1") != NULL);
+}
