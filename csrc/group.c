@@ -80,6 +80,7 @@ int kvr_peer_link(kvr_engine_t *e, kvr_peer_t *p, const kvr_wire_layout_t *l, ch
 {
     kvr_slice_t whole = {0, 0, 0};
     p->slice = p->peer_slice = whole;
+    p->slink = kvr_state_link(0, 0, 0, 0); /* whole rows */
     if (e->heads.heads == 0 || l->heads == 0) {
         if (p->want_tp) {
             snprintf(why, n,
@@ -98,12 +99,7 @@ int kvr_peer_link(kvr_engine_t *e, kvr_peer_t *p, const kvr_wire_layout_t *l, ch
                  theirs.tp_size);
         return -1;
     }
-    if (e->nstate > 0 && ph->tp_size != dh->tp_size) {
-        /* A state slot holds this rank's heads of it (sglang slices Mamba
-         * state by heads too); slicing state rows is not done yet. */
-        snprintf(why, n,
-                 "state buffers move between equal TP sizes only: prefill TP %u, decode TP %u",
-                 ph->tp_size, dh->tp_size);
+    if (kvr_state_link_set(e, p, l, ph, dh, why, n) != 0) {
         return -1;
     }
     kvr_link_t links[KVR_MAX_LEGS];
@@ -213,13 +209,17 @@ int kvr_group_meta_locked(kvr_engine_t *e, kvr_room_t *h)
         }
         leg->npages = h->npages;
         leg->prefix_len = h->prefix_len;
-        /* The aux row and state slots come with the first leg, which always
-         * reads heads (state buffers only with equal TP: kvr_peer_link). */
+        /* The aux row comes with the first leg, which always reads heads;
+         * the state slots too, unless the rows are sliced (TP sizes
+         * differ): then every leg carries its share (state.c). */
+        kvr_state_link_t sl = kvr_state_link(leg->peer->want_tp, (uint32_t)leg->peer->query_rank,
+                                             e->heads.tp_size, e->heads.tp_rank);
+        int sliced = sl.sliced && e->nstate_rules > 0;
         leg->aux_index = i == 0 ? h->aux_index : -1;
-        kvr_state_copy(leg->states, h->states, i == 0 ? KVR_MAX_STATES : 0);
+        kvr_state_copy(leg->states, h->states, i == 0 || sliced ? KVR_MAX_STATES : 0);
         leg->expected = (uint64_t)h->npages *
                             kvr_slice_page_bytes(e, kvr_eroom(leg)->leg_heads, e->heads.heads) +
-                        kvr_state_bytes(e, leg->aux_index, leg->states);
+                        kvr_state_link_bytes(e, sliced ? &sl : NULL, leg->aux_index, leg->states);
         leg->meta_set = 1;
         kvr_work_push_locked(e, leg);
     }

@@ -58,7 +58,8 @@ typedef enum {
  * layout (plan.h's kvr_heads_t, only when heads > 0: 4 u32 tp_size,
  * tp_rank, heads, total_heads), the cross-memory offer (when has_cma: the
  * host's 16-byte boot id; a HELLO_OK adds the prefill's pid u32 and the
- * address of its epoch u64, which the decode reads to check it may).
+ * address of its epoch u64, which the decode reads to check it may), the
+ * state slicing rules (when nrules > 0: u32 nrules, then nrules u32).
  * None: no flags byte. */
 typedef struct {
     uint32_t page_size;
@@ -67,7 +68,13 @@ typedef struct {
     uint32_t naux;
     const unsigned char *aux_item_lens; /* naux x u64 */
     uint32_t tp_size, tp_rank, heads, total_heads; /* heads 0: none given */
+    /* How the state buffers' rows split over TP ranks (stateslice.h's flat
+     * rules, little-endian u32), at most KVR_WIRE_MAX_RULES; 0: none. */
+    uint32_t nrules;
+    const unsigned char *rules;
 } kvr_wire_layout_t;
+
+#define KVR_WIRE_MAX_RULES (1u << 20)
 
 /* A decoded control message; pointers point into the decoded buffer. */
 typedef struct {

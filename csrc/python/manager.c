@@ -210,21 +210,21 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     static char *kwlist[] = {"mode", "engine_rank", "kv_data_ptrs", "kv_data_lens",
                              "kv_item_lens", "aux_data_ptrs", "aux_data_lens", "aux_item_lens",
                              "page_size", "host", "bootstrap_addr", "config", "mem_kinds",
-                             "heads", "dp_rank", "state", NULL};
+                             "heads", "dp_rank", "state", "state_rules", NULL};
     int mode, rank;
     unsigned int dp_rank = 0;
     unsigned int page_size = 1;
     PyObject *kp, *kl, *ki, *ap, *al, *ai, *cfg = Py_None, *kinds = Py_None, *heads = Py_None;
-    PyObject *state = Py_None;
-    uint64_t *head_list = NULL;
+    PyObject *state = Py_None, *rules = Py_None;
+    uint64_t *head_list = NULL, *rule_list = NULL;
     const char *host = "127.0.0.1", *bs = "";
     if (self->engine != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Manager is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiOOOOOO|IssOOOIO", kwlist, &mode, &rank, &kp,
-                                     &kl, &ki, &ap, &al, &ai, &page_size, &host, &bs, &cfg,
-                                     &kinds, &heads, &dp_rank, &state)) {
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiOOOOOO|IssOOOIOO", kwlist, &mode, &rank,
+                                     &kp, &kl, &ki, &ap, &al, &ai, &page_size, &host, &bs, &cfg,
+                                     &kinds, &heads, &dp_rank, &state, &rules)) {
         return -1;
     }
     kvr_engine_params_t p;
@@ -232,7 +232,7 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     uint64_t *bufs[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
     uint64_t *kind_list = NULL;
     uint8_t *kind_bytes = NULL;
-    uint32_t *state_comp = NULL;
+    uint32_t *state_comp = NULL, *state_rules = NULL;
     uint32_t ns[6] = {0, 0, 0, 0, 0, 0};
     PyObject *lists[6] = {kp, kl, ki, ap, al, ai};
     static const char *names[6] = {"kv_data_ptrs", "kv_data_lens", "kv_item_lens",
@@ -261,6 +261,25 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
         goto out;
     }
     p.state_comp = state_comp;
+    if (rules != Py_None) {
+        /* state slicing rules (stateslice.h), flat; the core checks them */
+        if (kvr_py_u64_list(rules, "state_rules", &rule_list, &p.nstate_rules) < 0) {
+            goto out;
+        }
+        state_rules = PyMem_Calloc(p.nstate_rules ? p.nstate_rules : 1, sizeof(uint32_t));
+        if (state_rules == NULL) {
+            PyErr_NoMemory();
+            goto out;
+        }
+        for (uint32_t i = 0; i < p.nstate_rules; i++) {
+            if (rule_list[i] > UINT32_MAX) {
+                PyErr_Format(PyExc_ValueError, "state_rules[%u] is over 2^32 - 1", i);
+                goto out;
+            }
+            state_rules[i] = (uint32_t)rule_list[i];
+        }
+        p.state_rules = state_rules;
+    }
     p.mode = mode;
     p.rank = rank;
     p.dp_rank = dp_rank;
@@ -352,6 +371,8 @@ out:
     PyMem_Free(kind_bytes);
     PyMem_Free(head_list);
     PyMem_Free(state_comp);
+    PyMem_Free(rule_list);
+    PyMem_Free(state_rules);
     return ret;
 }
 
