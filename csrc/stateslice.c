@@ -149,21 +149,13 @@ int kvr_state_rules_compat(const uint32_t *pre, const uint64_t *pre_items, uint3
 kvr_state_link_t kvr_state_link(uint32_t pre_tp, uint32_t pre_rank, uint32_t dec_tp,
                                 uint32_t dec_rank)
 {
-    kvr_state_link_t l = {0, 1, 1, 0, 1};
+    kvr_state_link_t l = {pre_tp, pre_rank, dec_tp, dec_rank, 0, 1};
     if (pre_tp == dec_tp || pre_tp == 0 || dec_tp == 0) {
         return l; /* whole rows, over the room's one link */
     }
-    /* Shares as fractions of den = pre_tp x dec_tp. */
-    uint32_t plo = pre_rank * dec_tp, phi = plo + dec_tp;
-    uint32_t dlo = dec_rank * pre_tp, dhi = dlo + pre_tp;
-    l.den = pre_tp * dec_tp;
-    l.lo = plo > dlo ? plo : dlo;
-    l.hi = phi < dhi ? phi : dhi;
-    if (l.hi < l.lo) {
-        l.hi = l.lo;
-    }
     l.sliced = 1;
-    l.rep = plo <= dlo && dlo < phi;
+    /* The prefill rank whose share holds the start of the decode rank's. */
+    l.rep = (uint64_t)dec_rank * pre_tp / dec_tp == pre_rank;
     return l;
 }
 
@@ -187,11 +179,15 @@ uint32_t kvr_state_chunks(const uint32_t *rule, uint64_t item, uint32_t tp, uint
     uint64_t last_end = UINT64_MAX, at = 0;
     for (uint32_t o = 0; o < rule[0]; o++) {
         for (uint32_t g = 0; g < rule[1]; g++) {
-            uint64_t u = rule[2 + g], mine = (uint64_t)rank * u;
-            /* The link's share of group g in the model's units: integral,
-             * as the shares of both sides' ranks are. */
-            uint64_t glo = (uint64_t)l->lo * u * tp / l->den, ghi = (uint64_t)l->hi * u * tp / l->den;
-            uint64_t s = glo > mine ? glo : mine, e = ghi < mine + u ? ghi : mine + u;
+            /* Group g has all = u x tp units in the model: a prefill rank
+             * holds all / pre_tp of them, a decode rank all / dec_tp (the
+             * sides agree on all: kvr_state_rules_compat). */
+            uint64_t u = rule[2 + g], mine = (uint64_t)rank * u, all = u * tp;
+            uint64_t pu = all / l->pre_tp, du = all / l->dec_tp;
+            uint64_t plo = l->pre_rank * pu, dlo = l->dec_rank * du;
+            uint64_t s = plo > dlo ? plo : dlo, e = plo + pu < dlo + du ? plo + pu : dlo + du;
+            s = s > mine ? s : mine;
+            e = e < mine + u ? e : mine + u;
             if (e > s) {
                 uint64_t off = (at + s - mine) * unit, len = (e - s) * unit;
                 if (off == last_end && k > 0) {

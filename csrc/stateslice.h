@@ -15,8 +15,8 @@
  *
  * Rules travel flat, as u32: per buffer outer, ngroups, units[ngroups];
  * replicated is outer 1, ngroups 0.  A pair of a prefill rank and a decode
- * rank (a link) carries the same share [lo/den, hi/den) of every group of
- * every sliced buffer: the overlap of the two ranks' shares.
+ * rank (a link) carries the same share of every group of every sliced
+ * buffer: the overlap of the two ranks' shares.
  *
  * Thread: any; the functions touch only their arguments.
  */
@@ -31,7 +31,7 @@
 
 /* What a link carries of the state rows. */
 typedef struct {
-    uint32_t lo, hi, den; /* its share of every sliced group: [lo/den, hi/den) */
+    uint32_t pre_tp, pre_rank, dec_tp, dec_rank; /* the two ranks */
     int sliced;           /* 1: the TP sizes differ, rows move as chunks */
     int rep;              /* 1: it carries the replicated rows (and whole rows when not sliced) */
 } kvr_state_link_t;

@@ -204,6 +204,37 @@ out:
     return rc;
 }
 
+/* rules: None, or the state buffers' slicing rules (stateslice.h), flat,
+ * into *out (PyMem); the core checks them.  Returns 0, or -1 with the
+ * error set. */
+static int kvr_py_state_rules(PyObject *rules, uint32_t **out, uint32_t *n)
+{
+    uint64_t *list = NULL;
+    int rc = -1;
+    if (rules == Py_None) {
+        return 0;
+    }
+    if (kvr_py_u64_list(rules, "state_rules", &list, n) < 0) {
+        return -1;
+    }
+    *out = PyMem_Calloc(*n ? *n : 1, sizeof(uint32_t));
+    if (*out == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (uint32_t i = 0; i < *n; i++) {
+        if (list[i] > UINT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "state_rules[%u] is over 2^32 - 1", i);
+            goto done;
+        }
+        (*out)[i] = (uint32_t)list[i];
+    }
+    rc = 0;
+done:
+    PyMem_Free(list);
+    return rc;
+}
+
 static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
 {
     kvr_py_manager_t *self = (kvr_py_manager_t *)op;
@@ -212,11 +243,10 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
                              "page_size", "host", "bootstrap_addr", "config", "mem_kinds",
                              "heads", "dp_rank", "state", "state_rules", NULL};
     int mode, rank;
-    unsigned int dp_rank = 0;
-    unsigned int page_size = 1;
+    unsigned int dp_rank = 0, page_size = 1;
     PyObject *kp, *kl, *ki, *ap, *al, *ai, *cfg = Py_None, *kinds = Py_None, *heads = Py_None;
     PyObject *state = Py_None, *rules = Py_None;
-    uint64_t *head_list = NULL, *rule_list = NULL;
+    uint64_t *head_list = NULL;
     const char *host = "127.0.0.1", *bs = "";
     if (self->engine != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Manager is already initialised");
@@ -244,42 +274,21 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
         }
     }
     if (ns[0] != ns[1] || ns[0] != ns[2]) {
-        PyErr_Format(PyExc_ValueError,
-                     "kv_data_ptrs, kv_data_lens and kv_item_lens have different lengths "
-                     "(%u, %u, %u)",
-                     ns[0], ns[1], ns[2]);
+        PyErr_Format(PyExc_ValueError, "kv_data_ptrs, kv_data_lens and kv_item_lens have "
+                     "different lengths (%u, %u, %u)", ns[0], ns[1], ns[2]);
         goto out;
     }
     if (ns[3] != ns[4] || ns[3] != ns[5]) {
-        PyErr_Format(PyExc_ValueError,
-                     "aux_data_ptrs, aux_data_lens and aux_item_lens have different lengths "
-                     "(%u, %u, %u)",
-                     ns[3], ns[4], ns[5]);
+        PyErr_Format(PyExc_ValueError, "aux_data_ptrs, aux_data_lens and aux_item_lens have "
+                     "different lengths (%u, %u, %u)", ns[3], ns[4], ns[5]);
         goto out;
     }
-    if (kvr_py_state_args(state, bufs, ns, &state_comp, &p.nstate) < 0) {
+    if (kvr_py_state_args(state, bufs, ns, &state_comp, &p.nstate) < 0 ||
+        kvr_py_state_rules(rules, &state_rules, &p.nstate_rules) < 0) {
         goto out;
     }
     p.state_comp = state_comp;
-    if (rules != Py_None) {
-        /* state slicing rules (stateslice.h), flat; the core checks them */
-        if (kvr_py_u64_list(rules, "state_rules", &rule_list, &p.nstate_rules) < 0) {
-            goto out;
-        }
-        state_rules = PyMem_Calloc(p.nstate_rules ? p.nstate_rules : 1, sizeof(uint32_t));
-        if (state_rules == NULL) {
-            PyErr_NoMemory();
-            goto out;
-        }
-        for (uint32_t i = 0; i < p.nstate_rules; i++) {
-            if (rule_list[i] > UINT32_MAX) {
-                PyErr_Format(PyExc_ValueError, "state_rules[%u] is over 2^32 - 1", i);
-                goto out;
-            }
-            state_rules[i] = (uint32_t)rule_list[i];
-        }
-        p.state_rules = state_rules;
-    }
+    p.state_rules = state_rules;
     p.mode = mode;
     p.rank = rank;
     p.dp_rank = dp_rank;
@@ -371,7 +380,6 @@ out:
     PyMem_Free(kind_bytes);
     PyMem_Free(head_list);
     PyMem_Free(state_comp);
-    PyMem_Free(rule_list);
     PyMem_Free(state_rules);
     return ret;
 }
