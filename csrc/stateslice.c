@@ -45,6 +45,10 @@ int kvr_state_rules_check(const uint32_t *rules, uint32_t nrules, const uint64_t
             return -1;
         }
         const uint32_t *r = rules + pos;
+        if (items[i] == 0) {
+            snprintf(why, n, "state buffer %s: item_len 0", name);
+            return -1;
+        }
         if (at != NULL) {
             at[i] = pos;
         }

@@ -43,7 +43,7 @@ typedef struct {
 
 /*
  * Checks flat rules (nrules u32) for nstate buffers of item lengths items:
- * well formed, outer and units > 0, outer x ngroups <= KVR_STATE_MAX_PIECES,
+ * well formed, items, outer and units > 0, outer x ngroups <= KVR_STATE_MAX_PIECES,
  * the item a multiple of outer x the sum of the units.  comp (component of
  * each buffer, may be NULL) names buffers as [component][index].  Fills
  * at[i] (may be NULL) with buffer i's offset into rules.  0, or -1 with
