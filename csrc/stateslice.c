@@ -33,8 +33,7 @@ static uint64_t kvr_rule_units(const uint32_t *rule)
 }
 
 int kvr_state_rules_check(const uint32_t *rules, uint32_t nrules, const uint64_t *items,
-                          uint32_t nstate, const uint32_t *comp, uint32_t *at, char *why,
-                          size_t n)
+                          uint32_t nstate, const uint32_t *comp, uint32_t *at, char *why, size_t n)
 {
     uint32_t pos = 0;
     char name[32];
@@ -55,8 +54,8 @@ int kvr_state_rules_check(const uint32_t *rules, uint32_t nrules, const uint64_t
         pos += 2 + r[1];
         if (r[1] == 0) {
             if (r[0] != 1) {
-                snprintf(why, n, "state_slicing of state buffer %s: replicated with outer %u",
-                         name, r[0]);
+                snprintf(why, n, "state_slicing of state buffer %s: replicated with outer %u", name,
+                         r[0]);
                 return -1;
             }
             continue;

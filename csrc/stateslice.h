@@ -32,8 +32,8 @@
 /* What a link carries of the state rows. */
 typedef struct {
     uint32_t pre_tp, pre_rank, dec_tp, dec_rank; /* the two ranks */
-    int sliced;           /* 1: the TP sizes differ, rows move as chunks */
-    int rep;              /* 1: it carries the replicated rows (and whole rows when not sliced) */
+    int sliced;                                  /* 1: the TP sizes differ, rows move as chunks */
+    int rep; /* 1: it carries the replicated rows (and whole rows when not sliced) */
 } kvr_state_link_t;
 
 /* A piece of a row: bytes [off, off + len) of the row. */
@@ -50,8 +50,7 @@ typedef struct {
  * the first problem in why.
  */
 int kvr_state_rules_check(const uint32_t *rules, uint32_t nrules, const uint64_t *items,
-                          uint32_t nstate, const uint32_t *comp, uint32_t *at, char *why,
-                          size_t n);
+                          uint32_t nstate, const uint32_t *comp, uint32_t *at, char *why, size_t n);
 /*
  * Compatibility of the prefill's rules (pre, items pre_items, TP pre_tp)
  * and the decode's, both checked, for nstate buffers: per buffer, both

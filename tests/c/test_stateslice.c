@@ -13,6 +13,27 @@
  * Elements are one byte per unit (unit = 1), outer rows of the model
  * numbered o * total + unit index of the group's block.
  */
+/* The row of rank `rank` of a rule by model coordinates: each byte is
+ * its (outer, unit of the model, byte) number.  Returns its length. */
+static uint64_t rank_row(const uint32_t *rule, const uint32_t *model_units, uint32_t total,
+                         uint32_t rank, uint32_t unit, uint16_t *row)
+{
+    uint64_t at = 0;
+    for (uint32_t o = 0; o < rule[0]; o++) {
+        uint32_t goff = 0;
+        for (uint32_t g = 0; g < rule[1]; g++) {
+            uint32_t u = rule[2 + g];
+            for (uint32_t x = rank * u; x < (rank + 1) * u; x++) {
+                for (uint32_t b = 0; b < unit; b++) {
+                    row[at++] = (uint16_t)(((o * total + goff + x) * unit + b) & 0x7fff);
+                }
+            }
+            goff += model_units[g];
+        }
+    }
+    return at;
+}
+
 static void move_and_check(uint32_t outer, const uint32_t *model_units, uint32_t ngroups,
                            uint32_t pre_tp, uint32_t dec_tp, uint32_t unit)
 {
@@ -27,10 +48,13 @@ static void move_and_check(uint32_t outer, const uint32_t *model_units, uint32_t
     }
     uint64_t pre_item = (uint64_t)outer * total / pre_tp * unit;
     uint64_t dec_item = (uint64_t)outer * total / dec_tp * unit;
-    ASSERT_EQ(kvr_state_rules_check(pre_rule, 2 + ngroups, &pre_item, 1, NULL, NULL, (char[64]){0}, 64), 0);
+    char why[256];
+    ASSERT_EQ(
+        kvr_state_rules_check(pre_rule, 2 + ngroups, &pre_item, 1, NULL, NULL, why, sizeof(why)),
+        0);
     ASSERT_EQ(kvr_state_rules_compat(pre_rule, &pre_item, pre_tp, dec_rule, &dec_item, dec_tp, 1,
-                                     NULL, (char[64]){0}, 64), 0);
-    /* The model: value of (outer o, group g, model unit x, byte b). */
+                                     NULL, why, sizeof(why)),
+              0);
     for (uint32_t d = 0; d < dec_tp; d++) {
         uint16_t got[4096];
         ASSERT(dec_item <= 4096);
@@ -47,22 +71,8 @@ static void move_and_check(uint32_t outer, const uint32_t *model_units, uint32_t
             uint32_t ns = kvr_state_chunks(pre_rule, pre_item, pre_tp, p, &l, src, &sb);
             uint32_t nd = kvr_state_chunks(dec_rule, dec_item, dec_tp, d, &l, dst, &db);
             ASSERT_U64_EQ(sb, db);
-            /* The prefill row of rank p, by model coordinates. */
             uint16_t row[4096];
-            uint64_t at = 0;
-            for (uint32_t o = 0; o < outer; o++) {
-                uint32_t goff = 0;
-                for (uint32_t g = 0; g < ngroups; g++) {
-                    uint32_t u = pre_rule[2 + g];
-                    for (uint32_t x = p * u; x < (p + 1) * u; x++) {
-                        for (uint32_t b = 0; b < unit; b++) {
-                            row[at++] = (uint16_t)(((o * total + goff + x) * unit + b) & 0x7fff);
-                        }
-                    }
-                    goff += model_units[g];
-                }
-            }
-            ASSERT_U64_EQ(at, pre_item);
+            ASSERT_U64_EQ(rank_row(pre_rule, model_units, total, p, unit, row), pre_item);
             /* The stream: src pieces in order into dst pieces in order. */
             uint32_t si = 0, di = 0;
             uint64_t so = 0, dof = 0;
@@ -78,18 +88,10 @@ static void move_and_check(uint32_t outer, const uint32_t *model_units, uint32_t
             }
             ASSERT(si == ns && di == nd);
         }
-        uint64_t at = 0;
-        for (uint32_t o = 0; o < outer; o++) {
-            uint32_t goff = 0;
-            for (uint32_t g = 0; g < ngroups; g++) {
-                uint32_t u = dec_rule[2 + g];
-                for (uint32_t x = d * u; x < (d + 1) * u; x++) {
-                    for (uint32_t b = 0; b < unit; b++, at++) {
-                        ASSERT_EQ(got[at], (uint16_t)(((o * total + goff + x) * unit + b) & 0x7fff));
-                    }
-                }
-                goff += model_units[g];
-            }
+        uint16_t want[4096];
+        ASSERT_U64_EQ(rank_row(dec_rule, model_units, total, d, unit, want), dec_item);
+        for (uint64_t i = 0; i < dec_item; i++) {
+            ASSERT_EQ(got[i], want[i]);
         }
     }
 }
@@ -150,7 +152,7 @@ TEST_IMPL(stateslice_pieces_joined_and_replicated)
 }
 
 static void check_why(const uint32_t *rules, uint32_t n, const uint64_t *items, uint32_t nstate,
-                     const char *want)
+                      const char *want)
 {
     char why[256] = "";
     uint32_t comp[4] = {0, 0, 1, 1};
@@ -171,18 +173,19 @@ TEST_IMPL(stateslice_bad_rules)
     ASSERT_EQ(at[2], 5u);
     uint32_t notdiv[] = {1, 1, 5, 1, 0, 2, 2, 3, 6};
     check_why(notdiv, 9, items, 3,
-                        "state buffer [0][0]: item_len 48 is not outer 1 x 5 units x bytes per unit");
+              "state buffer [0][0]: item_len 48 is not outer 1 x 5 units x bytes per unit");
     uint32_t zero[] = {1, 1, 4, 1, 0, 2, 2, 0, 6};
     check_why(zero, 9, items, 3, "state_slicing of state buffer [1][0]: group 0 has no units");
     check_why(ok, 7, items, 3, "state_slicing ends before state buffer [1][0]");
     check_why(ok, 9, items, 2, "state_slicing has 9 numbers, 5 describe the 2 state buffers");
     uint32_t outer0[] = {0, 1, 4};
     check_why(outer0, 3, items, 1,
-                        "state_slicing of state buffer [0][0]: outer 0 x 1 groups must be 1 to 1024 "
-                        "pieces");
+              "state_slicing of state buffer [0][0]: outer 0 x 1 groups must be 1 to 1024 "
+              "pieces");
+    uint64_t zero_item = 0;
+    check_why(ok, 3, &zero_item, 1, "state buffer [0][0]: item_len 0");
     uint32_t rep2[] = {2, 0};
-    check_why(rep2, 2, items, 1,
-                        "state_slicing of state buffer [0][0]: replicated with outer 2");
+    check_why(rep2, 2, items, 1, "state_slicing of state buffer [0][0]: replicated with outer 2");
 }
 
 TEST_IMPL(stateslice_compat_names_both_sides)
@@ -200,8 +203,9 @@ TEST_IMPL(stateslice_compat_names_both_sides)
                        "decode (item_len 64)") == 0);
     uint64_t di3[2] = {32, 48};
     ASSERT_EQ(kvr_state_rules_compat(pre, pi, 2, dec, di3, 1, 2, NULL, why, sizeof(why)), -1);
-    ASSERT(strcmp(why, "state buffer 1 (replicated): item_len 40 on the prefill, 48 on the decode") ==
-           0);
+    ASSERT(
+        strcmp(why, "state buffer 1 (replicated): item_len 40 on the prefill, 48 on the decode") ==
+        0);
     uint32_t dec_rep[] = {1, 0, 1, 0};
     ASSERT_EQ(kvr_state_rules_compat(pre, pi, 2, dec_rep, di, 1, 2, NULL, why, sizeof(why)), -1);
     ASSERT(strcmp(why, "state buffer 0: sliced on the prefill, replicated on the decode") == 0);
