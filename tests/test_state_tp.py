@@ -44,7 +44,8 @@ DST = [0, 1, 7, 8, 15, 2]
 SRC_AUX, DST_AUX = 2, 1
 SRC_SLOTS, DST_SLOTS = [2, 4], [3, 1]
 CONFIG = {"heartbeat_interval_ms": 100, "heartbeat_timeout_ms": 1000}
-LAYOUTS = {"tp2-to-1": (2, 1), "tp1-to-2": (1, 2), "tp4-to-2": (4, 2), "tp2-to-4": (2, 4)}
+LAYOUTS = {"tp2-to-1": (2, 1), "tp1-to-2": (1, 2), "tp4-to-2": (4, 2), "tp2-to-4": (2, 4),
+           "tp2-to-2": (2, 2)}  # equal sizes: the rules given, rows whole
 
 pytestmark = pytest.mark.timeout(120)
 
