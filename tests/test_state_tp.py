@@ -31,6 +31,7 @@ from kvrecv import (
     KVManager,
     KVPeerLostError,
     KVPoll,
+    KVProtocolError,
     KVReceiver,
     KVSender,
     KVTransferError,
@@ -218,34 +219,45 @@ def test_state_tp_abort(deployment, name):
         r.clear()
 
 
-def _mismatch(ptp, dtp, total, pre_kw, dec_kw, prefill_items=None, decode_items=None):
-    """A room between prefill ranks (this process) and decode rank 0 of
-    the given layouts: its failure, with every decode state byte CANARY."""
+def _in_process(made, ptp, dtp, total, pre_kw, dec_kw, prefill_items=None, decode_items=None):
+    """Prefill ranks of TP ptp and decode rank 0 of TP dtp, all in this
+    process (appended to made): (bootstrap address, prefills, decode,
+    decode state buffers, CANARY)."""
     bs = BootstrapServer(port=0)
-    made = [bs]
-    try:
-        for r in range(ptp):
-            kv, aux = hp.prefill_buffers(SEED, ptp, r, total)
-            state = stp.prefill_state(SEED, ptp, r) if prefill_items is None else \
-                [[np.zeros(stp.SLOTS * it, dtype=np.uint8) for it in c] for c in prefill_items]
-            args = kvrecv.KVArgs.from_buffers(
-                r, kv, [hp.item_len(ptp, total)] * hp.NBUF, aux, [hp.AUX_ITEM],
-                page_size=hp.PAGE_SIZE, tp_size=ptp,
-                kv_head_num=len(hp.rank_heads(ptp, r, total)), total_kv_head_num=total,
-                state_buffers=state, state_item_lens=prefill_items or stp.items(ptp), **pre_kw)
-            made.append(KVManager(args, "prefill", bootstrap_addr=bs.address,
-                                  config=KVConfig(**CONFIG)))
-        dkv, daux = hp.decode_buffers(dtp, total)
-        items = decode_items or stp.items(dtp)
-        dstate = [[np.full(stp.SLOTS * it, stp.CANARY, dtype=np.uint8) for it in c]
-                  for c in items]
+    made.append(bs)
+    prefills = []
+    for r in range(ptp):
+        kv, aux = hp.prefill_buffers(SEED, ptp, r, total)
+        state = stp.prefill_state(SEED, ptp, r) if prefill_items is None else \
+            [[np.zeros(stp.SLOTS * it, dtype=np.uint8) for it in c] for c in prefill_items]
         args = kvrecv.KVArgs.from_buffers(
-            0, dkv, [hp.item_len(dtp, total)] * hp.NBUF, daux, [hp.AUX_ITEM],
-            page_size=hp.PAGE_SIZE, tp_size=dtp, kv_head_num=len(hp.rank_heads(dtp, 0, total)),
-            total_kv_head_num=total, state_buffers=dstate, state_item_lens=items, **dec_kw)
-        dec = KVManager(args, "decode", config=KVConfig(**CONFIG))
-        made.append(dec)
-        r = KVReceiver(dec, bs.address, 91)
+            r, kv, [hp.item_len(ptp, total)] * hp.NBUF, aux, [hp.AUX_ITEM],
+            page_size=hp.PAGE_SIZE, tp_size=ptp,
+            kv_head_num=len(hp.rank_heads(ptp, r, total)), total_kv_head_num=total,
+            state_buffers=state, state_item_lens=prefill_items or stp.items(ptp), **pre_kw)
+        prefills.append(KVManager(args, "prefill", bootstrap_addr=bs.address,
+                                  config=KVConfig(**CONFIG)))
+        made.append(prefills[-1])
+    dkv, daux = hp.decode_buffers(dtp, total)
+    items = decode_items or stp.items(dtp)
+    dstate = [[np.full(stp.SLOTS * it, stp.CANARY, dtype=np.uint8) for it in c] for c in items]
+    args = kvrecv.KVArgs.from_buffers(
+        0, dkv, [hp.item_len(dtp, total)] * hp.NBUF, daux, [hp.AUX_ITEM],
+        page_size=hp.PAGE_SIZE, tp_size=dtp, kv_head_num=len(hp.rank_heads(dtp, 0, total)),
+        total_kv_head_num=total, state_buffers=dstate, state_item_lens=items, **dec_kw)
+    dec = KVManager(args, "decode", config=KVConfig(**CONFIG))
+    made.append(dec)
+    return bs.address, prefills, dec, dstate
+
+
+def _mismatch(ptp, dtp, total, pre_kw, dec_kw, prefill_items=None, decode_items=None):
+    """A room between prefill ranks and decode rank 0 of the given
+    layouts: its failure, with every decode state byte CANARY."""
+    made = []
+    try:
+        addr, _, dec, dstate = _in_process(made, ptp, dtp, total, pre_kw, dec_kw,
+                                           prefill_items, decode_items)
+        r = KVReceiver(dec, addr, 91)
         r.init(prefill_tp_size=ptp)
         st, _ = _wait_state(r, TERMINAL, 20)
         assert st == KVPoll.Failed, st
@@ -254,6 +266,43 @@ def _mismatch(ptp, dtp, total, pre_kw, dec_kw, prefill_items=None, decode_items=
         assert all((b == stp.CANARY).all() for c in dstate for b in c)
         r.clear()
         return e.failure_reason
+    finally:
+        for obj in reversed(made):
+            obj.close()
+
+
+def test_state_tp_replicated_row_over_another_link_is_protocol(monkeypatch):
+    """TP 2 -> 1, the last state buffer replicated: prefill rank 1 (whose
+    link does not carry replicated rows) sends a row message naming it.
+    The decode refuses it with PROTOCOL naming that rank, before any byte
+    of it lands; prefill rank 0 has not sent its rows, so no state byte
+    lands at all."""
+    monkeypatch.setattr(stp, "BUFFERS", [stp.BUFFERS[0], [(3, [8], 2), None]])
+    made = []
+    try:
+        addr, prefills, dec, dstate = _in_process(
+            made, 2, 1, TOTAL, {"state_slicing": stp.rules(2)}, {"state_slicing": stp.rules(1)})
+        prefills[1]._core._test_corrupt_data(6)  # row messages name the last row buffer
+        r = KVReceiver(dec, addr, 93)
+        r.init(prefill_tp_size=2)
+        st, _ = _wait_state(r, (KVPoll.WaitingForInput, KVPoll.Failed), 20)
+        assert st == KVPoll.WaitingForInput, st
+        r.send_metadata(np.asarray(DST, dtype=np.int32), state_indices=[[s] for s in DST_SLOTS])
+        senders = [KVSender(p, addr, 93) for p in prefills]
+        for s in senders:
+            s.init(len(SRC))
+        senders[0].send(np.asarray(SRC[:3], dtype=np.int32))
+        senders[1].send(np.asarray(SRC, dtype=np.int32), state_indices=[[s] for s in SRC_SLOTS])
+        st, _ = _wait_state(r, TERMINAL, 20)
+        assert st == KVPoll.Failed, st
+        e = _failure(r)
+        assert type(e) is KVProtocolError, e.failure_reason
+        assert "prefill rank 1" in e.failure_reason and e.failure_reason.endswith(
+            "sent a bad data message: state row the room did not ask for"), e.failure_reason
+        assert all((b == stp.CANARY).all() for c in dstate for b in c)
+        for s in senders:
+            s.clear()
+        r.clear()
     finally:
         for obj in reversed(made):
             obj.close()
