@@ -5,10 +5,11 @@ derived from a seed so that the prefill children (tests/failure_peer.py,
 spec "heads" with "state") and the test agree on every byte.
 
 Component 0 is a Mamba layer: a conv state of three groups sliced
-independently ([q | k | v], 8, 8 and 16 channels of 6 bytes) and an ssm
-state of 16 heads of 20 bytes.  Component 1: a replicated buffer of 72
-bytes, and a buffer of 3 outer rows of 8 sliced units of 2 bytes (a conv
-state laid out [kernel - 1][channels]).
+independently ([q | k | v], 12, 12 and 24 channels of 6 bytes) and an ssm
+state of 24 heads of 20 bytes.  Component 1: a replicated buffer of 72
+bytes, and a buffer of 3 outer rows of 12 sliced units of 2 bytes (a conv
+state laid out [kernel - 1][channels]).  The units split over 1, 2, 3, 4
+and 6 ranks.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import hetero_peer as hp
 SLOTS = 5
 CANARY = 0xA5
 # Per buffer: (outer, model units per group, bytes per unit); None: replicated.
-BUFFERS = [[(1, [8, 8, 16], 6), (1, [16], 20)], [None, (3, [8], 2)]]
+BUFFERS = [[(1, [12, 12, 24], 6), (1, [24], 20)], [None, (3, [12], 2)]]
 REPLICATED_ITEM = 72
 
 

@@ -5,7 +5,9 @@ this process, both joined as siblings, as in tests/test_hetero.py.
 
 Two state components (tests/statetp_peer.py): a Mamba layer (a conv state
 of three groups sliced independently, an ssm state sliced by heads) and a
-replicated buffer next to one of three outer rows.  Every decode rank's
+replicated buffer next to one of three outer rows.  The layouts: TP 2 -> 1,
+1 -> 2, 4 -> 2, 2 -> 4, 2 -> 3 (a link takes part of a rank's share on
+both sides) and 2 -> 2 (rules given, rows whole).  Every decode rank's
 rows at the slots asked for must hold its share of the model's rows byte
 for byte, every other slot CANARY; a killed prefill rank, an abort and the
 layouts that cannot move state leave every state byte CANARY.
@@ -45,18 +47,21 @@ DST = [0, 1, 7, 8, 15, 2]
 SRC_AUX, DST_AUX = 2, 1
 SRC_SLOTS, DST_SLOTS = [2, 4], [3, 1]
 CONFIG = {"heartbeat_interval_ms": 100, "heartbeat_timeout_ms": 1000}
-LAYOUTS = {"tp2-to-1": (2, 1), "tp1-to-2": (1, 2), "tp4-to-2": (4, 2), "tp2-to-4": (2, 4),
-           "tp2-to-2": (2, 2)}  # equal sizes: the rules given, rows whole
+# (prefill TP, decode TP, KV heads)
+LAYOUTS = {"tp2-to-1": (2, 1, 8), "tp1-to-2": (1, 2, 8), "tp4-to-2": (4, 2, 8),
+           "tp2-to-4": (2, 4, 8),
+           "tp2-to-3": (2, 3, 6),  # a link takes part of a rank's share on both sides
+           "tp2-to-2": (2, 2, 8)}  # equal sizes: the rules given, rows whole
 
 pytestmark = pytest.mark.timeout(120)
 
 
 class DecodeRank:
-    def __init__(self, tp, rank):
-        self.tp, self.rank, self.total = tp, rank, TOTAL
-        self.kv, self.aux = hp.decode_buffers(tp, TOTAL)
+    def __init__(self, tp, rank, total):
+        self.tp, self.rank, self.total = tp, rank, total
+        self.kv, self.aux = hp.decode_buffers(tp, total)
         self.state = stp.decode_state(tp)
-        args = stp.kv_args(kvrecv, self.kv, self.aux, tp, rank, TOTAL, self.state)
+        args = stp.kv_args(kvrecv, self.kv, self.aux, tp, rank, total, self.state)
         self.mgr = KVManager(args, "decode", config=KVConfig(**CONFIG))
 
     def state_canary(self) -> bool:
@@ -68,16 +73,16 @@ def deployment():
     made = []
 
     def make(name):
-        ptp, dtp = LAYOUTS[name]
+        ptp, dtp, total = LAYOUTS[name]
         bs = BootstrapServer(port=0)
         made.append(bs)
         prefills = [PeerProcess("prefill", bs.address, seed=SEED, config=CONFIG, rank=r,
-                                heads={"tp": ptp, "total": TOTAL, "state": True})
+                                heads={"tp": ptp, "total": total, "state": True})
                     for r in range(ptp)]
         made.extend(prefills)
         for p in prefills:
             p.call("set_siblings", endpoints=[q.endpoint for q in prefills])
-        decodes = [DecodeRank(dtp, r) for r in range(dtp)]
+        decodes = [DecodeRank(dtp, r, total) for r in range(dtp)]
         made.extend(d.mgr for d in decodes)
         for d in decodes:
             d.mgr.set_siblings([x.mgr.endpoint for x in decodes])
@@ -152,15 +157,17 @@ def test_state_tp_byte_exact(deployment, name):
     for p in prefills:
         assert p.wait_room(rid, 20) == int(KVPoll.Success), f"prefill rank {p.rank}"
     for d in decodes:
-        want = hp.expected_decode(SEED, d.tp, d.rank, TOTAL, SRC, DST)
+        want = hp.expected_decode(SEED, d.tp, d.rank, d.total, SRC, DST)
         assert all(np.array_equal(a, b) for a, b in zip(want, d.kv)), f"decode rank {d.rank}"
     _check_state(decodes)
     # Data messages: per link two KV messages (two chunks of consecutive
     # pages) and the rows in one or two messages (a row message covers a
     # run of the buffers the link carries), never one per piece of a row
     # (the rows here are cut into 3 + 1 + 3 pieces on a side).
-    links = max(1, len(decodes) // len(prefills))
+    ptp, dtp = len(prefills), len(decodes)
     for p in prefills:
+        links = sum(p.rank * dtp < (d + 1) * ptp and d * ptp < (p.rank + 1) * dtp
+                    for d in range(dtp)) if ptp != dtp else 1
         ops = p.stats()["rma_ops_posted"]
         assert ops <= 4 * links, f"prefill rank {p.rank}: {ops} data messages for {links} links"
     for r in recvs:
@@ -192,25 +199,30 @@ def test_state_tp_prefill_rank_killed(deployment, name, dead):
         r.clear()
 
 
-@pytest.mark.parametrize("name", ["tp2-to-1", "tp1-to-2"])
-def test_state_tp_abort(deployment, name):
-    """abort() on decode rank 0 before the state slots were handed over:
-    every rank of both sides fails with ABORTED naming it, and the last
-    chunk with the slots moves nothing."""
+@pytest.mark.parametrize("name, side", [("tp2-to-1", "decode"), ("tp1-to-2", "decode"),
+                                        ("tp2-to-1", "prefill")])
+def test_state_tp_abort(deployment, name, side):
+    """abort() on decode rank 0 (or the last prefill rank) before the state
+    slots were handed over: every rank of both sides fails with ABORTED
+    naming it, and the last chunk with the slots moves nothing."""
     addr, prefills, decodes = deployment(name)
     rid = 301
     recvs = _open(addr, prefills, decodes, rid)
-    recvs[0].abort()
+    if side == "decode":
+        recvs[0].abort()
+        who = "aborted by decode rank 0"
+    else:
+        prefills[-1].call("abort", room=rid)
+        who = f"aborted by prefill rank {prefills[-1].rank}"
     for rank, r in enumerate(recvs):
         st, _ = _wait_state(r, TERMINAL, 15)
         assert st == KVPoll.Failed, f"{name}: decode rank {rank} {st!r}"
         e = _failure(r)
-        assert type(e) is KVAbortedError and "aborted by decode rank 0" in e.failure_reason, (
-            rank, e.failure_reason)
+        assert type(e) is KVAbortedError and who in e.failure_reason, (rank, e.failure_reason)
     for p in prefills:
         assert p.wait_room(rid, 15) == int(KVPoll.Failed), f"prefill rank {p.rank}"
         f = p.call("failure", room=rid)
-        assert f["code"] == "ABORTED" and "aborted by decode rank 0" in f["reason"], f
+        assert f["code"] == "ABORTED" and who in f["reason"], f
     _finish(prefills, rid)
     time.sleep(0.3)
     for d in decodes:
@@ -323,10 +335,10 @@ def test_state_tp_layout_mismatch_names_both_sides(case):
         want = ("state buffers move between equal TP sizes only, unless both sides give "
                 "state_slicing: prefill TP 2 (given), decode TP 1 (not given)")
     elif case == "units":
-        # The decode's ssm state: 8 heads of 40 bytes (the model's 16 of 20 on the prefill).
+        # The decode's ssm state: 8 heads of 60 bytes (the model's 24 of 20 on the prefill).
         why = _mismatch(2, 1, TOTAL, {"state_slicing": stp.rules(2)},
                         {"state_slicing": _units_rules(1, 8)})
-        want = ("state buffer [0][1], group 0: 8 units x TP 2 on the prefill, 8 units x TP 1 "
+        want = ("state buffer [0][1], group 0: 12 units x TP 2 on the prefill, 8 units x TP 1 "
                 "on the decode")
     elif case == "replicated":
         rules = stp.rules(1)
@@ -338,11 +350,11 @@ def test_state_tp_layout_mismatch_names_both_sides(case):
         want = "state buffer [1][1]: sliced on the prefill, replicated on the decode"
     elif case == "bytes":
         items = stp.items(1)
-        items[0][1] = 16 * 40  # 16 heads of 40 bytes; the prefill's are 20
+        items[0][1] = 24 * 40  # 24 heads of 40 bytes; the prefill's are 20
         why = _mismatch(2, 1, TOTAL, {"state_slicing": stp.rules(2)},
                         {"state_slicing": stp.rules(1)}, decode_items=items)
-        want = ("state buffer [0][1]: 20 bytes per unit on the prefill (item_len 160), 40 on "
-                "the decode (item_len 640)")
+        want = ("state buffer [0][1]: 20 bytes per unit on the prefill (item_len 240), 40 on "
+                "the decode (item_len 960)")
     else:
         # 2 KV heads over TP 4 (replicated heads): the links follow the
         # heads, not the state shares.
@@ -383,7 +395,7 @@ def test_state_tp_slicing_that_does_not_divide_raises_value_error():
     outer x units x bytes per unit, more pieces than a row may have."""
     rules = stp.rules(2)
     rules[0][1] = 7
-    with pytest.raises(ValueError, match=r"^state buffer \[0\]\[1\]: item_len 160 is not outer 1 "
+    with pytest.raises(ValueError, match=r"^state buffer \[0\]\[1\]: item_len 240 is not outer 1 "
                        r"x 7 units x bytes per unit$"):
         KVManager(_args(rules), "decode")
     rules = stp.rules(2)
