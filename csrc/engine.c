@@ -758,6 +758,9 @@ void kvr_engine_free(kvr_engine_t *e)
     free(e->layout_kv);
     free(e->layout_aux);
     free(e->state_comp);
+    free(e->state_rules);
+    free(e->state_rule_at);
+    free(e->state_replicated);
     free(e);
 }
 

@@ -90,6 +90,10 @@ typedef struct {
      * state_comp[i] (components 0.. in order, at most KVR_MAX_STATES). */
     uint32_t nstate;
     const uint32_t *state_comp;
+    /* How each state buffer's row splits over TP ranks (stateslice.h's
+     * flat rules, nstate_rules u32); 0: not given (equal TP sizes only). */
+    uint32_t nstate_rules;
+    const uint32_t *state_rules;
     /* KVR_MEM_* per buffer; NULL: every buffer auto (detected with
      * cudaPointerGetAttributes when the CUDA runtime loads, else host). */
     const uint8_t *kv_kinds, *aux_kinds;

@@ -57,6 +57,7 @@
 #include "peerstate.h"
 #include "log.h"
 #include "room.h"
+#include "stateslice.h"
 #include "table.h"
 #include "transport.h"
 #include "wire.h"
@@ -110,6 +111,8 @@ typedef struct kvr_peer {
     /* Head layouts (group.c): which rows of our pages and of the peer's
      * the link carries; heads 0: whole pages, rank to rank. */
     kvr_slice_t slice, peer_slice;
+    /* What the link carries of the state rows (state.c, stateslice.h). */
+    kvr_state_link_t slink;
     int query_rank;             /* decode: the prefill rank asked for (-1: ours) */
     uint32_t query_dp;          /* decode: the prefill DP group asked in */
     uint32_t want_tp;           /* decode: the prefill TP size rooms asked for (0: none) */
@@ -289,6 +292,13 @@ struct kvr_engine {
     uint32_t *state_comp;               /* component of each state buffer */
     int64_t state_rows[KVR_MAX_STATES]; /* slots every buffer of a component has */
     uint64_t state_bytes[KVR_MAX_STATES]; /* sum of its item lengths */
+    /* Their slicing over TP ranks (stateslice.h), when given: the flat
+     * rules, each buffer's offset in them, 1 per replicated buffer, and
+     * the most pieces a row of one buffer is cut into. */
+    uint32_t nstate_rules;
+    uint32_t *state_rules, *state_rule_at;
+    unsigned char *state_replicated;
+    uint32_t state_pieces_max;
 
     pthread_mutex_t lock;   /* kvr_engine_lock / kvr_engine_unlock */
 #ifdef KVRECV_DEBUG
@@ -512,7 +522,7 @@ void kvr_on_recv_done(void *arg, kvr_tp_op_t *tp_op, size_t len, int failed,
 void kvr_on_send_done(void *arg, kvr_tp_op_t *op, int failed, const char *status_text);
 uint32_t kvr_msg_pieces(const kvr_engine_t *e, const kvr_am_header_t *h,
                         const int32_t *pages, int64_t aux, const int64_t *states,
-                        const kvr_slice_t *s,
+                        const kvr_slice_t *s, const kvr_state_link_t *sl,
                         kvr_tp_iov_t *out, uint64_t *bytes);
 void kvr_op_send_locked(kvr_engine_t *e, kvr_room_t *r, kvr_op_t *op,
                         const kvr_tp_iov_t *iov, uint32_t niov, int host);
@@ -588,6 +598,23 @@ int kvr_state_check(const kvr_engine_t *e, const int64_t *states, uint32_t n, ch
                     size_t errlen);
 void kvr_state_copy(int64_t *dst, const int64_t *src, uint32_t n);
 int kvr_state_any(const int64_t *states);
+/* State rows across TP sizes (stateslice.h).  kvr_state_link_set: peer
+ * p's link from the prefill's and the decode's head layouts ph, dh and
+ * the peer's layout l; -1 with why (LAYOUT_MISMATCH) when the state
+ * buffers cannot move between them.  kvr_room_state_link: room r's link
+ * when it moves rows in chunks, else NULL (whole rows).  The bytes of the
+ * rows asked for that link sl carries; 1 if it carries nothing of state
+ * buffer i; the pieces of row `row` of state buffer i it carries, written
+ * to out unless NULL, their count returned and their bytes added to
+ * *bytes. */
+int kvr_state_link_set(kvr_engine_t *e, kvr_peer_t *p, const kvr_wire_layout_t *l,
+                       const kvr_heads_t *ph, const kvr_heads_t *dh, char *why, size_t n);
+const kvr_state_link_t *kvr_room_state_link(const kvr_room_t *r);
+uint64_t kvr_state_link_bytes(const kvr_engine_t *e, const kvr_state_link_t *sl, int64_t aux,
+                              const int64_t *states);
+int kvr_state_skip(const kvr_engine_t *e, const kvr_state_link_t *sl, uint32_t i);
+uint32_t kvr_state_pieces(const kvr_engine_t *e, const kvr_state_link_t *sl, uint32_t i,
+                          int64_t row, kvr_tp_iov_t *out, uint64_t *bytes);
 
 int kvr_heads_params_check(const kvr_engine_params_t *p, char *err, size_t errlen);
 /* A peer's layers as its layout l says (one stage, all layers, when it

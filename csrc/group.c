@@ -134,6 +134,7 @@ int kvr_peer_link(kvr_engine_t *e, kvr_peer_t *p, const kvr_wire_layout_t *l, ch
     if (e->mode == KVR_MODE_DECODE && kvr_peer_link_stage(p, why, n) != 0) {
         return -1;
     }
+    p->slink = kvr_state_link(0, 0, 0, 0); /* whole rows */
     if (e->heads.heads == 0 || l->heads == 0) {
         if (p->want_tp) {
             snprintf(why, n,
@@ -152,12 +153,7 @@ int kvr_peer_link(kvr_engine_t *e, kvr_peer_t *p, const kvr_wire_layout_t *l, ch
                  theirs.tp_size);
         return -1;
     }
-    if (e->nstate > 0 && ph->tp_size != dh->tp_size) {
-        /* A state slot holds this rank's heads of it (sglang slices Mamba
-         * state by heads too); slicing state rows is not done yet. */
-        snprintf(why, n,
-                 "state buffers move between equal TP sizes only: prefill TP %u, decode TP %u",
-                 ph->tp_size, dh->tp_size);
+    if (kvr_state_link_set(e, p, l, ph, dh, why, n) != 0) {
         return -1;
     }
     kvr_link_t links[KVR_MAX_LEGS];
@@ -209,10 +205,22 @@ static uint64_t kvr_leg_page_bytes(const kvr_engine_t *e, const kvr_room_t *r)
     return bytes;
 }
 
+/* How the state rows of decode leg r split (state.c): sliced only with
+ * state slicing rules and TP sizes that differ; else whole rows. */
+static kvr_state_link_t kvr_leg_state_link(const kvr_engine_t *e, const kvr_room_t *r)
+{
+    if (r->peer == NULL || e->nstate_rules == 0) {
+        return kvr_state_link(0, 0, 0, 0);
+    }
+    return kvr_state_link(r->peer->want_tp, (uint32_t)r->peer->query_rank, e->heads.tp_size,
+                          e->heads.tp_rank);
+}
+
 uint64_t kvr_group_leg_bytes(const kvr_engine_t *e, const kvr_room_t *r)
 {
+    kvr_state_link_t sl = kvr_leg_state_link(e, r);
     return (uint64_t)r->npages * kvr_leg_page_bytes(e, r) +
-           kvr_state_bytes(e, r->aux_index, r->states);
+           kvr_state_link_bytes(e, &sl, r->aux_index, r->states);
 }
 
 /* The links of decode room h to the prefill's TP ranks: by the head
@@ -359,15 +367,17 @@ int kvr_group_meta_locked(kvr_engine_t *e, kvr_room_t *h)
         }
         leg->npages = h->npages;
         leg->prefix_len = h->prefix_len;
-        /* The aux row and state slots come with the first leg of the last
-         * PP stage (the one that has the output, as in sglang), which
-         * always reads heads (state buffers only with equal TP:
-         * kvr_peer_link). */
-        int rows = kvr_eroom(leg)->leg_stage + 1 ==
-                   (kvr_eroom(h)->pp_stages ? kvr_eroom(h)->pp_stages : 1) &&
-                   (i == 0 || kvr_eroom(h->legs[i - 1])->leg_stage != kvr_eroom(leg)->leg_stage);
+        /* The aux row and the state slots come with the first leg of the
+         * last PP stage (the one that has the output, as in sglang), which
+         * always reads heads; state rows sliced over TP ranks (TP sizes
+         * differ, state.c) come in shares over every leg of that stage. */
+        int last = kvr_eroom(leg)->leg_stage + 1 ==
+                   (kvr_eroom(h)->pp_stages ? kvr_eroom(h)->pp_stages : 1);
+        int rows = last && (i == 0 || kvr_eroom(h->legs[i - 1])->leg_stage !=
+                                          kvr_eroom(leg)->leg_stage);
+        kvr_state_link_t sl = kvr_leg_state_link(e, leg);
         leg->aux_index = rows ? h->aux_index : -1;
-        kvr_state_copy(leg->states, h->states, rows ? KVR_MAX_STATES : 0);
+        kvr_state_copy(leg->states, h->states, rows || (last && sl.sliced) ? KVR_MAX_STATES : 0);
         leg->expected = kvr_group_leg_bytes(e, leg);
         leg->meta_set = 1;
         kvr_work_push_locked(e, leg);

@@ -393,10 +393,14 @@ int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, const int64
          * WaitingForInput and sent at once waited for the engine thread to
          * wake (2 of 3 one-page rooms of the latency benchmark).  Posting
          * resumes from the room's cursor, so the entry, if left, finds
-         * nothing more to post. */
+         * nothing more to post.  Not when posting failed the room: the
+         * entry then carries the notice to the decode, which only the
+         * engine thread sends. */
         kvr_post_locked(e, h);
         kvr_check_prefill_done_locked(e, h);
-        kvr_work_drop_head_locked(e, h);
+        if (kvr_eroom(h)->notice == NULL) {
+            kvr_work_drop_head_locked(e, h);
+        }
         wake = h->inflight > 0 || e->work_head != NULL || e->sib_pending;
     } else {
         kvr_work_push_locked(e, h);

@@ -136,19 +136,26 @@ void kvr_on_send_done(void *arg, kvr_tp_op_t *op, int failed, const char *status
  * buffer's row (aux row `aux`, state slots `states`: kvr_state_row).  The
  * prefill passes its source pages and rows, the decode its own
  * destination pages and rows; s, unless NULL, the slice of the heads of
- * their pages the message carries (group.c).  With out == NULL only counts.  Returns the
+ * their pages the message carries (group.c); sl, unless NULL, the share of
+ * the state rows (state.c).  With out == NULL only counts.  Returns the
  * number of pieces; *bytes gets their total length.  h was checked against
  * the layout and the room.
  */
 uint32_t kvr_msg_pieces(const kvr_engine_t *e, const kvr_am_header_t *h,
                         const int32_t *pages, int64_t aux, const int64_t *states,
-                        const kvr_slice_t *s, kvr_tp_iov_t *out, uint64_t *bytes)
+                        const kvr_slice_t *s, const kvr_state_link_t *sl, kvr_tp_iov_t *out,
+                        uint64_t *bytes)
 {
     uint32_t n = 0, end = h->pos + h->npages;
     uint64_t total = 0;
     for (uint32_t b = h->buf; b < (uint32_t)h->buf + h->nbuf; b++) {
         if (h->kind == KVR_AM_KIND_AUX) {
             int64_t row = kvr_state_row(e, b, aux, states);
+            if (sl != NULL && b >= e->naux - e->nstate) {
+                n += kvr_state_pieces(e, sl, b - (e->naux - e->nstate), row,
+                                      out != NULL ? out + n : NULL, &total);
+                continue;
+            }
             if (out != NULL) {
                 out[n].buf = (char *)(uintptr_t)e->aux_ptrs[b] + (uint64_t)row * e->aux_item[b];
                 out[n].len = e->aux_item[b];

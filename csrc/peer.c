@@ -83,6 +83,8 @@ void kvr_fill_layout(kvr_engine_t *e, kvr_wire_layout_t *l)
     l->pp_rank = given ? y->pp_rank : 0;
     l->start_layer = given ? y->start : 0;
     l->layers = given ? y->layers : 0;
+    l->nrules = e->nstate_rules;
+    l->rules = (const unsigned char *)e->state_rules; /* little-endian host */
 }
 
 /* Compares one kind of buffers' item lengths (ours against the wire's). */
@@ -122,11 +124,13 @@ int kvr_layout_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *why, size
         snprintf(why, n, "%u aux and state buffers here, %u there", e->naux, l->naux);
         return -1;
     }
-    /* The state buffers (state.c) follow the aux buffers. */
+    /* The state buffers (state.c) follow the aux buffers; across TP sizes
+     * their rows are slices (kvr_state_link_set checks them). */
     uint32_t plain = e->naux - e->nstate;
+    int across = e->heads.heads && l->heads && e->heads.tp_size != l->tp_size;
     return kvr_items_diff("aux", plain, e->aux_item, l->aux_item_lens, why, n) != 0 ||
-                   kvr_items_diff("state", e->nstate, e->aux_item + plain,
-                                  l->aux_item_lens + (size_t)plain * 8, why, n) != 0
+                   (!across && kvr_items_diff("state", e->nstate, e->aux_item + plain,
+                                              l->aux_item_lens + (size_t)plain * 8, why, n) != 0)
                ? -1
                : 0;
 }

@@ -371,7 +371,8 @@ int kvr_post_plan(const kvr_plan_t *p, kvr_plan_cursor_t *c, kvr_am_header_t *h)
     h->pos = 0;
     h->npages = 1;
     h->buf = (uint16_t)c->aux_buf;
-    uint16_t nb = kvr_plan_buf_group(p->aux_item, p->naux, c->aux_buf, 1, 1, p->merge);
+    uint16_t nb = kvr_plan_buf_group(p->aux_item, p->naux, c->aux_buf, 1,
+                                     p->row_pieces ? p->row_pieces : 1, p->merge);
     h->nbuf = 1;
     while (h->nbuf < nb && kvr_plan_row_wanted(p, c->aux_buf + h->nbuf)) {
         h->nbuf++; /* a message covers only rows asked for */
@@ -396,7 +397,8 @@ int kvr_plan_row_wanted(const kvr_plan_t *p, uint32_t b)
     if (b < base) {
         return p->aux;
     }
-    return p->dst_states != NULL && p->dst_states[p->state_comp[b - base]] >= 0;
+    return p->dst_states != NULL && p->dst_states[p->state_comp[b - base]] >= 0 &&
+           (p->state_skip == NULL || !p->state_skip[b - base]);
 }
 
 void kvr_plan_hold(kvr_plan_cursor_t *c, const kvr_am_header_t *h)

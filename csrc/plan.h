@@ -133,6 +133,11 @@ typedef struct {
     uint32_t nstate;
     const uint32_t *state_comp;
     const int64_t *dst_states;
+    /* State rows in chunks (stateslice.h): pieces per row buffer at most
+     * (0: 1), and per state buffer 1 if this link carries none of it
+     * (NULL: none skipped). */
+    uint32_t row_pieces;
+    const unsigned char *state_skip;
     const uint64_t *kv_item, *aux_item; /* item lengths per buffer */
     uint64_t kv_item_max;       /* the widest KV item (> 0) */
     uint64_t run_bytes;         /* a run this long goes alone */

@@ -29,7 +29,8 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
     }
     uint64_t len = 0;
     const kvr_slice_t *s = h->kind == KVR_AM_KIND_KV ? kvr_room_slice(r, 0) : NULL;
-    uint32_t niov = kvr_msg_pieces(e, h, r->src_pages, r->src_aux, r->src_states, s, NULL,
+    const kvr_state_link_t *sl = kvr_room_state_link(r);
+    uint32_t niov = kvr_msg_pieces(e, h, r->src_pages, r->src_aux, r->src_states, s, sl, NULL,
                                   &len);
     kvr_op_t *op = kvr_op_new(r, len, niov);
     if (op == NULL) {
@@ -39,7 +40,7 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory posting data");
         return 0;
     }
-    kvr_msg_pieces(e, h, r->src_pages, r->src_aux, r->src_states, s, op->iov, &len);
+    kvr_msg_pieces(e, h, r->src_pages, r->src_aux, r->src_states, s, sl, op->iov, &len);
     kvr_am_header_t wire = *h;
     if (h->kind == KVR_AM_KIND_KV) {
         /* The decode's numbering of the buffers (a PP stage's layers). */
@@ -143,6 +144,9 @@ static void kvr_post_limits(const kvr_engine_t *e, const kvr_room_t *r, kvr_plan
     p->nstate = e->nstate;
     p->state_comp = e->state_comp;
     p->dst_states = r->dst_states;
+    const kvr_state_link_t *sl = kvr_room_state_link(r);
+    p->row_pieces = sl != NULL ? e->state_pieces_max : 1;
+    p->state_skip = sl != NULL && !sl->rep ? e->state_replicated : NULL;
     p->kv_item = e->kv_item;
     p->aux_item = e->aux_item;
     p->kv_item_max = e->kv_item_max;

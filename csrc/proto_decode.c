@@ -92,7 +92,9 @@ void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len,
         goto protocol;
     } else {
         for (uint32_t b = h.buf; b < (uint32_t)h.buf + h.nbuf; b++) {
-            if (kvr_state_row(e, b, r->aux_index, r->states) < 0) {
+            if (kvr_state_row(e, b, r->aux_index, r->states) < 0 ||
+                (b >= e->naux - e->nstate &&
+                 kvr_state_skip(e, kvr_room_state_link(r), b - (e->naux - e->nstate)))) {
                 why = b < e->naux - e->nstate ? "aux row does not match the room"
                                               : "state row the room did not ask for";
                 goto protocol;
@@ -101,11 +103,12 @@ void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len,
     }
     uint64_t want = 0;
     const kvr_slice_t *s = h.kind == KVR_AM_KIND_KV ? kvr_room_slice(r, 0) : NULL;
+    const kvr_state_link_t *sl = kvr_room_state_link(r);
     if (s != NULL && s->n == 0) {
         why = "KV data for a link that carries none";
         goto protocol;
     }
-    uint32_t niov = kvr_msg_pieces(e, &h, r->pages, r->aux_index, r->states, s, NULL, &want);
+    uint32_t niov = kvr_msg_pieces(e, &h, r->pages, r->aux_index, r->states, s, sl, NULL, &want);
     if (h.flags & KVR_AM_FLAG_READ) {
         /* Read by the decode, now, under the lock: the room is receiving. */
         why = kvr_cma_read_locked(e, r, &h, s, want, acc->data, len);
@@ -134,7 +137,7 @@ void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len,
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory receiving data");
         goto reject;
     }
-    kvr_msg_pieces(e, &h, r->pages, r->aux_index, r->states, s, op->iov, &want);
+    kvr_msg_pieces(e, &h, r->pages, r->aux_index, r->states, s, sl, op->iov, &want);
     kvr_room_advance(r, KVR_POLL_TRANSFERRING); /* first byte */
     r->peer->last_data_ns = kvr_now_ns();
     e->stats.data_rendezvous += rndv != 0;

@@ -12,7 +12,14 @@
  * aux row, are claimed, counted and checked like it, and share the room's
  * completion, abort and failure.
  *
- * Thread: any; the functions read the engine's fixed description only.
+ * State rows across TP sizes: each buffer may have a slicing rule
+ * (stateslice.h).  A decode room then asks every leg for the slots, and
+ * each link moves its share of every sliced row (its pieces, in one row
+ * message with the other buffers' as before) and, over the link of the
+ * decode rank's first share, the replicated rows whole.
+ *
+ * Thread: any; the functions read the engine's fixed description only
+ * (and a peer's link, set under the engine lock).
  */
 #include "engine_int.h"
 
@@ -21,8 +28,40 @@
 #include <stdlib.h>
 #include <string.h>
 
+/* The slicing rules of the state buffers, when given. */
+static int kvr_state_rules_setup(kvr_engine_t *e, const kvr_engine_params_t *p, char *err,
+                                 size_t errlen)
+{
+    uint32_t n = p->nstate;
+    e->state_rules = malloc((p->nstate_rules ? p->nstate_rules : 1) * sizeof(uint32_t));
+    e->state_rule_at = malloc((n ? n : 1) * sizeof(uint32_t));
+    e->state_replicated = calloc(n ? n : 1, 1);
+    if (e->state_rules == NULL || e->state_rule_at == NULL || e->state_replicated == NULL) {
+        return kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+    }
+    char why[256];
+    if (kvr_state_rules_check(p->state_rules, p->nstate_rules, p->aux_item_lens + p->naux - n,
+                              n, p->state_comp, e->state_rule_at, why, sizeof(why)) != 0) {
+        return kvr_err(err, errlen, KVR_EVALUE, "%s", why);
+    }
+    memcpy(e->state_rules, p->state_rules, p->nstate_rules * sizeof(uint32_t));
+    e->nstate_rules = p->nstate_rules;
+    e->state_pieces_max = 1;
+    for (uint32_t i = 0; i < n; i++) {
+        const uint32_t *r = e->state_rules + e->state_rule_at[i];
+        e->state_replicated[i] = (unsigned char)kvr_state_rule_replicated(r);
+        if (r[0] * r[1] > e->state_pieces_max) {
+            e->state_pieces_max = r[0] * r[1];
+        }
+    }
+    return 0;
+}
+
 int kvr_state_setup(kvr_engine_t *e, const kvr_engine_params_t *p, char *err, size_t errlen)
 {
+    if (p->nstate_rules > 0 && (p->nstate == 0 || p->state_comp == NULL)) {
+        return kvr_err(err, errlen, KVR_EVALUE, "state_slicing given without state buffers");
+    }
     if (p->nstate == 0) {
         return 0;
     }
@@ -54,7 +93,7 @@ int kvr_state_setup(kvr_engine_t *e, const kvr_engine_params_t *p, char *err, si
         e->state_comp[i] = c;
     }
     e->nstate = p->nstate;
-    return 0;
+    return p->nstate_rules > 0 ? kvr_state_rules_setup(e, p, err, errlen) : 0;
 }
 
 int64_t kvr_state_row(const kvr_engine_t *e, uint32_t b, int64_t aux, const int64_t *states)
@@ -106,4 +145,127 @@ int kvr_state_any(const int64_t *states)
         }
     }
     return 0;
+}
+
+/* The peer's rules (layout l) in host order, checked; NULL with why. */
+static uint32_t *kvr_state_peer_rules(const kvr_engine_t *e, const kvr_wire_layout_t *l,
+                                      const uint64_t *items, const char *side, char *why,
+                                      size_t n)
+{
+    uint32_t *rules = malloc(l->nrules * sizeof(uint32_t));
+    if (rules == NULL) {
+        snprintf(why, n, "out of memory");
+        return NULL;
+    }
+    for (uint32_t i = 0; i < l->nrules; i++) {
+        const unsigned char *b = l->rules + (size_t)i * 4;
+        rules[i] = (uint32_t)b[0] | (uint32_t)b[1] << 8 | (uint32_t)b[2] << 16 |
+                   (uint32_t)b[3] << 24;
+    }
+    char sub[200];
+    if (kvr_state_rules_check(rules, l->nrules, items, e->nstate, e->state_comp, NULL, sub,
+                              sizeof(sub)) != 0) {
+        snprintf(why, n, "the %s's %s", side, sub);
+        free(rules);
+        return NULL;
+    }
+    return rules;
+}
+
+int kvr_state_link_set(kvr_engine_t *e, kvr_peer_t *p, const kvr_wire_layout_t *l,
+                       const kvr_heads_t *ph, const kvr_heads_t *dh, char *why, size_t n)
+{
+    kvr_state_link_t sl = kvr_state_link(ph->tp_size, ph->tp_rank, dh->tp_size, dh->tp_rank);
+    if (e->nstate == 0 || ph->tp_size == dh->tp_size) {
+        p->slink = sl;
+        return 0;
+    }
+    int pre = e->mode == KVR_MODE_PREFILL;
+    uint32_t pre_rules = pre ? e->nstate_rules : l->nrules;
+    uint32_t dec_rules = pre ? l->nrules : e->nstate_rules;
+    if (pre_rules == 0 || dec_rules == 0) {
+        snprintf(why, n,
+                 "state buffers move between equal TP sizes only, unless both sides give "
+                 "state_slicing: prefill TP %u (%s), decode TP %u (%s)",
+                 ph->tp_size, pre_rules ? "given" : "not given", dh->tp_size,
+                 dec_rules ? "given" : "not given");
+        return -1;
+    }
+    if (ph->tp_size > ph->total_heads || dh->tp_size > dh->total_heads) {
+        /* The room's links follow the KV heads; with replicated heads (GQA
+         * with fewer heads than ranks, MLA) they are not the pairs of
+         * ranks whose state shares meet. */
+        snprintf(why, n,
+                 "state buffers move across TP sizes only when the KV heads split over the "
+                 "ranks: prefill TP %u, decode TP %u, %u KV heads",
+                 ph->tp_size, dh->tp_size, ph->total_heads);
+        return -1;
+    }
+    uint32_t base = e->naux - e->nstate;
+    uint64_t *items = malloc((e->nstate ? e->nstate : 1) * sizeof(uint64_t));
+    if (items == NULL) {
+        snprintf(why, n, "out of memory");
+        return -1;
+    }
+    for (uint32_t i = 0; i < e->nstate; i++) {
+        items[i] = kvr_wire_u64_at(l->aux_item_lens, base + i);
+    }
+    int rc = -1;
+    uint32_t *theirs = kvr_state_peer_rules(e, l, items, pre ? "decode" : "prefill", why, n);
+    if (theirs != NULL) {
+        const uint64_t *own = e->aux_item + base;
+        rc = kvr_state_rules_compat(pre ? e->state_rules : theirs, pre ? own : items, ph->tp_size,
+                                    pre ? theirs : e->state_rules, pre ? items : own, dh->tp_size,
+                                    e->nstate, e->state_comp, why, n);
+    }
+    free(theirs);
+    free(items);
+    if (rc == 0) {
+        p->slink = sl;
+    }
+    return rc;
+}
+
+const kvr_state_link_t *kvr_room_state_link(const kvr_room_t *r)
+{
+    return r->peer != NULL && r->peer->slink.sliced ? &r->peer->slink : NULL;
+}
+
+int kvr_state_skip(const kvr_engine_t *e, const kvr_state_link_t *sl, uint32_t i)
+{
+    return sl != NULL && sl->sliced && !sl->rep && e->state_replicated != NULL &&
+           e->state_replicated[i];
+}
+
+uint64_t kvr_state_link_bytes(const kvr_engine_t *e, const kvr_state_link_t *sl, int64_t aux,
+                              const int64_t *states)
+{
+    if (sl == NULL || !sl->sliced || e->nstate_rules == 0) {
+        return kvr_state_bytes(e, aux, states);
+    }
+    uint64_t bytes = aux >= 0 ? e->aux_bytes : 0;
+    for (uint32_t i = 0; i < e->nstate; i++) {
+        if (states[e->state_comp[i]] >= 0) {
+            kvr_state_pieces(e, sl, i, 0, NULL, &bytes);
+        }
+    }
+    return bytes;
+}
+
+uint32_t kvr_state_pieces(const kvr_engine_t *e, const kvr_state_link_t *sl, uint32_t i,
+                          int64_t row, kvr_tp_iov_t *out, uint64_t *bytes)
+{
+    uint32_t b = e->naux - e->nstate + i;
+    kvr_state_chunk_t chunks[KVR_STATE_MAX_PIECES];
+    uint64_t len = 0;
+    uint32_t k = kvr_state_chunks(e->state_rules + e->state_rule_at[i], e->aux_item[b],
+                                  e->heads.tp_size, e->heads.tp_rank, sl,
+                                  out != NULL ? chunks : NULL, &len);
+    for (uint32_t j = 0; out != NULL && j < k; j++) {
+        out[j].buf = (char *)(uintptr_t)e->aux_ptrs[b] + (uint64_t)row * e->aux_item[b] +
+                     chunks[j].off;
+        out[j].len = (size_t)chunks[j].len;
+    }
+    *bytes += len;
+    return k;
 }

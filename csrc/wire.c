@@ -101,7 +101,8 @@ enum {
     KVR_HELLO_SHM = 2,
     KVR_HELLO_HEADS = 4,
     KVR_HELLO_CMA = 8,
-    KVR_HELLO_LAYERS = 16
+    KVR_HELLO_LAYERS = 16,
+    KVR_HELLO_STATE_RULES = 32,
 };
 
 static void kvr_put_hello_fields(kvr_wbuf_t *b, const kvr_msg_t *m)
@@ -110,7 +111,8 @@ static void kvr_put_hello_fields(kvr_wbuf_t *b, const kvr_msg_t *m)
     unsigned x = (hello && m->tcp_rx_seg ? KVR_HELLO_TCP_RX : 0) |
                  (hello && m->has_shm ? KVR_HELLO_SHM : 0) |
                  (m->layout.heads ? KVR_HELLO_HEADS : 0) | (m->has_cma ? KVR_HELLO_CMA : 0) |
-                 (m->layout.layers ? KVR_HELLO_LAYERS : 0);
+                 (m->layout.layers ? KVR_HELLO_LAYERS : 0) |
+                 (m->layout.nrules ? KVR_HELLO_STATE_RULES : 0);
     if (x == 0) {
         return;
     }
@@ -140,6 +142,10 @@ static void kvr_put_hello_fields(kvr_wbuf_t *b, const kvr_msg_t *m)
         kvr_put_u32(b, m->layout.pp_rank);
         kvr_put_u32(b, m->layout.start_layer);
         kvr_put_u32(b, m->layout.layers);
+    }
+    if (x & KVR_HELLO_STATE_RULES) {
+        kvr_put_u32(b, m->layout.nrules);
+        kvr_wbuf_put(b, m->layout.rules, (size_t)m->layout.nrules * 4);
     }
 }
 
@@ -317,7 +323,7 @@ static void kvr_rd_hello_fields(kvr_rd_t *r, kvr_msg_t *m)
         return;
     }
     unsigned x = (unsigned)kvr_rd_int(r, 1, "truncated HELLO fields");
-    unsigned known = KVR_HELLO_HEADS | KVR_HELLO_CMA | KVR_HELLO_LAYERS |
+    unsigned known = KVR_HELLO_HEADS | KVR_HELLO_CMA | KVR_HELLO_LAYERS | KVR_HELLO_STATE_RULES |
                      (m->type == KVR_MSG_HELLO ? KVR_HELLO_TCP_RX | KVR_HELLO_SHM : 0);
     if (x == 0 || (x & ~known)) {
         r->why = x == 0 ? "explicit empty HELLO fields" : "unknown HELLO fields";
@@ -365,6 +371,14 @@ static void kvr_rd_hello_fields(kvr_rd_t *r, kvr_msg_t *m)
         if (!r->why && (l->layers == 0 || bad)) {
             r->why = l->layers == 0 ? "explicit zero layers" : "impossible layers";
         }
+    }
+    if (x & KVR_HELLO_STATE_RULES) {
+        m->layout.nrules = (uint32_t)kvr_rd_int(r, 4, "truncated state slicing");
+        if (!r->why && (m->layout.nrules == 0 || m->layout.nrules > KVR_WIRE_MAX_RULES)) {
+            r->why = "bad state slicing length";
+            return;
+        }
+        kvr_rd_take(r, (size_t)m->layout.nrules * 4, &m->layout.rules, "truncated state slicing");
     }
 }
 

@@ -60,7 +60,8 @@ typedef enum {
  * host's 16-byte boot id; a HELLO_OK adds the prefill's pid u32 and the
  * address of its epoch u64, which the decode reads to check it may), the
  * layers (only when layers > 0: 4 u32 pp_size, pp_rank, start_layer,
- * layers).
+ * layers); state slicing rules (when nrules > 0: u32 nrules, then nrules
+ * u32).
  * None: no flags byte. */
 typedef struct {
     uint32_t page_size;
@@ -72,7 +73,13 @@ typedef struct {
     /* plan.h's kvr_layers_t; layers 0: none given (one stage, one buffer
      * per layer). */
     uint32_t pp_size, pp_rank, start_layer, layers;
+    /* How the state buffers' rows split over TP ranks (stateslice.h's flat
+     * rules, little-endian u32), at most KVR_WIRE_MAX_RULES; 0: none. */
+    uint32_t nrules;
+    const unsigned char *rules;
 } kvr_wire_layout_t;
+
+#define KVR_WIRE_MAX_RULES (1u << 20)
 
 /* A decoded control message; pointers point into the decoded buffer. */
 typedef struct {

@@ -49,6 +49,8 @@ static void check_same(const kvr_msg_t *a, const kvr_msg_t *b)
     CHECK(same_bytes(a->layout.kv_item_lens, b->layout.kv_item_lens, (size_t)a->layout.nkv * 8));
     CHECK(a->layout.naux == b->layout.naux);
     CHECK(same_bytes(a->layout.aux_item_lens, b->layout.aux_item_lens, (size_t)a->layout.naux * 8));
+    CHECK(a->layout.nrules == b->layout.nrules);
+    CHECK(same_bytes(a->layout.rules, b->layout.rules, (size_t)a->layout.nrules * 4));
 }
 
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
@@ -75,6 +77,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size)
     CHECK(inside(m.pages, (size_t)m.npages * 4, data, size));
     CHECK(inside(m.layout.kv_item_lens, (size_t)m.layout.nkv * 8, data, size));
     CHECK(inside(m.layout.aux_item_lens, (size_t)m.layout.naux * 8, data, size));
+    CHECK(m.layout.nrules <= KVR_WIRE_MAX_RULES);
+    CHECK(inside(m.layout.rules, (size_t)m.layout.nrules * 4, data, size));
     /* the reader helpers over the decoded arrays stay in bounds */
     for (uint32_t i = 0; i < m.npages; i++) {
         (void)kvr_wire_i32_at(m.pages, i);

@@ -44,13 +44,15 @@ def wire_seeds():
     out["hello"] = (header(HELLO) + struct.pack("<I", 0) + layout(16, [4096, 4096, 8192], [128])
                     + struct.pack("<I", 8) + bytes(range(8)))
     # the optional fields: a flags byte (1 tcp receive size, 2 shared-memory
-    # sizes, 4 head layout, 8 cross-memory offer, 16 layers), then each present field
-    # in that order
+    # sizes, 4 head layout, 8 cross-memory offer, 16 layers, 32 state slicing
+    # rules), then each present field in that order
     rx, shm = struct.pack("<I", 512 << 10), struct.pack("<II", 32 << 10, 256)
     heads = struct.pack("<4I", 4, 1, 2, 8)  # tp_size, tp_rank, heads, total_heads
     out["hello_tcp_rx"] = out["hello"] + b"\x01" + rx
     out["hello_heads"] = out["hello"] + b"\x04" + heads
     out["hello_tcp_rx_shm_heads"] = out["hello"] + b"\x07" + rx + shm + heads
+    rules = struct.pack("<6I", 5, 1, 1, 4, 1, 0)  # count; outer 1, one group of 4; replicated
+    out["hello_heads_state_rules"] = out["hello"] + b"\x24" + heads + rules
     out["hello_ok"] = (header(HELLO_OK) + struct.pack("<I", 0) + layout(16, [4096, 4096], [])
                        + struct.pack("<I", 8) + bytes(range(8)))
     boot = bytes(range(0xB0, 0xC0))

@@ -21,13 +21,13 @@ CLANG=${CLANG:-clang}
 SECONDS_EACH=${FUZZ_SECONDS:-30}
 JOBS=${FUZZ_JOBS:-1}
 BUILD=fuzz/build
-TARGETS=${*:-fuzz_wire fuzz_am_header fuzz_auth fuzz_worker_addr}
+TARGETS=${*:-fuzz_wire fuzz_am_header fuzz_auth fuzz_state_rules fuzz_worker_addr}
 mkdir -p "$BUILD"
 if ! command -v "$CLANG" >/dev/null; then
     echo "clang not found (apt-get install -y clang libclang-rt-14-dev)" >&2
     exit 2
 fi
-SRCS="csrc/wire.c csrc/auth.c csrc/table.c"
+SRCS="csrc/wire.c csrc/auth.c csrc/table.c csrc/stateslice.c"
 FLAGS="-g -O1 -Wall -Werror -fno-omit-frame-pointer -fsanitize=fuzzer,address,undefined -fno-sanitize-recover=all -Icsrc"
 export ASAN_OPTIONS=${ASAN_OPTIONS:-detect_leaks=1:abort_on_error=1}
 export UBSAN_OPTIONS=${UBSAN_OPTIONS:-print_stacktrace=1:halt_on_error=1}

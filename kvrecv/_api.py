@@ -124,7 +124,14 @@ class KVArgs:
 
     State buffers (hybrid models, sglang's state_* fields): per component
     (state_types, e.g. Mamba), a list of buffers, each of its own item length,
-    indexed by the request's slot of that component (docs/layouts.md)."""
+    indexed by the request's slot of that component (docs/layouts.md).
+    state_slicing (optional, parallel to state_item_lens): how each state
+    buffer's row splits over the TP ranks, so that prefill and decode of
+    different TP sizes move state: 0 (replicated: every rank holds the whole
+    row), n (the row holds this rank's n units -- heads, channels -- of the
+    model's n x tp_size), a list of such counts (groups sliced independently,
+    e.g. a conv state [q | k | v]), or {"units": n or [...], "outer": k} (the
+    row is k repetitions of those)."""
 
     def __init__(
         self,
@@ -150,6 +157,7 @@ class KVArgs:
         pp_size: int = 1,
         start_layer: int = 0,
         num_layers: Optional[int] = None,
+        state_slicing: Optional[Sequence[Sequence[Any]]] = None,
     ):
         self.engine_rank = int(engine_rank)
         self.attn_dp_rank = _dp_rank("attn_dp_rank", attn_dp_rank)
@@ -180,6 +188,8 @@ class KVArgs:
                             ("state_item_lens", state_item_lens))
         )
         self.state = _state(self.state_data_ptrs, self.state_data_lens, self.state_item_lens)
+        self.state_slicing = state_slicing
+        self.state_rules = _state_rules(state_slicing, self.state_item_lens)
         nstate = len(self.state[0]) if self.state else 0
         self.mem_kinds = _mem_kinds(
             mem_kinds, len(self.kv_data_ptrs) + len(self.aux_data_ptrs) + nstate
@@ -279,6 +289,49 @@ def _state(ptrs: list, lens: list, items: list):
         for k, v in enumerate((p, n, i, [c] * len(p))):
             flat[k].extend(v)
     return flat if flat[0] else None
+
+
+def _state_rule(where: str, rule: Any) -> list:
+    """One buffer's slicing rule as the core's flat numbers: outer,
+    groups, units per group (replicated: 1, 0)."""
+    def count(name, v):
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 < v < 2**32:
+            raise ValueError(f"{where}: {name}={v!r} must be a positive integer")
+        return v
+
+    outer, units = 1, rule
+    if isinstance(rule, dict):
+        unknown = set(rule) - {"units", "outer"}
+        if unknown or "units" not in rule:
+            raise ValueError(f"{where}: a dict rule has 'units' and optionally 'outer', "
+                             f"not {sorted(rule)}")
+        outer, units = count("outer", rule.get("outer", 1)), rule["units"]
+    if isinstance(units, int) and not isinstance(units, bool) and units == 0 and outer == 1:
+        return [1, 0]
+    groups = [units] if isinstance(units, int) and not isinstance(units, bool) else units
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence) or not groups:
+        raise ValueError(f"{where}={rule!r} must be 0 (replicated), a unit count, a list of "
+                         "them or a dict with 'units' and 'outer'")
+    return [outer, len(groups)] + [count("units", g) for g in groups]
+
+
+def _state_rules(slicing: Any, items: list) -> Optional[list]:
+    """state_slicing, flat for the core (None when not given)."""
+    if slicing is None:
+        return None
+    if isinstance(slicing, (str, bytes)) or not isinstance(slicing, Sequence) or \
+            len(slicing) != len(items):
+        raise ValueError(f"state_slicing must give one list per state component "
+                         f"({len(items)}), not {slicing!r}")
+    flat: list = []
+    for c, (rules, comp) in enumerate(zip(slicing, items)):
+        if isinstance(rules, (str, bytes)) or not isinstance(rules, Sequence) or \
+                len(rules) != len(comp):
+            raise ValueError(f"state_slicing[{c}] must give one rule per buffer of the "
+                             f"component ({len(comp)}), not {rules!r}")
+        for k, rule in enumerate(rules):
+            flat.extend(_state_rule(f"state_slicing[{c}][{k}]", rule))
+    return flat or None
 
 
 def _heads(tp_size: int, rank: int, heads: Optional[int], total: Optional[int], mla: bool):
@@ -413,6 +466,7 @@ class KVManager:
             args.attn_dp_rank,
             args.state,
             args.layers,
+            args.state_rules,
         )
         # The core's events reach logging.getLogger("kvrecv") through one
         # thread per manager that waits (without the GIL) for them.  It holds

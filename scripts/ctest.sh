@@ -19,7 +19,7 @@ BUILD=${CTEST_BUILD:-$ROOT/tests/c/build}
 MODES=${CTEST_MODES:-plain asan tsan valgrind}
 mkdir -p "$BUILD"
 
-SRCS="csrc/status.c csrc/table.c csrc/registry.c csrc/log.c csrc/wire.c csrc/auth.c csrc/room.c csrc/plan.c csrc/hist.c csrc/ucxaddr.c csrc/heap.c csrc/peerstate.c csrc/pagecopy.c"
+SRCS="csrc/status.c csrc/table.c csrc/registry.c csrc/log.c csrc/wire.c csrc/auth.c csrc/room.c csrc/plan.c csrc/stateslice.c csrc/hist.c csrc/ucxaddr.c csrc/heap.c csrc/peerstate.c csrc/pagecopy.c"
 TESTS=$(ls tests/c/runner.c tests/c/test_*.c)
 COMMON="-std=c11 -D_GNU_SOURCE -DKVRECV_DEBUG -g -O1 -Wall -Wextra -Werror -Icsrc -pthread"
 

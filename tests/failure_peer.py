@@ -119,6 +119,10 @@ def main() -> int:
                                      h.get("pp"))
         args = hp.kv_args(kvrecv, kv, aux, h["tp"], rank, h["total"], h.get("mla", False),
                           h.get("dp", 0), stage=h.get("pp"))
+        if h.get("state"):  # with state buffers sliced over the ranks (tests/statetp_peer.py)
+            import statetp_peer as stp
+            state = stp.prefill_state(int(spec.get("seed", 1)), h["tp"], rank)
+            args = stp.kv_args(kvrecv, kv, aux, h["tp"], rank, h["total"], state)
     elif spec.get("state"):  # a prefill with state buffers (tests/state_peer.py)
         import state_peer as sp
         kv, aux = source_buffers(int(spec.get("seed", 1)))

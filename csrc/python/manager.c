@@ -230,26 +230,56 @@ static int kvr_py_u32_four(PyObject *obj, const char *what, uint32_t *out[4])
     return 0;
 }
 
+/* rules: None, or the state buffers' slicing rules (stateslice.h), flat,
+ * into *out (PyMem); the core checks them.  Returns 0, or -1 with the
+ * error set. */
+static int kvr_py_state_rules(PyObject *rules, uint32_t **out, uint32_t *n)
+{
+    uint64_t *list = NULL;
+    int rc = -1;
+    if (rules == Py_None) {
+        return 0;
+    }
+    if (kvr_py_u64_list(rules, "state_rules", &list, n) < 0) {
+        return -1;
+    }
+    *out = PyMem_Calloc(*n ? *n : 1, sizeof(uint32_t));
+    if (*out == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (uint32_t i = 0; i < *n; i++) {
+        if (list[i] > UINT32_MAX) {
+            PyErr_Format(PyExc_ValueError, "state_rules[%u] is over 2^32 - 1", i);
+            goto done;
+        }
+        (*out)[i] = (uint32_t)list[i];
+    }
+    rc = 0;
+done:
+    PyMem_Free(list);
+    return rc;
+}
+
 static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
 {
     kvr_py_manager_t *self = (kvr_py_manager_t *)op;
     static char *kwlist[] = {"mode", "engine_rank", "kv_data_ptrs", "kv_data_lens",
                              "kv_item_lens", "aux_data_ptrs", "aux_data_lens", "aux_item_lens",
                              "page_size", "host", "bootstrap_addr", "config", "mem_kinds",
-                             "heads", "dp_rank", "state", "layers", NULL};
+                             "heads", "dp_rank", "state", "layers", "state_rules", NULL};
     int mode, rank;
-    unsigned int dp_rank = 0;
-    unsigned int page_size = 1;
+    unsigned int dp_rank = 0, page_size = 1;
     PyObject *kp, *kl, *ki, *ap, *al, *ai, *cfg = Py_None, *kinds = Py_None, *heads = Py_None;
-    PyObject *state = Py_None, *layers = Py_None;
+    PyObject *state = Py_None, *layers = Py_None, *rules = Py_None;
     const char *host = "127.0.0.1", *bs = "";
     if (self->engine != NULL) {
         PyErr_SetString(PyExc_RuntimeError, "Manager is already initialised");
         return -1;
     }
-    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiOOOOOO|IssOOOIOO", kwlist, &mode, &rank,
+    if (!PyArg_ParseTupleAndKeywords(args, kwds, "iiOOOOOO|IssOOOIOOO", kwlist, &mode, &rank,
                                      &kp, &kl, &ki, &ap, &al, &ai, &page_size, &host, &bs, &cfg,
-                                     &kinds, &heads, &dp_rank, &state, &layers)) {
+                                     &kinds, &heads, &dp_rank, &state, &layers, &rules)) {
         return -1;
     }
     kvr_engine_params_t p;
@@ -257,7 +287,7 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     uint64_t *bufs[6] = {NULL, NULL, NULL, NULL, NULL, NULL};
     uint64_t *kind_list = NULL;
     uint8_t *kind_bytes = NULL;
-    uint32_t *state_comp = NULL;
+    uint32_t *state_comp = NULL, *state_rules = NULL;
     uint32_t ns[6] = {0, 0, 0, 0, 0, 0};
     PyObject *lists[6] = {kp, kl, ki, ap, al, ai};
     static const char *names[6] = {"kv_data_ptrs", "kv_data_lens", "kv_item_lens",
@@ -269,23 +299,21 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
         }
     }
     if (ns[0] != ns[1] || ns[0] != ns[2]) {
-        PyErr_Format(PyExc_ValueError,
-                     "kv_data_ptrs, kv_data_lens and kv_item_lens have different lengths "
-                     "(%u, %u, %u)",
-                     ns[0], ns[1], ns[2]);
+        PyErr_Format(PyExc_ValueError, "kv_data_ptrs, kv_data_lens and kv_item_lens have "
+                     "different lengths (%u, %u, %u)", ns[0], ns[1], ns[2]);
         goto out;
     }
     if (ns[3] != ns[4] || ns[3] != ns[5]) {
-        PyErr_Format(PyExc_ValueError,
-                     "aux_data_ptrs, aux_data_lens and aux_item_lens have different lengths "
-                     "(%u, %u, %u)",
-                     ns[3], ns[4], ns[5]);
+        PyErr_Format(PyExc_ValueError, "aux_data_ptrs, aux_data_lens and aux_item_lens have "
+                     "different lengths (%u, %u, %u)", ns[3], ns[4], ns[5]);
         goto out;
     }
-    if (kvr_py_state_args(state, bufs, ns, &state_comp, &p.nstate) < 0) {
+    if (kvr_py_state_args(state, bufs, ns, &state_comp, &p.nstate) < 0 ||
+        kvr_py_state_rules(rules, &state_rules, &p.nstate_rules) < 0) {
         goto out;
     }
     p.state_comp = state_comp;
+    p.state_rules = state_rules;
     p.mode = mode;
     p.rank = rank;
     p.dp_rank = dp_rank;
@@ -369,6 +397,7 @@ out:
     PyMem_Free(kind_list);
     PyMem_Free(kind_bytes);
     PyMem_Free(state_comp);
+    PyMem_Free(state_rules);
     return ret;
 }
 

@@ -55,6 +55,10 @@
     X(plan_merge_buffers, 10, 0)                                              \
     X(plan_resume_and_aux, 10, 0)                                             \
     X(plan_state_rows, 10, 0)                                                 \
+    X(stateslice_moves_every_byte_once, 20, 0)                                \
+    X(stateslice_pieces_joined_and_replicated, 10, 0)                         \
+    X(stateslice_bad_rules, 10, 0)                                            \
+    X(stateslice_compat_names_both_sides, 10, 0)                              \
     X(plan_hold_retries_same, 10, 0)                                          \
     X(plan_random_cover, 60, 0)                                               \
     X(plan_heads_links, 10, 0)                                                \

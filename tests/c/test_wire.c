@@ -856,6 +856,11 @@ static void hello_fields(kvr_msg_t *m, unsigned x)
         m->layout.start_layer = 5;
         m->layout.layers = 4;
     }
+    if (x & 32) {
+        static const unsigned char rules[12] = {1, 0, 0, 0, 1, 0, 0, 0, 4, 0, 0, 0};
+        m->layout.nrules = 3;
+        m->layout.rules = rules;
+    }
 }
 
 TEST_IMPL(wire_hello_fields)
@@ -867,13 +872,13 @@ TEST_IMPL(wire_hello_fields)
     ASSERT_EQ(kvr_wire_encode(&b0, &base), 0);
     ASSERT_EQ(decode_exact(b0.data, b0.len, &d, &why), 0);
     ASSERT(d.tcp_rx_seg == 0 && d.has_shm == 0 && d.layout.heads == 0);
-    for (unsigned x = 1; x < 32; x++) {
+    for (unsigned x = 1; x < 64; x++) {
         kvr_msg_t m = base;
         hello_fields(&m, x);
         kvr_wbuf_init(&b);
         ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
         size_t want = 1 + (x & 1 ? 4 : 0) + (x & 2 ? 8 : 0) + (x & 4 ? 16 : 0) + (x & 8 ? 16 : 0) +
-                      (x & 16 ? 16 : 0);
+                      (x & 16 ? 16 : 0) + (x & 32 ? 16 : 0);
         ASSERT_EQ(b.len, b0.len + want);
         ASSERT(memcmp(b.data, b0.data, b0.len) == 0);
         ASSERT_EQ(b.data[b0.len], x);
@@ -885,6 +890,8 @@ TEST_IMPL(wire_hello_fields)
         ASSERT(d.has_cma == m.has_cma);
         ASSERT(d.layout.pp_size == m.layout.pp_size && d.layout.pp_rank == m.layout.pp_rank &&
                d.layout.start_layer == m.layout.start_layer && d.layout.layers == m.layout.layers);
+        ASSERT(d.layout.nrules == m.layout.nrules &&
+               (!m.layout.nrules || memcmp(d.layout.rules, m.layout.rules, 12) == 0));
         ASSERT(!m.has_cma || memcmp(d.boot_id, m.boot_id, sizeof(d.boot_id)) == 0);
         ASSERT(d.pid == 0 && d.probe_addr == 0); /* a HELLO's offer has neither */
         for (size_t cut = 1; cut < want; cut++) {
@@ -906,8 +913,9 @@ TEST_IMPL(wire_hello_fields)
         size_t n;
         const char *why;
     } bad[] = {{0, 0, "explicit empty HELLO fields"},
-               {32, 4, "unknown HELLO fields"},
+               {64, 4, "unknown HELLO fields"},
                {16, 16, "explicit zero layers"},
+               {32, 4, "bad state slicing length"},
                {1, 4, "explicit zero tcp receive size"},
                {4, 16, "explicit zero heads"}};
     unsigned char buf[1024];
@@ -976,7 +984,7 @@ TEST_IMPL(wire_constructors)
     unsigned char lens[8] = {0, 16, 0, 0, 0, 0, 0, 0}, pages[8] = {5, 0, 0, 0, 9, 0, 0, 0};
     /* State slots 3 and -1 (component 1 not asked for). */
     unsigned char slots[16] = {3, 0, 0, 0, 0, 0, 0, 0, 255, 255, 255, 255, 255, 255, 255, 255};
-    kvr_wire_layout_t layout = {16, 1, lens, 0, NULL, 0, 0, 0, 0, 0, 0, 0, 0};
+    kvr_wire_layout_t layout = {16, 1, lens, 0, NULL, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL};
     char addr[3] = {1, 2, 3};
     kvr_msg_t ms[] = {
         kvr_msg_rank(KVR_MSG_PING, 3),
