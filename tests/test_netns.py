@@ -435,6 +435,21 @@ def test_control_port_blackholed(pair, port):
     _assert_drained(pf, dc)
 
 
+def _big_rooms_in_flight(pf, dc, rooms):
+    """Opens one BIG_ROOM room per id of rooms (4 of them) on both sides,
+    sends them whole and returns once an eighth of their bytes landed."""
+    plan = {rid: (list(range(8 * i, 8 * i + BIG_ROOM)), i, list(range(8 * i, 8 * i + BIG_ROOM)))
+            for i, rid in enumerate(rooms)}
+    total = len(plan) * BIG_ROOM * sum(netns_items()) * BIG_SCALE
+    dc.call("open_receivers", rooms=[[r, d, a] for r, (d, a, _) in plan.items()])
+    pf.call("open_senders", rooms=[[r, BIG_ROOM, a] for r, (d, a, _) in plan.items()])
+    pf.call("send", chunks=[[r, s] for r, (_, _, s) in plan.items()])
+    t0 = time.monotonic()
+    while dc.call("stats")["stats"]["bytes_moved"] < total // 8:
+        assert time.monotonic() - t0 < 20, dc.call("stats")
+        time.sleep(0.005)
+
+
 def test_control_port_blackholed_mid_transfer(pair):
     """The prefill's control port goes dark on an established connection
     while the data path (UCX, another port) still works: heartbeats stop, so
@@ -448,16 +463,7 @@ def test_control_port_blackholed_mid_transfer(pair):
                           scale=BIG_SCALE)
     pf, dc = pfs[0], dcs[0]
     pair.rate_limit("prefill", "40mbit")
-    plan = {rid: (list(range(8 * i, 8 * i + BIG_ROOM)), i, list(range(8 * i, 8 * i + BIG_ROOM)))
-            for i, rid in enumerate(range(1, 5))}
-    total = 4 * BIG_ROOM * sum(netns_items()) * BIG_SCALE
-    dc.call("open_receivers", rooms=[[r, d, a] for r, (d, a, _) in plan.items()])
-    pf.call("open_senders", rooms=[[r, BIG_ROOM, a] for r, (d, a, _) in plan.items()])
-    pf.call("send", chunks=[[r, s] for r, (_, _, s) in plan.items()])
-    t0 = time.monotonic()
-    while dc.call("stats")["stats"]["bytes_moved"] < total // 8:
-        assert time.monotonic() - t0 < 20, dc.call("stats")
-        time.sleep(0.005)
+    _big_rooms_in_flight(pf, dc, range(1, 5))
     pair.drop_port(_FW, "prefill", _port(pf.endpoint))
     t_drop = time.monotonic()
     got, times = _ended(dc, t_drop, "control port dropped mid-transfer")
@@ -509,18 +515,8 @@ def test_decode_drops_its_endpoint_mid_transfer_the_prefill_stays_up(pair):
                           scale=BIG_SCALE)
     pf, dc = pfs[0], dcs[0]
     pair.rate_limit("prefill", "40mbit")
-    total = 4 * BIG_ROOM * sum(netns_items()) * BIG_SCALE
     for attempt in range(3):
-        rooms = range(100 * attempt + 1, 100 * attempt + 5)
-        plan = {rid: (list(range(8 * i, 8 * i + BIG_ROOM)), i, list(range(8 * i, 8 * i + BIG_ROOM)))
-                for i, rid in enumerate(rooms)}
-        dc.call("open_receivers", rooms=[[r, d, a] for r, (d, a, _) in plan.items()])
-        pf.call("open_senders", rooms=[[r, BIG_ROOM, a] for r, (d, a, _) in plan.items()])
-        pf.call("send", chunks=[[r, s] for r, (_, _, s) in plan.items()])
-        t0 = time.monotonic()
-        while dc.call("stats")["stats"]["bytes_moved"] < total // 8:
-            assert time.monotonic() - t0 < 20, dc.call("stats")
-            time.sleep(0.005)
+        _big_rooms_in_flight(pf, dc, range(100 * attempt + 1, 100 * attempt + 5))
         pair.drop_port(_FW, "prefill", _port(pf.endpoint))
         t_drop = time.monotonic()
         what = f"attempt {attempt}, control port dark"
