@@ -83,7 +83,7 @@ typedef struct kvr_peer {
     int state;
     uint64_t epoch;             /* remote instance epoch; 0 before known */
     int remote_rank;
-    char key[160];              /* decode: bootstrap addr; prefill: routing id */
+    char key[192];              /* decode: bootstrap addr and suffixes; prefill: routing id */
     char name[160];             /* "host:port" for reasons and logs */
     kvr_ctl_conn_t *bs_conn;    /* decode: to the bootstrap server */
     kvr_ctl_conn_t *conn;       /* decode: to the prefill's ROUTER */

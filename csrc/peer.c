@@ -463,7 +463,7 @@ int kvr_peer_resolve(kvr_engine_t *e, kvr_peer_t *p, char *err, size_t errlen)
                  (int)strcspn(p->key, "#"), p->key, dp,
                  p->query_rank >= 0 ? p->query_rank : e->rank, pp);
     } else {
-        snprintf(p->name, sizeof(p->name), "%s", p->key);
+        snprintf(p->name, sizeof(p->name), "%.159s", p->key); /* a routing id: short */
     }
     kvr_peer_bs_endpoint(p, ep, sizeof(ep));
     if (kvr_ctl_connect(e->ctl, ep, NULL, 0, p, &p->bs_conn, err, errlen) != 0) {

@@ -303,14 +303,14 @@ static void kvr_on_bs_reply_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
     p->conn_ep[m->str_len] = '\0';
     kvr_peer_disconnect(e, p); /* retires the bootstrap connection */
     p->epoch = m->peer_epoch;
-    char dp[32] = "", pp[32] = "";
+    char dp[24] = "", pp[24] = ""; /* all fit the name: its endpoint up to 80 */
     if (p->query_dp > 0) {
         snprintf(dp, sizeof(dp), " of DP group %u", p->query_dp);
     }
     if (p->query_pp >= 0) {
         snprintf(pp, sizeof(pp), " of PP stage %d", p->query_pp);
     }
-    snprintf(p->name, sizeof(p->name), "prefill rank %u%s%s at %.100s", m->rank, dp, pp,
+    snprintf(p->name, sizeof(p->name), "prefill rank %u%s%s at %.80s", m->rank, dp, pp,
              strncmp(p->conn_ep, "tcp://", 6) == 0 ? p->conn_ep + 6 : p->conn_ep);
     if (kvr_peer_worker(e, p, err, sizeof(err)) != 0) {
         char what[400];
