@@ -157,8 +157,15 @@ static int decode_exact(const void *buf, size_t len, kvr_msg_t *out, const char 
         INSIDE(out->pages, (size_t)out->npages * 4);
         INSIDE(out->layout.kv_item_lens, (size_t)out->layout.nkv * 8);
         INSIDE(out->layout.aux_item_lens, (size_t)out->layout.naux * 8);
+        INSIDE(out->layout.rules, (size_t)out->layout.nrules * 4);
 #undef INSIDE
         /* the caller compares fields after free, so hand back stable copies */
+        static unsigned char rules[4 * 64];
+        if (out->layout.nrules > 0) {
+            ASSERT((size_t)out->layout.nrules * 4 <= sizeof(rules));
+            memcpy(rules, out->layout.rules, (size_t)out->layout.nrules * 4);
+            out->layout.rules = rules;
+        }
     }
     free(copy);
     return rc;
