@@ -264,11 +264,15 @@ class KVRecvManager(KVManager):
         state = _state_args(args)
         par = _parallel(server_args)
         system_dp = par["dp_size"] if not par["dp_attention"] else 1
-        if mode == "prefill" and (system_dp > 1 or par["pp_size"] > 1 or par["cp_size"] > 1):
+        if mode == "prefill" and (system_dp > 1 or par["cp_size"] > 1):
             raise NotImplementedError(
-                f"kvrecv serves a prefill of DP groups with DP attention, without PP or CP "
+                f"kvrecv serves a prefill of DP groups with DP attention, without CP "
                 f"(dp_size={par['dp_size']}, enable_dp_attention={par['dp_attention']}, "
-                f"pp_size={par['pp_size']}, attn_cp_size={par['cp_size']})")
+                f"attn_cp_size={par['cp_size']})")
+        if mode == "decode" and par["pp_size"] > 1:
+            raise NotImplementedError(
+                f"kvrecv serves a decode of one PP stage, reading a prefill of any PP size "
+                f"(this decode has pp_size={par['pp_size']})")
         rank, dp_group = _attn_rank(args, par)
         if isinstance(args, KVArgs):
             kv_args = args
@@ -285,6 +289,7 @@ class KVRecvManager(KVManager):
                 tp_size=par["attn_tp_size"],
                 **_head_layout(rank, args, is_mla_backend, par["attn_tp_size"], server_args),
                 attn_dp_rank=dp_group if mode == "prefill" else 0,
+                **_pp_layout(mode, args, is_mla_backend, par["pp_size"]),
                 **state,
             )
         host = getattr(server_args, "host", None)
@@ -337,7 +342,8 @@ class KVRecvManager(KVManager):
             "attn_cp_size": 1, "attn_cp_rank": 0,
             "attn_dp_size": par["dp_size"] if par["dp_attention"] else 1,
             "attn_dp_rank": int(self.kvrecv_args.attn_dp_rank),
-            "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0,
+            "pp_size": par["pp_size"], "pp_rank": int(getattr(args, "pp_rank", 0) or 0),
+            "system_dp_size": 1, "system_dp_rank": 0,
             "rank_ip": host, "rank_port": int(ctl_port),
             "page_size": int(getattr(args, "page_size", 1) or 1),
             "kv_cache_dtype": getattr(args, "kv_cache_dtype_str", None),
@@ -478,6 +484,32 @@ class KVRecvManager(KVManager):
 class _WrongSiblings(RuntimeError):
     """The gathered sibling set is not this group's: sharing causes with it
     would put one rank's cause on rooms of unrelated ranks."""
+
+
+def _pp_layout(mode: str, args: Any, is_mla: Optional[bool], pp_size: int) -> dict:
+    """The layers of sglang's KV buffers for kvrecv's KVArgs: an MHA pool
+    lists K of every layer, then V (num_layers = half the buffers), an MLA
+    pool one buffer per layer.  A prefill PP stage adds its pp_rank and
+    ``prefill_start_layer``.  Both sides give num_layers, so that a decode
+    (which does not know the prefill's PP size when it is made) pairs with a
+    prefill of one stage or of several.  Draft-model buffers appended to
+    the list (``num_draft_entries``) or an odd MHA count leave the layers
+    out: rank to rank only, and a PP prefill is refused."""
+    n = len(getattr(args, "kv_data_ptrs", None) or ())
+    drafts = int(getattr(args, "num_draft_entries", 0) or 0)
+    layers = n if is_mla else n // 2
+    if drafts or layers <= 0 or (not is_mla and n % 2):
+        if mode == "prefill" and pp_size > 1:
+            raise NotImplementedError(
+                f"kvrecv moves a PP stage's layers only when its KV buffers are the layers "
+                f"of one pool (K then V, or one MLA buffer per layer): this stage has {n} KV "
+                f"buffers, {drafts} of them draft-model buffers")
+        return {}
+    if mode == "decode" or pp_size == 1:
+        return {"num_layers": layers}
+    return {"num_layers": layers, "pp_size": pp_size,
+            "pp_rank": int(getattr(args, "pp_rank", 0) or 0),
+            "start_layer": int(getattr(args, "prefill_start_layer", 0) or 0)}
 
 
 def _head_layout(rank: int, args: Any, is_mla: Optional[bool], attn_tp: int,
@@ -760,9 +792,13 @@ class KVRecvReceiver(_RoomMixin, KVReceiver):
                              f"{self.bootstrap_addr} has dp_size={info.dp_size}")
             return
         self.bootstrap_infos = [info]
-        if info.attn_tp_size != self.mgr.parallel["attn_tp_size"]:
-            # Other TP sizes: the heads come from the prefill ranks holding them.
-            self.recv_init(dp, info.rendezvous, int(info.attn_tp_size))
+        tp = int(info.attn_tp_size)
+        pp = int(info.pp_size or 1)
+        if tp != self.mgr.parallel["attn_tp_size"] or pp > 1:
+            # Other TP sizes: the heads come from the prefill ranks holding
+            # them; PP stages: each stage's layers from that stage.
+            same = tp == self.mgr.parallel["attn_tp_size"]
+            self.recv_init(dp, info.rendezvous, 0 if same else tp, pp if pp > 1 else 0)
             return
         self.recv_init(dp, info.rendezvous)
 
