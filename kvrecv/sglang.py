@@ -729,6 +729,15 @@ class KVRecvSender(_RoomMixin, KVSender):
             self._posted += len(pages)
             KVSender.send(self, pages, states)
 
+    def poll_pp_consensus(self) -> KVPoll:
+        """sglang's PP prefill polls its stage 0's senders with this (and
+        passes the result to the other stages).  kvrecv's decode asks no
+        stage for data before every stage answered, a stage takes pages
+        before the decode's request reached it (the core posts them when
+        it comes), and a stage that fails fails every stage's room through
+        the decode: this stage's own poll is the consensus."""
+        return self.poll()
+
     def pop_decode_prefix_len(self) -> int:
         """Tokens of the request the decode already holds (its radix-cache
         prefix), from the decode's request: valid once poll() has left
