@@ -12,8 +12,9 @@ attention-TP group, its model config of the server args).  See
 docs/sglang.md for how to register the backend.
 
 Layouts (docs/sglang.md, docs/layouts.md): prefill and decode of different
-attention-TP sizes (MHA/GQA head slices, MLA), and a prefill of several DP
-attention groups behind one bootstrap server.
+attention-TP sizes (MHA/GQA head slices, MLA), a prefill of several DP
+attention groups behind one bootstrap server, and a prefill of several PP
+stages (each sending its layers).
 
 A decode radix-cache prefix is supported: the decode's
 ``send_metadata(..., decode_prefix_len=N)`` names only the pages after the N
@@ -242,9 +243,13 @@ class KVRecvManager(KVManager):
     group (``KVArgs.attn_dp_rank``): a decode reads the group sglang's
     decode picks, init(prefill_dp_rank).
 
+    A prefill PP stage registers as its pp_rank and holds the layers from
+    ``kv_args.prefill_start_layer``; a decode reads every stage.
+
     Refused at creation, with the reason: state types other than Mamba, a
-    prefill with PP or CP stages, or with more than one DP replica without
-    DP attention (the rendezvous would need their system DP rank).
+    prefill with CP, or with more than one DP replica without DP attention
+    (the rendezvous would need their system DP rank), a decode with PP
+    stages, a PP stage whose KV buffers are not one pool's layers.
 
     In an sglang scheduler the manager joins the other ranks of its
     attention-TP group as siblings (set_siblings(), endpoints gathered over

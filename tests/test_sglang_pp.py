@@ -12,13 +12,9 @@ the stages do not.  The layouts are tests/hetero_peer.py's (2 layers: stage
 0 holds layer 0, stage 1 layer 1; the aux rows differ per stage and the
 decode's must be the last stage's).
 
-Why not sglang's own queues (tests/sglang_sched.py): sglang 0.5.23 runs a
-PP prefill only in ``event_loop_pp_disagg_prefill``
-(managers/scheduler_pp_mixin.py), whose bootstrap and release consensus
-(``_pp_pd_get_prefill_transferred_ids``, ``poll_and_all_reduce_prefill_pp``
-over ``scheduler.pp_group``) is interleaved with the microbatch forward
-passes, PP proxy tensors and output relays of the same loop; the harness
-there has no model runner to drive that loop.
+tests/test_sglang_hetero.py runs 2 stages of TP 1 through sglang's own
+queues (stage 1 killed); stages of TP 2 and a killed stage 0 run only here,
+through the adapter's classes.
 """
 
 from __future__ import annotations
