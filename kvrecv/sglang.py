@@ -24,8 +24,9 @@ token N on (``init()`` with the remaining page count).
 
 Hybrid-model state: Mamba state buffers (``kv_args.state_types`` MAMBA,
 ``state_data_ptrs/lens/item_lens``) move with the room, one slot per state
-type from ``state_indices`` on both sides, between equal attention TP sizes
-(docs/layouts.md).  Other state types (sliding window, DSA, ...) are refused
+type from ``state_indices`` on both sides, sliced across attention TP sizes
+by sglang's state_dim_per_tensor / state_slice_outer_counts /
+state_conv_shard_groups (docs/layouts.md).  Other state types (sliding window, DSA, ...) are refused
 at creation; a manager with none registered fails a room given non-empty
 ``state_indices`` with a reason that says so.
 """
@@ -168,9 +169,43 @@ _NO_STATE = ("this manager registered no state buffers (kv_args.state_types is e
 _STATE_TYPES = ("mamba",)
 
 
-def _state_args(args: Any) -> dict:
-    """The KVArgs state fields from sglang's KVArgs; NotImplementedError
-    for a state type kvrecv does not move."""
+def _state_slicing(args: Any, tp: int) -> Optional[list]:
+    """kvrecv's state_slicing from sglang's per-buffer TP slicing fields:
+    ``state_dim_per_tensor`` (this rank's units of the sliced axis, 0:
+    replicated), ``state_slice_outer_counts`` (rows before that axis, 1 if
+    absent) and ``state_conv_shard_groups`` (the model's sub-blocks sliced
+    independently, e.g. GDN's [key_dim, key_dim, value_dim]; sglang uses
+    them only when they add up to the model's units, and so does this).
+    None when sglang gives no dims, or not one per state buffer."""
+    items = getattr(args, "state_item_lens", None) or []
+    dims = getattr(args, "state_dim_per_tensor", None) or []
+    if not dims or len(dims) != len(items) or \
+            any(len(d or ()) != len(i or ()) for d, i in zip(dims, items)):
+        return None
+
+    def field(name, c, k, default):
+        v = getattr(args, name, None) or []
+        return v[c][k] if c < len(v) and v[c] is not None and k < len(v[c]) else default
+
+    out = []
+    for c, comp in enumerate(dims):
+        rules: List[Any] = []
+        for k, dim in enumerate(comp):
+            dim, outer = int(dim), int(field("state_slice_outer_counts", c, k, 1) or 1)
+            groups = field("state_conv_shard_groups", c, k, None)
+            units: Any = dim
+            if dim and groups and sum(groups) == dim * tp and all(g % tp == 0 for g in groups):
+                units = [int(g) // tp for g in groups]
+            rules.append(0 if dim == 0 else
+                         {"units": units, "outer": outer} if outer != 1 else units)
+        out.append(rules)
+    return out
+
+
+def _state_args(args: Any, tp: int = 1) -> dict:
+    """The KVArgs state fields from sglang's KVArgs (with state_slicing
+    from its slicing fields, for an attention-TP size of tp);
+    NotImplementedError for a state type kvrecv does not move."""
     types = list(getattr(args, "state_types", None) or ())
     names = [str(getattr(t, "value", t)) for t in types]  # sglang's StateType is a str enum
     bad = [n for n in names if n not in _STATE_TYPES]
@@ -180,8 +215,12 @@ def _state_args(args: Any) -> dict:
             f"state_types {bad!r} are not supported")
     if not types:
         return {}
-    return {k: [_seq(c) for c in getattr(args, k)]
-            for k in ("state_data_ptrs", "state_data_lens", "state_item_lens")}
+    out = {k: [_seq(c) for c in getattr(args, k)]
+           for k in ("state_data_ptrs", "state_data_lens", "state_item_lens")}
+    slicing = _state_slicing(args, tp)
+    if slicing is not None:
+        out["state_slicing"] = slicing
+    return out
 
 
 @dataclasses.dataclass
@@ -266,8 +305,8 @@ class KVRecvManager(KVManager):
     def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any = None,
                  is_mla_backend: Optional[bool] = False):
         mode = mode_name(disaggregation_mode)
-        state = _state_args(args)
         par = _parallel(server_args)
+        state = _state_args(args, par["attn_tp_size"])
         system_dp = par["dp_size"] if not par["dp_attention"] else 1
         if mode == "prefill" and (system_dp > 1 or par["cp_size"] > 1):
             raise NotImplementedError(

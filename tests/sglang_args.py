@@ -25,10 +25,31 @@ def kv_args(args, heads: dict, stage=None):
         total_kv_head_num=heads["total"], kv_cache_dtype_str="float16", pp_rank=0,
         prefill_start_layer=0, prefill_end_layer=None, num_draft_entries=0)
     a.keep = args  # the buffers stay alive with it
+    if args.state_data_ptrs:  # tests/statetp_peer.py's components, as sglang describes them
+        a.state_types = ["mamba"] * len(args.state_data_ptrs)
+        a.state_data_ptrs, a.state_data_lens, a.state_item_lens = (
+            [list(c) for c in getattr(args, name)]
+            for name in ("state_data_ptrs", "state_data_lens", "state_item_lens"))
+        a.state_dim_per_tensor, a.state_slice_outer_counts, a.state_conv_shard_groups = \
+            state_slicing_fields(heads["tp"])
     if stage is not None:
         a.pp_rank, a.prefill_start_layer = stage["rank"], stage["start"]
         a.prefill_end_layer = stage["start"] + stage["layers"]
     return a
+
+
+def state_slicing_fields(tp: int):
+    """sglang's state_dim_per_tensor, state_slice_outer_counts and
+    state_conv_shard_groups of tests/statetp_peer.py's buffers on a rank of
+    tp: this rank's units of the sliced axis (0: replicated), the rows
+    before it, and the model's sub-blocks of a buffer of several groups."""
+    import statetp_peer as stp
+
+    dims = [[0 if b is None else sum(b[1]) // tp for b in comp] for comp in stp.BUFFERS]
+    outer = [[1 if b is None else b[0] for b in comp] for comp in stp.BUFFERS]
+    groups = [[list(b[1]) if b is not None and len(b[1]) > 1 else None for b in comp]
+              for comp in stp.BUFFERS]
+    return dims, outer, groups
 
 
 def server_args(http_addr: str, tp: int, pp: int, config):
