@@ -135,7 +135,7 @@ def main() -> int:
         args = KVArgs.from_buffers(rank, kv, item_lens(scale=scale), aux, [AUX_ITEM])
     cfg = KVConfig(**spec.get("config", {}))
     sender_class = KVSender
-    if spec.get("heads", {}).get("sglang"):  # through the sglang adapter (tests/test_sglang_pp.py)
+    if (spec.get("heads") or {}).get("sglang"):  # through the sglang adapter (tests/sglang_args.py)
         import sglang_args
         from kvrecv.sglang import KVRecvManager, KVRecvSender
 
