@@ -26,9 +26,9 @@ Hybrid-model state: Mamba state buffers (``kv_args.state_types`` MAMBA,
 ``state_data_ptrs/lens/item_lens``) move with the room, one slot per state
 type from ``state_indices`` on both sides, sliced across attention TP sizes
 by sglang's state_dim_per_tensor / state_slice_outer_counts /
-state_conv_shard_groups (docs/layouts.md).  Other state types (sliding window, DSA, ...) are refused
-at creation; a manager with none registered fails a room given non-empty
-``state_indices`` with a reason that says so.
+state_conv_shard_groups (docs/layouts.md).  Other state types (sliding
+window, DSA, ...) are refused at creation; a manager with none registered
+fails a room given non-empty ``state_indices`` with a reason that says so.
 """
 
 from __future__ import annotations
@@ -379,14 +379,14 @@ class KVRecvManager(KVManager):
     def _register_route(self, port: int) -> None:
         """PUT /route: this rank in sglang's rank table of the bootstrap
         server, so that sglang's GET /route and /health see the instance."""
-        par, args = self.parallel, self.kv_args
+        par, args, layers = self.parallel, self.kv_args, self.kvrecv_args.layers
         host, _, ctl_port = self.endpoint[len("tcp://"):].rpartition(":")
         body = {
             "attn_tp_size": par["attn_tp_size"], "attn_tp_rank": int(self.kvrecv_args.engine_rank),
             "attn_cp_size": 1, "attn_cp_rank": 0,
             "attn_dp_size": par["dp_size"] if par["dp_attention"] else 1,
             "attn_dp_rank": int(self.kvrecv_args.attn_dp_rank),
-            "pp_size": par["pp_size"], "pp_rank": int(getattr(args, "pp_rank", 0) or 0),
+            "pp_size": par["pp_size"], "pp_rank": layers[1] if layers else 0,
             "system_dp_size": 1, "system_dp_rank": 0,
             "rank_ip": host, "rank_port": int(ctl_port),
             "page_size": int(getattr(args, "page_size", 1) or 1),

@@ -51,7 +51,8 @@ def hetero(tmp_path_factory):
 
     def use(name: str) -> Driver:
         if current != [name]:
-            d.call("layout", layout=dataclasses.asdict({**LAYOUTS, **DP_LAYOUTS, **PP_LAYOUTS}[name]))
+            lay = {**LAYOUTS, **DP_LAYOUTS, **PP_LAYOUTS}[name]
+            d.call("layout", layout=dataclasses.asdict(lay))
             current[:] = [name]
         return d
 
@@ -126,15 +127,21 @@ def test_sglang_prefill_dp_groups_byte_exact(hetero, name):
              for i, (n, c) in enumerate(((20, 0), (37, 8), (1, 0), (130, 13)))]
     out = d.run(specs)
     assert (len(out["prefill"]), len(out["decode"])) == (2, DP_LAYOUTS[name].decode_tp)
+    _all_ok(d, out, specs, lambda group, s: s.prefill_dp_group == group)
+
+
+def _all_ok(d, out, specs, serves):
+    """Every request succeeded byte for byte on every decode rank, and on
+    every prefill rank i that serves(i, spec); nothing failed anywhere."""
     _check_clean(d, out)
     for rank, r in enumerate(out["decode"]):
         for s in specs:
             assert r["reqs"][s.rid] == {"status": "ok", "output_ids": [7], "bytes_ok": True}, \
                 (rank, s.rid)
         assert r["failures"] == {}
-    for group, r in enumerate(out["prefill"]):
+    for i, r in enumerate(out["prefill"]):
         assert r["reqs"] == {s.rid: {"status": "ok", "message": None}
-                             for s in specs if s.prefill_dp_group == group}, group
+                             for s in specs if serves(i, s)}, i
         assert r["failures"] == {}
 
 
@@ -152,25 +159,17 @@ def test_sglang_pp_prefill_byte_exact(hetero, name):
              for i, (n, c) in enumerate(((20, 0), (37, 8), (1, 0), (130, 13)))]
     out = d.run(specs)
     assert (len(out["prefill"]), len(out["decode"])) == (2, PP_LAYOUTS[name].decode_tp)
-    _check_clean(d, out)
-    for rank, r in enumerate(out["decode"]):
-        for s in specs:
-            assert r["reqs"][s.rid] == {"status": "ok", "output_ids": [7], "bytes_ok": True}, \
-                (rank, s.rid)
-        assert r["failures"] == {}
-    for stage, r in enumerate(out["prefill"]):
-        assert r["reqs"] == {s.rid: {"status": "ok", "message": None} for s in specs}, stage
-        assert r["failures"] == {}
+    _all_ok(d, out, specs, lambda stage, s: True)
 
 
 @pytest.mark.timeout(180)
 def test_sglang_pp_stage_killed_fails_the_request(hetero):
     """2 PP stages -> decode TP 1: stage 1 SIGKILLed after its first chunk,
-    stage 0 holding its last chunk back.  sglang's pop_transferred gets KVPeerLostError naming prefill rank 0 of
-    PP stage 1 and aborts the request with it; stage 0's sender fails with
-    the same PEER_LOST reason (told by the decode) and sglang's prefill
-    aborts the request there.  A restarted prefill serves the next
-    request."""
+    stage 0 holding its last chunk back.  sglang's pop_transferred gets
+    KVPeerLostError naming prefill rank 0 of PP stage 1 and aborts the
+    request with it; stage 0's sender fails with the same PEER_LOST reason
+    (told by the decode) and sglang's prefill aborts the request there.  A
+    restarted prefill serves the next request."""
     d = hetero("pp2-tp1-to-1")
     room = 2401
     # stage 0 holds its last chunk back long enough for the decode to notice

@@ -117,9 +117,16 @@ def _open(addr, prefills, decodes, rid):
     """Receivers on every decode rank asking for both components' slots,
     senders on every prefill rank, the first pages handed over (the state
     slots go with the last chunk, _finish)."""
-    recvs = [KVReceiver(d.mgr, addr, rid) for d in decodes]
-    for r in recvs:
-        r.init(prefill_tp_size=len(prefills))
+    from kvrecv.sglang import KVRecvManager, KVRecvReceiver
+
+    if isinstance(decodes[0].mgr, KVRecvManager):  # sglang's receiver learns the TP size
+        recvs = [KVRecvReceiver(d.mgr, addr, rid) for d in decodes]
+        for r in recvs:
+            r.init()
+    else:
+        recvs = [KVReceiver(d.mgr, addr, rid) for d in decodes]
+        for r in recvs:
+            r.init(prefill_tp_size=len(prefills))
     t0 = time.monotonic()
     while min(r.poll() for r in recvs) == KVPoll.Bootstrapping:
         assert time.monotonic() - t0 < 20, [r.poll() for r in recvs]
@@ -137,6 +144,15 @@ def _open(addr, prefills, decodes, rid):
 def _finish(prefills, rid, who=None):
     for p in prefills if who is None else who:
         p.call("send", room=rid, pages=SRC[3:], state=[[s] for s in SRC_SLOTS])
+
+
+def _succeed(name, recvs, prefills, rid):
+    """Every decode and prefill rank's room succeeds."""
+    for rank, r in enumerate(recvs):
+        st, el = _wait_state(r, TERMINAL, 20)
+        assert st == KVPoll.Success, f"{name}: decode rank {rank} {st!r} after {el:.2f} s"
+    for p in prefills:
+        assert p.wait_room(rid, 20) == int(KVPoll.Success), f"prefill rank {p.rank}"
 
 
 def _check_state(decodes):
@@ -171,11 +187,7 @@ def test_state_tp_byte_exact(deployment, name):
     rid = 101
     recvs = _open(addr, prefills, decodes, rid)
     _finish(prefills, rid)
-    for rank, r in enumerate(recvs):
-        st, el = _wait_state(r, TERMINAL, 20)
-        assert st == KVPoll.Success, f"{name}: decode rank {rank} {st!r} after {el:.2f} s"
-    for p in prefills:
-        assert p.wait_room(rid, 20) == int(KVPoll.Success), f"prefill rank {p.rank}"
+    _succeed(name, recvs, prefills, rid)
     for d in decodes:
         want = hp.expected_decode(SEED, d.tp, d.rank, d.total, SRC, DST)
         assert all(np.array_equal(a, b) for a, b in zip(want, d.kv)), f"decode rank {d.rank}"
@@ -201,31 +213,14 @@ def test_state_tp_through_the_sglang_adapter(deployment, name):
     state_slicing in the adapter (the rules tests/statetp_peer.py gives
     kvrecv directly), the decode reads the prefill's TP size from GET
     /route, and every decode rank's rows land byte for byte."""
-    from kvrecv.sglang import KVRecvReceiver
-
     addr, prefills, decodes = deployment(name, sglang=True)
     for d in decodes:
         want = stp.kv_args(kvrecv, d.kv, d.aux, d.tp, d.rank, d.total, d.state).state_rules
         assert want is not None and d.mgr.kvrecv_args.state_rules == want
         assert d.mgr.try_ensure_parallel_info(addr), d.mgr.bootstrap_failure(addr)
-    rid = 111
-    recvs = [KVRecvReceiver(d.mgr, addr, rid) for d in decodes]
-    for r in recvs:
-        r.init()
-    for r in recvs:
-        st, _ = _wait_state(r, (KVPoll.WaitingForInput, KVPoll.Failed), 20)
-        assert st == KVPoll.WaitingForInput, st
-        r.send_metadata(np.asarray(DST, dtype=np.int32), aux_index=DST_AUX,
-                        state_indices=[[s] for s in DST_SLOTS])
-    for p in prefills:
-        p.call("open_sender", room=rid, n=len(SRC), aux=SRC_AUX)
-        p.call("send", room=rid, pages=SRC[:3])
-    _finish(prefills, rid)
-    for rank, r in enumerate(recvs):
-        st, el = _wait_state(r, TERMINAL, 20)
-        assert st == KVPoll.Success, f"{name}: decode rank {rank} {st!r} after {el:.2f} s"
-    for p in prefills:
-        assert p.wait_room(rid, 20) == int(KVPoll.Success), f"prefill rank {p.rank}"
+    recvs = _open(addr, prefills, decodes, 111)
+    _finish(prefills, 111)
+    _succeed(name, recvs, prefills, 111)
     _check_state(decodes)
 
 
