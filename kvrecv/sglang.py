@@ -12,8 +12,9 @@ attention-TP group, its model config of the server args).  See
 docs/sglang.md for how to register the backend.
 
 Layouts (docs/sglang.md, docs/layouts.md): prefill and decode of different
-attention-TP sizes (MHA/GQA head slices, MLA), and a prefill of several DP
-attention groups behind one bootstrap server.
+attention-TP sizes (MHA/GQA head slices, MLA), a prefill of several DP
+attention groups behind one bootstrap server, and a prefill of several PP
+stages (each sending its layers).
 
 A decode radix-cache prefix is supported: the decode's
 ``send_metadata(..., decode_prefix_len=N)`` names only the pages after the N
@@ -23,10 +24,11 @@ token N on (``init()`` with the remaining page count).
 
 Hybrid-model state: Mamba state buffers (``kv_args.state_types`` MAMBA,
 ``state_data_ptrs/lens/item_lens``) move with the room, one slot per state
-type from ``state_indices`` on both sides, between equal attention TP sizes
-(docs/layouts.md).  Other state types (sliding window, DSA, ...) are refused
-at creation; a manager with none registered fails a room given non-empty
-``state_indices`` with a reason that says so.
+type from ``state_indices`` on both sides, sliced across attention TP sizes
+by sglang's state_dim_per_tensor / state_slice_outer_counts /
+state_conv_shard_groups (docs/layouts.md).  Other state types (sliding
+window, DSA, ...) are refused at creation; a manager with none registered
+fails a room given non-empty ``state_indices`` with a reason that says so.
 """
 
 from __future__ import annotations
@@ -167,9 +169,43 @@ _NO_STATE = ("this manager registered no state buffers (kv_args.state_types is e
 _STATE_TYPES = ("mamba",)
 
 
-def _state_args(args: Any) -> dict:
-    """The KVArgs state fields from sglang's KVArgs; NotImplementedError
-    for a state type kvrecv does not move."""
+def _state_slicing(args: Any, tp: int) -> Optional[list]:
+    """kvrecv's state_slicing from sglang's per-buffer TP slicing fields:
+    ``state_dim_per_tensor`` (this rank's units of the sliced axis, 0:
+    replicated), ``state_slice_outer_counts`` (rows before that axis, 1 if
+    absent) and ``state_conv_shard_groups`` (the model's sub-blocks sliced
+    independently, e.g. GDN's [key_dim, key_dim, value_dim]; sglang uses
+    them only when they add up to the model's units, and so does this).
+    None when sglang gives no dims, or not one per state buffer."""
+    items = getattr(args, "state_item_lens", None) or []
+    dims = getattr(args, "state_dim_per_tensor", None) or []
+    if not dims or len(dims) != len(items) or \
+            any(len(d or ()) != len(i or ()) for d, i in zip(dims, items)):
+        return None
+
+    def field(name, c, k, default):
+        v = getattr(args, name, None) or []
+        return v[c][k] if c < len(v) and v[c] is not None and k < len(v[c]) else default
+
+    out = []
+    for c, comp in enumerate(dims):
+        rules: List[Any] = []
+        for k, dim in enumerate(comp):
+            dim, outer = int(dim), int(field("state_slice_outer_counts", c, k, 1) or 1)
+            groups = field("state_conv_shard_groups", c, k, None)
+            units: Any = dim
+            if dim and groups and sum(groups) == dim * tp and all(g % tp == 0 for g in groups):
+                units = [int(g) // tp for g in groups]
+            rules.append(0 if dim == 0 else
+                         {"units": units, "outer": outer} if outer != 1 else units)
+        out.append(rules)
+    return out
+
+
+def _state_args(args: Any, tp: int = 1) -> dict:
+    """The KVArgs state fields from sglang's KVArgs (with state_slicing
+    from its slicing fields, for an attention-TP size of tp);
+    NotImplementedError for a state type kvrecv does not move."""
     types = list(getattr(args, "state_types", None) or ())
     names = [str(getattr(t, "value", t)) for t in types]  # sglang's StateType is a str enum
     bad = [n for n in names if n not in _STATE_TYPES]
@@ -179,8 +215,12 @@ def _state_args(args: Any) -> dict:
             f"state_types {bad!r} are not supported")
     if not types:
         return {}
-    return {k: [_seq(c) for c in getattr(args, k)]
-            for k in ("state_data_ptrs", "state_data_lens", "state_item_lens")}
+    out = {k: [_seq(c) for c in getattr(args, k)]
+           for k in ("state_data_ptrs", "state_data_lens", "state_item_lens")}
+    slicing = _state_slicing(args, tp)
+    if slicing is not None:
+        out["state_slicing"] = slicing
+    return out
 
 
 @dataclasses.dataclass
@@ -242,9 +282,13 @@ class KVRecvManager(KVManager):
     group (``KVArgs.attn_dp_rank``): a decode reads the group sglang's
     decode picks, init(prefill_dp_rank).
 
+    A prefill PP stage registers as its pp_rank and holds the layers from
+    ``kv_args.prefill_start_layer``; a decode reads every stage.
+
     Refused at creation, with the reason: state types other than Mamba, a
-    prefill with PP or CP stages, or with more than one DP replica without
-    DP attention (the rendezvous would need their system DP rank).
+    prefill with CP, or with more than one DP replica without DP attention
+    (the rendezvous would need their system DP rank), a decode with PP
+    stages, a PP stage whose KV buffers are not one pool's layers.
 
     In an sglang scheduler the manager joins the other ranks of its
     attention-TP group as siblings (set_siblings(), endpoints gathered over
@@ -261,14 +305,18 @@ class KVRecvManager(KVManager):
     def __init__(self, args: Any, disaggregation_mode: Any, server_args: Any = None,
                  is_mla_backend: Optional[bool] = False):
         mode = mode_name(disaggregation_mode)
-        state = _state_args(args)
         par = _parallel(server_args)
+        state = _state_args(args, par["attn_tp_size"])
         system_dp = par["dp_size"] if not par["dp_attention"] else 1
-        if mode == "prefill" and (system_dp > 1 or par["pp_size"] > 1 or par["cp_size"] > 1):
+        if mode == "prefill" and (system_dp > 1 or par["cp_size"] > 1):
             raise NotImplementedError(
-                f"kvrecv serves a prefill of DP groups with DP attention, without PP or CP "
+                f"kvrecv serves a prefill of DP groups with DP attention, without CP "
                 f"(dp_size={par['dp_size']}, enable_dp_attention={par['dp_attention']}, "
-                f"pp_size={par['pp_size']}, attn_cp_size={par['cp_size']})")
+                f"attn_cp_size={par['cp_size']})")
+        if mode == "decode" and par["pp_size"] > 1:
+            raise NotImplementedError(
+                f"kvrecv serves a decode of one PP stage, reading a prefill of any PP size "
+                f"(this decode has pp_size={par['pp_size']})")
         rank, dp_group = _attn_rank(args, par)
         if isinstance(args, KVArgs):
             kv_args = args
@@ -285,6 +333,7 @@ class KVRecvManager(KVManager):
                 tp_size=par["attn_tp_size"],
                 **_head_layout(rank, args, is_mla_backend, par["attn_tp_size"], server_args),
                 attn_dp_rank=dp_group if mode == "prefill" else 0,
+                **_pp_layout(mode, args, is_mla_backend, par["pp_size"]),
                 **state,
             )
         host = getattr(server_args, "host", None)
@@ -330,14 +379,15 @@ class KVRecvManager(KVManager):
     def _register_route(self, port: int) -> None:
         """PUT /route: this rank in sglang's rank table of the bootstrap
         server, so that sglang's GET /route and /health see the instance."""
-        par, args = self.parallel, self.kv_args
+        par, args, layers = self.parallel, self.kv_args, self.kvrecv_args.layers
         host, _, ctl_port = self.endpoint[len("tcp://"):].rpartition(":")
         body = {
             "attn_tp_size": par["attn_tp_size"], "attn_tp_rank": int(self.kvrecv_args.engine_rank),
             "attn_cp_size": 1, "attn_cp_rank": 0,
             "attn_dp_size": par["dp_size"] if par["dp_attention"] else 1,
             "attn_dp_rank": int(self.kvrecv_args.attn_dp_rank),
-            "pp_size": 1, "pp_rank": 0, "system_dp_size": 1, "system_dp_rank": 0,
+            "pp_size": par["pp_size"], "pp_rank": layers[1] if layers else 0,
+            "system_dp_size": 1, "system_dp_rank": 0,
             "rank_ip": host, "rank_port": int(ctl_port),
             "page_size": int(getattr(args, "page_size", 1) or 1),
             "kv_cache_dtype": getattr(args, "kv_cache_dtype_str", None),
@@ -478,6 +528,32 @@ class KVRecvManager(KVManager):
 class _WrongSiblings(RuntimeError):
     """The gathered sibling set is not this group's: sharing causes with it
     would put one rank's cause on rooms of unrelated ranks."""
+
+
+def _pp_layout(mode: str, args: Any, is_mla: Optional[bool], pp_size: int) -> dict:
+    """The layers of sglang's KV buffers for kvrecv's KVArgs: an MHA pool
+    lists K of every layer, then V (num_layers = half the buffers), an MLA
+    pool one buffer per layer.  A prefill PP stage adds its pp_rank and
+    ``prefill_start_layer``.  Both sides give num_layers, so that a decode
+    (which does not know the prefill's PP size when it is made) pairs with a
+    prefill of one stage or of several.  Draft-model buffers appended to
+    the list (``num_draft_entries``) or an odd MHA count leave the layers
+    out: rank to rank only, and a PP prefill is refused."""
+    n = len(getattr(args, "kv_data_ptrs", None) or ())
+    drafts = int(getattr(args, "num_draft_entries", 0) or 0)
+    layers = n if is_mla else n // 2
+    if drafts or layers <= 0 or (not is_mla and n % 2):
+        if mode == "prefill" and pp_size > 1:
+            raise NotImplementedError(
+                f"kvrecv moves a PP stage's layers only when its KV buffers are the layers "
+                f"of one pool (K then V, or one MLA buffer per layer): this stage has {n} KV "
+                f"buffers, {drafts} of them draft-model buffers")
+        return {}
+    if mode == "decode" or pp_size == 1:
+        return {"num_layers": layers}
+    return {"num_layers": layers, "pp_size": pp_size,
+            "pp_rank": int(getattr(args, "pp_rank", 0) or 0),
+            "start_layer": int(getattr(args, "prefill_start_layer", 0) or 0)}
 
 
 def _head_layout(rank: int, args: Any, is_mla: Optional[bool], attn_tp: int,
@@ -697,6 +773,15 @@ class KVRecvSender(_RoomMixin, KVSender):
             self._posted += len(pages)
             KVSender.send(self, pages, states)
 
+    def poll_pp_consensus(self) -> KVPoll:
+        """sglang's PP prefill polls its stage 0's senders with this (and
+        passes the result to the other stages).  kvrecv's decode asks no
+        stage for data before every stage answered, a stage takes pages
+        before the decode's request reached it (the core posts them when
+        it comes), and a stage that fails fails every stage's room through
+        the decode: this stage's own poll is the consensus."""
+        return self.poll()
+
     def pop_decode_prefix_len(self) -> int:
         """Tokens of the request the decode already holds (its radix-cache
         prefix), from the decode's request: valid once poll() has left
@@ -760,9 +845,13 @@ class KVRecvReceiver(_RoomMixin, KVReceiver):
                              f"{self.bootstrap_addr} has dp_size={info.dp_size}")
             return
         self.bootstrap_infos = [info]
-        if info.attn_tp_size != self.mgr.parallel["attn_tp_size"]:
-            # Other TP sizes: the heads come from the prefill ranks holding them.
-            self.recv_init(dp, info.rendezvous, int(info.attn_tp_size))
+        tp = int(info.attn_tp_size)
+        pp = int(info.pp_size or 1)
+        if tp != self.mgr.parallel["attn_tp_size"] or pp > 1:
+            # Other TP sizes: the heads come from the prefill ranks holding
+            # them; PP stages: each stage's layers from that stage.
+            same = tp == self.mgr.parallel["attn_tp_size"]
+            self.recv_init(dp, info.rendezvous, 0 if same else tp, pp if pp > 1 else 0)
             return
         self.recv_init(dp, info.rendezvous)
 

@@ -134,8 +134,17 @@ def main() -> int:
         kv, aux = canary_buffers(scale=scale, path=spec.get("kv_path"))
         args = KVArgs.from_buffers(rank, kv, item_lens(scale=scale), aux, [AUX_ITEM])
     cfg = KVConfig(**spec.get("config", {}))
-    mgr = KVManager(args, role, bootstrap_addr=bootstrap if role == "prefill" else None,
-                    config=cfg)
+    sender_class = KVSender
+    if (spec.get("heads") or {}).get("sglang"):  # through the sglang adapter (tests/sglang_args.py)
+        import sglang_args
+        from kvrecv.sglang import KVRecvManager, KVRecvSender
+
+        sender_class = KVRecvSender
+        sg_args, server_args = sglang_args.prefill(args, spec["heads"], bootstrap, cfg)
+        mgr = KVRecvManager(sg_args, "prefill", server_args, False)
+    else:
+        mgr = KVManager(args, role, bootstrap_addr=bootstrap if role == "prefill" else None,
+                        config=cfg)
     rooms = {}
 
     def reply(obj):
@@ -153,7 +162,7 @@ def main() -> int:
         op = cmd["op"]
         try:
             if op == "open_sender":
-                s = KVSender(mgr, bootstrap, cmd["room"])
+                s = sender_class(mgr, bootstrap, cmd["room"])
                 s.init(cmd["n"], aux_index=cmd.get("aux"))
                 rooms[cmd["room"]] = s
                 reply({"state": int(s.poll())})

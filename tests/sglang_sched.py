@@ -117,6 +117,7 @@ class Layout:
     decode_tp: int = 2
     mla: bool = False
     prefill_dp: int = 1  # DP attention: DP groups of prefill_tp ranks
+    prefill_pp: int = 1  # PP stages of prefill_tp ranks, each holding LAYERS / prefill_pp layers
     prefill_balance: str = "follow_bootstrap_room"  # the prefill's --load-balance-method
 
 
@@ -155,9 +156,12 @@ def kv_buffers(pool, layer: int, mla: bool) -> list:
 
 
 def write_kv(pool, loc, part, mla: bool) -> None:
-    for layer in range(LAYERS):
-        for j, buf in enumerate(kv_buffers(pool, layer, mla)):
-            buf[loc] = part[layer, j]
+    """part: every layer of the model; a PP stage's pool holds (and gets)
+    only its layers, from pool.start_layer."""
+    start = getattr(pool, "start_layer", 0) or 0
+    for i in range(pool.layer_num):
+        for j, buf in enumerate(kv_buffers(pool, i, mla)):
+            buf[loc] = part[start + i, j]
 
 
 # --- stand-ins for what sglang reads from a full Scheduler -----------------
@@ -249,12 +253,13 @@ def model_dir() -> str:
 
 
 def _server_args(mode: str, tp: int, bootstrap_port: int, page_size: int, radix: bool,
-                 dp: int = 1, balance: str = "auto"):
+                 dp: int = 1, balance: str = "auto", pp: int = 1):
     """sglang's ServerArgs of one instance: attention TP tp, in dp DP
-    attention groups when dp > 1, with that --load-balance-method."""
+    attention groups when dp > 1, with that --load-balance-method, in pp
+    PP stages."""
     from sglang.srt.server_args import ServerArgs
 
-    return ServerArgs(model_path=model_dir(), tp_size=tp * dp, dp_size=dp,
+    return ServerArgs(model_path=model_dir(), tp_size=tp * dp, dp_size=dp, pp_size=pp,
                       enable_dp_attention=dp > 1, load_balance_method=balance, device="cpu",
                       disaggregation_mode=mode, disaggregation_transfer_backend="kvrecv",
                       disaggregation_bootstrap_port=bootstrap_port, host="127.0.0.1",
@@ -263,30 +268,62 @@ def _server_args(mode: str, tp: int, bootstrap_port: int, page_size: int, radix:
                       disaggregation_decode_enable_radix_cache=radix)
 
 
+class PPGroupStandIn:
+    """The PP group of a rank (sglang's GroupCoordinator of the ranks with
+    its TP rank, one a stage), with GroupCoordinator's own send_object and
+    recv_object over a gloo group: what pop_bootstrapped's PP poll sync
+    (pp_sync_polls) calls."""
+
+    def __init__(self, cpu_group, ranks: List[int], rank: int):
+        from sglang.srt.distributed.parallel_state import GroupCoordinator
+
+        self.cpu_group, self.ranks = cpu_group, ranks
+        self.world_size, self.rank_in_group = len(ranks), ranks.index(rank)
+        self.is_first_rank = self.rank_in_group == 0
+        self.is_last_rank = self.rank_in_group == len(ranks) - 1
+        self.send_object = types.MethodType(GroupCoordinator.send_object, self)
+        self.recv_object = types.MethodType(GroupCoordinator.recv_object, self)
+
+
 def _init_rank(mode: str, rank: int, tp: int, store_port: int, bootstrap_port: int,
-               page_size: int, radix: bool = False, dp: int = 1, balance: str = "auto"):
+               page_size: int, radix: bool = False, dp: int = 1, balance: str = "auto",
+               pp: int = 1):
     """sglang's global parallel state for this rank, the way its own tests
     publish it, plus the gloo groups its queues all-reduce over: the
-    attention-TP group of the rank's DP group (tp ranks of dp * tp)."""
+    attention-TP group of the rank's DP group or PP stage (tp consecutive
+    ranks of dp * tp * pp: sglang's world rank is tp_size * pp_rank +
+    tp_rank) and, with PP, the rank's PP group."""
     import torch.distributed as dist
     from sglang.srt.runtime_context import SpawnRanks, get_parallel, publish
 
-    sa = _server_args(mode, tp, bootstrap_port, page_size, radix, dp, balance)
+    sa = _server_args(mode, tp, bootstrap_port, page_size, radix, dp, balance, pp)
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=0))
-    world = tp * dp
+    world = tp * dp * pp
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=rank,
                             world_size=world, timeout=datetime.timedelta(seconds=SIDE_TIMEOUT_S))
-    tp_group = dist.new_group(list(range(world)), backend="gloo")
-    attn = [dist.new_group(list(range(d * tp, d * tp + tp)), backend="gloo") for d in range(dp)]
+    width = tp * dp  # sglang's tp_size: the ranks of one stage
+    tp_groups = [dist.new_group(list(range(s * width, s * width + width)), backend="gloo")
+                 for s in range(pp)]
+    attn = [dist.new_group(list(range(d * tp, d * tp + tp)), backend="gloo")
+            for d in range(dp * pp)]
     singles = [dist.new_group([r], backend="gloo") for r in range(world)]
-    get_parallel().override_permanently(
+    groups = dict(
         attn_tp_group=types.SimpleNamespace(cpu_group=attn[rank // tp], world_size=tp,
                                             rank_in_group=rank % tp),
-        tp_group=types.SimpleNamespace(cpu_group=tp_group, world_size=world, rank_in_group=rank))
-    return sa, attn[rank // tp], singles[rank]
+        tp_group=types.SimpleNamespace(cpu_group=tp_groups[rank // width], world_size=width,
+                                       rank_in_group=rank % width))
+    pp_group = None
+    if pp > 1:
+        members = [[t + s * width for s in range(pp)] for t in range(width)]
+        made = [dist.new_group(m, backend="gloo") for m in members]
+        pp_group = groups["pp_group"] = PPGroupStandIn(made[rank % width], members[rank % width],
+                                                       rank)
+    get_parallel().override_permanently(**groups)
+    return sa, attn[rank // tp], singles[rank], pp_group
 
 
-def _pools(sa, decode: bool, page_size: int, tp: int, mla: bool, radix: bool = False):
+def _pools(sa, decode: bool, page_size: int, tp: int, mla: bool, radix: bool = False,
+           layers: range = range(LAYERS)):
     import torch
     from sglang.srt.disaggregation.decode import DecodeReqToTokenPool
     from sglang.srt.disaggregation.utils import MetadataBuffers, ReqToMetadataIdxAllocator
@@ -303,7 +340,8 @@ def _pools(sa, decode: bool, page_size: int, tp: int, mla: bool, radix: bool = F
     else:
         heads = rank_heads(tp, 0)
         kv = MHATokenToKVPool(POOL_TOKENS, page_size, torch.float16, heads.stop - heads.start,
-                              HEAD_DIM, LAYERS, "cpu", False, enable_alt_stream=False)
+                              HEAD_DIM, len(layers), "cpu", False, start_layer=layers.start,
+                              end_layer=layers.stop - 1, enable_alt_stream=False)
     if page_size == 1:
         alloc = TokenToKVPoolAllocator(POOL_TOKENS, torch.float16, "cpu", kv, need_sort=False)
     else:
@@ -432,7 +470,7 @@ class DecodeRank:
 
         self.rank, self.bootstrap_port, self.page_size = rank, bootstrap_port, page_size
         self.tp, self.mla = tp, mla
-        sa, self.group, _ = _init_rank("decode", rank, tp, store_port, bootstrap_port, page_size,
+        sa, self.group, _, _ = _init_rank("decode", rank, tp, store_port, bootstrap_port, page_size,
                                        radix)
         self.failures: Dict[str, list] = {}
         self.pages: Dict[str, list] = {}
@@ -555,7 +593,7 @@ class DecodeRank:
 
 class PrefillRank:
     def __init__(self, rank, tp, store_port, bootstrap_port, page_size, mla=False, dp=1,
-                 balance="auto"):
+                 balance="auto", pp=1):
         from sglang.srt.disaggregation.prefill import PrefillBootstrapQueue
         from sglang.srt.disaggregation.utils import TransferBackend
 
@@ -563,16 +601,19 @@ class PrefillRank:
 
         self.rank, self.bootstrap_port, self.page_size = rank, bootstrap_port, page_size
         self.tp, self.mla, self.dp = tp, mla, dp
-        self.attn_rank, self.dp_group = rank % tp, rank // tp
-        sa, group, single = _init_rank("prefill", rank, tp, store_port, bootstrap_port, page_size,
-                                       dp=dp, balance=balance)
+        self.attn_rank, self.dp_group = rank % tp, rank // tp if pp == 1 else 0
+        sa, group, single, pp_group = _init_rank("prefill", rank, tp, store_port, bootstrap_port,
+                                                 page_size, dp=dp, balance=balance, pp=pp)
+        n = LAYERS // pp  # this stage's layers
+        layers = range(rank // tp * n, rank // tp * n + n) if pp > 1 else range(LAYERS)
         self.failures: Dict[str, list] = {}
         self.pages: Dict[str, list] = {}
         _spy_failures(self.failures, KVRecvSender)
         _spy_pages(self.pages, KVRecvSender, "init")
         _spy_pages(self.pages, KVRecvSender, "send")
-        self.p = _pools(sa, False, page_size, tp, mla)
+        self.p = _pools(sa, False, page_size, tp, mla, layers=layers)
         self.sched = _prefill_scheduler_class()(sa, self.p)
+        self.sched.pp_group = pp_group
         self.sched.attn_tp_cpu_group = group
         self.sched.attn_cp_cpu_group = single
         self.sched.disagg_prefill_inflight_queue = []
@@ -793,8 +834,9 @@ class Cluster:
         for p in self.prefill:
             p.close()
         lay = self.layout
-        self.prefill = self._start(PrefillRank, lay.prefill_tp * lay.prefill_dp, lay.prefill_tp,
-                                   env, lay.prefill_dp, lay.prefill_balance)
+        self.prefill = self._start(PrefillRank, lay.prefill_tp * lay.prefill_dp * lay.prefill_pp,
+                                   lay.prefill_tp, env, lay.prefill_dp, lay.prefill_balance,
+                                   lay.prefill_pp)
 
     def start_decode(self, env=None, radix: bool = False) -> None:
         """Decode ranks; radix: with sglang's decode radix cache

@@ -279,20 +279,41 @@ def test_state_buffers_rejected():
 
 
 @pytest.mark.parametrize("sizes, text", [
-    (dict(tp_size=2, dp_size=2), "dp_size=2, enable_dp_attention=False, pp_size=1, attn_cp_size=1"),
-    (dict(tp_size=2, pp_size=2), "dp_size=1, enable_dp_attention=False, pp_size=2, attn_cp_size=1"),
+    (dict(tp_size=2, dp_size=2), "dp_size=2, enable_dp_attention=False, attn_cp_size=1"),
     (dict(tp_size=4, dp_size=2, enable_dp_attention=True, attn_cp_size=2),
-     "dp_size=2, enable_dp_attention=True, pp_size=1, attn_cp_size=2"),
-], ids=["dp-replicas", "pp", "cp"])
+     "dp_size=2, enable_dp_attention=True, attn_cp_size=2"),
+], ids=["dp-replicas", "cp"])
 def test_prefill_parallel_layouts_refused(sizes, text):
-    """A prefill of DP replicas without DP attention, of PP stages or of
-    attention CP is refused when its manager is made, naming the sizes,
-    before it registers anywhere."""
+    """A prefill of DP replicas without DP attention or of attention CP is
+    refused when its manager is made, naming the sizes, before it registers
+    anywhere."""
     sa = types.SimpleNamespace(host="127.0.0.1", disaggregation_bootstrap_port=9, **sizes)
     with pytest.raises(NotImplementedError) as ei:
         KVRecvManager(sglang_kv_args(Side(STD, rank=0)), DisaggregationMode.PREFILL, sa, False)
-    assert str(ei.value) == ("kvrecv serves a prefill of DP groups with DP attention, without PP "
-                             f"or CP ({text})")
+    assert str(ei.value) == ("kvrecv serves a prefill of DP groups with DP attention, without CP "
+                             f"({text})")
+
+
+def test_pp_layouts_refused():
+    """A decode split into PP stages, and a PP prefill stage whose KV list
+    carries draft-model buffers (its layers are not one pool's), are refused
+    when the manager is made, naming the numbers."""
+    sa = types.SimpleNamespace(host="127.0.0.1", disaggregation_bootstrap_port=9, tp_size=2,
+                               pp_size=2)
+    with pytest.raises(NotImplementedError) as ei:
+        KVRecvManager(sglang_kv_args(Side(STD, rank=0)), DisaggregationMode.DECODE, sa, False)
+    assert str(ei.value) == ("kvrecv serves a decode of one PP stage, reading a prefill of any "
+                             "PP size (this decode has pp_size=2)")
+    args = sglang_kv_args(Side(STD, rank=0))
+    args.num_draft_entries = 2
+    args.pp_rank, args.prefill_start_layer = 1, 2
+    with pytest.raises(NotImplementedError) as ei:
+        KVRecvManager(args, DisaggregationMode.PREFILL, sa, False)
+    n = len(args.kv_data_ptrs)
+    assert str(ei.value) == (
+        "kvrecv moves a PP stage's layers only when its KV buffers are the layers of one pool "
+        f"(K then V, or one MLA buffer per layer): this stage has {n} KV buffers, 2 of them "
+        "draft-model buffers")
 
 
 def _dp_group_1(balance: str):

@@ -35,6 +35,11 @@ DP_LAYOUTS = {
     "dp2-tp1-to-2-round-robin": Layout(prefill_tp=1, decode_tp=2, prefill_dp=2,
                                        prefill_balance="round_robin"),
 }
+# A prefill of 2 PP stages (sglang's pp_size 2), each holding one of the 2 layers.
+PP_LAYOUTS = {
+    "pp2-tp1-to-2": Layout(prefill_tp=1, decode_tp=2, prefill_pp=2),
+    "pp2-tp1-to-1": Layout(prefill_tp=1, decode_tp=1, prefill_pp=2),
+}
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +51,8 @@ def hetero(tmp_path_factory):
 
     def use(name: str) -> Driver:
         if current != [name]:
-            d.call("layout", layout=dataclasses.asdict({**LAYOUTS, **DP_LAYOUTS}[name]))
+            lay = {**LAYOUTS, **DP_LAYOUTS, **PP_LAYOUTS}[name]
+            d.call("layout", layout=dataclasses.asdict(lay))
             current[:] = [name]
         return d
 
@@ -121,16 +127,71 @@ def test_sglang_prefill_dp_groups_byte_exact(hetero, name):
              for i, (n, c) in enumerate(((20, 0), (37, 8), (1, 0), (130, 13)))]
     out = d.run(specs)
     assert (len(out["prefill"]), len(out["decode"])) == (2, DP_LAYOUTS[name].decode_tp)
+    _all_ok(d, out, specs, lambda group, s: s.prefill_dp_group == group)
+
+
+def _all_ok(d, out, specs, serves):
+    """Every request succeeded byte for byte on every decode rank, and on
+    every prefill rank i that serves(i, spec); nothing failed anywhere."""
     _check_clean(d, out)
     for rank, r in enumerate(out["decode"]):
         for s in specs:
             assert r["reqs"][s.rid] == {"status": "ok", "output_ids": [7], "bytes_ok": True}, \
                 (rank, s.rid)
         assert r["failures"] == {}
-    for group, r in enumerate(out["prefill"]):
+    for i, r in enumerate(out["prefill"]):
         assert r["reqs"] == {s.rid: {"status": "ok", "message": None}
-                             for s in specs if s.prefill_dp_group == group}, group
+                             for s in specs if serves(i, s)}, i
         assert r["failures"] == {}
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", list(PP_LAYOUTS))
+def test_sglang_pp_prefill_byte_exact(hetero, name):
+    """A prefill of 2 PP stages (sglang's pp_size 2: each stage's pool
+    holds its layer from start_layer, sglang's _init_kv_manager sets
+    pp_rank and prefill_start_layer; pop_bootstrapped syncs stage 0's polls
+    to stage 1 over the PP group): sglang's decode learns the PP size from
+    GET /route and each decode rank's pool holds every layer of every
+    token, byte for byte, with the first token from the last stage."""
+    d = hetero(name)
+    specs = [ReqSpec(f"p{i}", 2300 + i, n, chunk=c)
+             for i, (n, c) in enumerate(((20, 0), (37, 8), (1, 0), (130, 13)))]
+    out = d.run(specs)
+    assert (len(out["prefill"]), len(out["decode"])) == (2, PP_LAYOUTS[name].decode_tp)
+    _all_ok(d, out, specs, lambda stage, s: True)
+
+
+@pytest.mark.timeout(180)
+def test_sglang_pp_stage_killed_fails_the_request(hetero):
+    """2 PP stages -> decode TP 1: stage 1 SIGKILLed after its first chunk,
+    stage 0 holding its last chunk back.  sglang's pop_transferred gets
+    KVPeerLostError naming prefill rank 0 of PP stage 1 and aborts the
+    request with it; stage 0's sender fails with the same PEER_LOST reason
+    (told by the decode) and sglang's prefill aborts the request there.  A
+    restarted prefill serves the next request."""
+    d = hetero("pp2-tp1-to-1")
+    room = 2401
+    # stage 0 holds its last chunk back long enough for the decode to notice
+    out = d.run([ReqSpec("q1", room, 64, chunk=8, prefill_die_rank=1, prefill_hold_s=2.5)])
+    assert out["prefill"][1] == {"died": -9}
+    stage0 = out["prefill"][0]
+    out["prefill"] = []
+    _check_clean(d, out)
+
+    def lost(o, text):
+        return text.startswith(f"room {room}: prefill rank 0 of PP stage 1 at 127.0.0.1:") \
+            and " lost: " in text
+    [(origin, text)] = _check_causes(out, "decode", "q1", room, "KVPeerLostError", lost)
+    assert origin == 0, text
+    assert "raised" not in stage0, stage0
+    assert stage0["reqs"]["q1"]["status"] == "aborted", stage0
+    [[kind, reason, _]] = stage0["failures"][str(room)]
+    assert kind == "KVPeerLostError" and reason == text, stage0["failures"]
+    d.call("start_prefill")
+    out = d.run([ReqSpec("q2", room + 1, 30, chunk=8)])
+    _check_clean(d, out)
+    _ok(out, "q2")
 
 # --- the decode's head layout, from sglang's model config ------------------
 

@@ -57,12 +57,24 @@ pytestmark = pytest.mark.timeout(120)
 
 
 class DecodeRank:
-    def __init__(self, tp, rank, total):
+    def __init__(self, tp, rank, total, sglang_addr=None):
+        """sglang_addr: made through the sglang adapter (KVRecvManager) from
+        sglang-shaped KVArgs (tests/sglang_args.py), whose state_slicing it
+        maps from sglang's slicing fields."""
         self.tp, self.rank, self.total = tp, rank, total
         self.kv, self.aux = hp.decode_buffers(tp, total)
         self.state = stp.decode_state(tp)
-        args = stp.kv_args(kvrecv, self.kv, self.aux, tp, rank, total, self.state)
-        self.mgr = KVManager(args, "decode", config=KVConfig(**CONFIG))
+        args = stp.kv_args(kvrecv, self.kv, self.aux, tp, rank, total, self.state,
+                           slicing=sglang_addr is None)
+        if sglang_addr is None:
+            self.mgr = KVManager(args, "decode", config=KVConfig(**CONFIG))
+            return
+        import sglang_args
+        from kvrecv.sglang import KVRecvManager
+
+        sa = sglang_args.server_args(sglang_addr, tp, 1, KVConfig(**CONFIG))
+        self.mgr = KVRecvManager(sglang_args.kv_args(args, {"tp": tp, "total": total}),
+                                 "decode", sa, False)
 
     def state_canary(self) -> bool:
         return all((b == stp.CANARY).all() for c in self.state for b in c)
@@ -72,17 +84,25 @@ class DecodeRank:
 def deployment():
     made = []
 
-    def make(name):
+    def make(name, sglang=False):
+        """sglang: every rank through the sglang adapter, behind its
+        bootstrap server (KVRecvBootstrapServer)."""
         ptp, dtp, total = LAYOUTS[name]
-        bs = BootstrapServer(port=0)
+        if sglang:
+            from kvrecv.sglang import KVRecvBootstrapServer
+            bs = KVRecvBootstrapServer(host="127.0.0.1", port=0)
+        else:
+            bs = BootstrapServer(port=0)
         made.append(bs)
         prefills = [PeerProcess("prefill", bs.address, seed=SEED, config=CONFIG, rank=r,
-                                heads={"tp": ptp, "total": total, "state": True})
+                                heads={"tp": ptp, "total": total, "state": True,
+                                       "sglang": sglang})
                     for r in range(ptp)]
         made.extend(prefills)
         for p in prefills:
             p.call("set_siblings", endpoints=[q.endpoint for q in prefills])
-        decodes = [DecodeRank(dtp, r, total) for r in range(dtp)]
+        decodes = [DecodeRank(dtp, r, total, bs.address if sglang else None)
+                   for r in range(dtp)]
         made.extend(d.mgr for d in decodes)
         for d in decodes:
             d.mgr.set_siblings([x.mgr.endpoint for x in decodes])
@@ -97,9 +117,16 @@ def _open(addr, prefills, decodes, rid):
     """Receivers on every decode rank asking for both components' slots,
     senders on every prefill rank, the first pages handed over (the state
     slots go with the last chunk, _finish)."""
-    recvs = [KVReceiver(d.mgr, addr, rid) for d in decodes]
-    for r in recvs:
-        r.init(prefill_tp_size=len(prefills))
+    from kvrecv.sglang import KVRecvManager, KVRecvReceiver
+
+    if isinstance(decodes[0].mgr, KVRecvManager):  # sglang's receiver learns the TP size
+        recvs = [KVRecvReceiver(d.mgr, addr, rid) for d in decodes]
+        for r in recvs:
+            r.init()
+    else:
+        recvs = [KVReceiver(d.mgr, addr, rid) for d in decodes]
+        for r in recvs:
+            r.init(prefill_tp_size=len(prefills))
     t0 = time.monotonic()
     while min(r.poll() for r in recvs) == KVPoll.Bootstrapping:
         assert time.monotonic() - t0 < 20, [r.poll() for r in recvs]
@@ -117,6 +144,15 @@ def _open(addr, prefills, decodes, rid):
 def _finish(prefills, rid, who=None):
     for p in prefills if who is None else who:
         p.call("send", room=rid, pages=SRC[3:], state=[[s] for s in SRC_SLOTS])
+
+
+def _succeed(name, recvs, prefills, rid):
+    """Every decode and prefill rank's room succeeds."""
+    for rank, r in enumerate(recvs):
+        st, el = _wait_state(r, TERMINAL, 20)
+        assert st == KVPoll.Success, f"{name}: decode rank {rank} {st!r} after {el:.2f} s"
+    for p in prefills:
+        assert p.wait_room(rid, 20) == int(KVPoll.Success), f"prefill rank {p.rank}"
 
 
 def _check_state(decodes):
@@ -151,11 +187,7 @@ def test_state_tp_byte_exact(deployment, name):
     rid = 101
     recvs = _open(addr, prefills, decodes, rid)
     _finish(prefills, rid)
-    for rank, r in enumerate(recvs):
-        st, el = _wait_state(r, TERMINAL, 20)
-        assert st == KVPoll.Success, f"{name}: decode rank {rank} {st!r} after {el:.2f} s"
-    for p in prefills:
-        assert p.wait_room(rid, 20) == int(KVPoll.Success), f"prefill rank {p.rank}"
+    _succeed(name, recvs, prefills, rid)
     for d in decodes:
         want = hp.expected_decode(SEED, d.tp, d.rank, d.total, SRC, DST)
         assert all(np.array_equal(a, b) for a, b in zip(want, d.kv)), f"decode rank {d.rank}"
@@ -172,6 +204,24 @@ def test_state_tp_byte_exact(deployment, name):
         assert ops <= 4 * links, f"prefill rank {p.rank}: {ops} data messages for {links} links"
     for r in recvs:
         r.clear()
+
+
+@pytest.mark.parametrize("name", ["tp2-to-1", "tp1-to-2", "tp2-to-3"])
+def test_state_tp_through_the_sglang_adapter(deployment, name):
+    """sglang's state_dim_per_tensor, state_slice_outer_counts and
+    state_conv_shard_groups (tests/sglang_args.py) become each side's
+    state_slicing in the adapter (the rules tests/statetp_peer.py gives
+    kvrecv directly), the decode reads the prefill's TP size from GET
+    /route, and every decode rank's rows land byte for byte."""
+    addr, prefills, decodes = deployment(name, sglang=True)
+    for d in decodes:
+        want = stp.kv_args(kvrecv, d.kv, d.aux, d.tp, d.rank, d.total, d.state).state_rules
+        assert want is not None and d.mgr.kvrecv_args.state_rules == want
+        assert d.mgr.try_ensure_parallel_info(addr), d.mgr.bootstrap_failure(addr)
+    recvs = _open(addr, prefills, decodes, 111)
+    _finish(prefills, 111)
+    _succeed(name, recvs, prefills, 111)
+    _check_state(decodes)
 
 
 @pytest.mark.parametrize("name, dead", [("tp2-to-1", 1), ("tp1-to-2", 0)])
