@@ -77,6 +77,24 @@ def _wait_state(room, states, timeout):
         time.sleep(0.001)
 
 
+def _every_rank_fails(recvs, cls, text, t0, timeout=15):
+    """Waits until every decode rank's receiver of recvs Failed, each with
+    exactly cls and text in its reason (printed with the seconds since t0);
+    returns the set of their reasons."""
+    reasons = set()
+    for rank, r in enumerate(recvs):
+        st, el = _wait_state(r, TERMINAL, timeout)
+        assert st == KVPoll.Failed, f"decode rank {rank}: {st!r} after {el:.3f} s"
+        with pytest.raises(KVTransferError) as ei:
+            r.failure_exception()
+        e = ei.value
+        desc = f"decode rank {rank}: {type(e).__name__} {e.code} {e.failure_reason!r}"
+        assert type(e) is cls and text in e.failure_reason, desc
+        reasons.add(e.failure_reason)
+        print(f"{desc} ({time.monotonic() - t0:.3f} s)")
+    return reasons
+
+
 def _wait_until(pred, timeout, what):
     t0 = time.monotonic()
     while not pred():

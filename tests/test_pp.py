@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import hetero_peer as hp
-from failtest import _wait_state
+from failtest import _every_rank_fails, _wait_state
 from peer_proc import PeerProcess
 import kvrecv
 from kvrecv import (
@@ -185,18 +185,7 @@ def test_pp_stage_killed(deployment, name, dead, part):
     victim = prefills[dead]
     t0 = victim.kill()
     name_of = f"prefill rank {victim.rank} of PP stage {victim.stage['rank']} at 127.0.0.1"
-    reasons = set()
-    for rank, r in enumerate(recvs):
-        st, el = _wait_state(r, TERMINAL, 15)
-        assert st == KVPoll.Failed, f"decode rank {rank}: {st!r} after {el:.3f} s"
-        with pytest.raises(KVTransferError) as ei:
-            r.failure_exception()
-        e = ei.value
-        desc = f"decode rank {rank}: {type(e).__name__} {e.code} {e.failure_reason!r}"
-        assert type(e) is KVPeerLostError, desc
-        assert name_of in e.failure_reason, desc
-        reasons.add(e.failure_reason)
-        print(f"{desc} ({time.monotonic() - t0:.3f} s after the kill)")
+    reasons = _every_rank_fails(recvs, KVPeerLostError, name_of, t0)
     assert len(reasons) == 1, reasons  # the ranks share the root cause
     for p in prefills:
         if p.stage["rank"] == victim.stage["rank"]:

@@ -19,17 +19,16 @@ through the adapter's classes.
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 import pytest
 
 import hetero_peer as hp
 import sglang_args
-from failtest import _wait_state
+from failtest import _every_rank_fails, _wait_state
 from peer_proc import PeerProcess
 import kvrecv
-from kvrecv import KVConfig, KVPeerLostError, KVPoll, KVTransferError
+from kvrecv import KVConfig, KVPeerLostError, KVPoll
 from kvrecv.sglang import KVRecvBootstrapServer, KVRecvManager, KVRecvReceiver
 
 TERMINAL = (KVPoll.Success, KVPoll.Failed)
@@ -144,19 +143,8 @@ def test_sglang_pp_stage_killed(deployment, name, dead):
     victim = prefills[dead]
     t0 = victim.kill()
     who = f"prefill rank {victim.rank} of PP stage {victim.stage['rank']} at 127.0.0.1"
-    reasons = set()
-    for rank, r in enumerate(recvs):
-        st, el = _wait_state(r, TERMINAL, 15)
-        assert st == KVPoll.Failed, f"decode rank {rank}: {st!r} after {el:.3f} s"
-        with pytest.raises(KVTransferError) as ei:
-            r.failure_exception()
-        e = ei.value
-        assert type(e) is KVPeerLostError and who in e.failure_reason, \
-            f"decode rank {rank}: {type(e).__name__} {e.failure_reason!r}"
-        assert e.failure_reason.startswith("room 401: "), e.failure_reason
-        reasons.add(e.failure_reason)
-        print(f"decode rank {rank}: {e.failure_reason!r} "
-              f"({time.monotonic() - t0:.3f} s after the kill)")
+    reasons = _every_rank_fails(recvs, KVPeerLostError, who, t0)
+    assert all(r.startswith("room 401: ") for r in reasons), reasons
     assert len(reasons) == 1, reasons
     for p in prefills:
         if p.stage["rank"] == victim.stage["rank"]:
