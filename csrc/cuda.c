@@ -77,17 +77,19 @@ int kvr_cuda_load(char *err, size_t errlen)
         return 0;
     }
     const char *env = getenv("KVRECV_CUDART");
-    const char *candidates[3] = {NULL, NULL, NULL};
+    /* The runtimes whose API this file declares (12 and 13 share it). */
+    const char *candidates[4] = {NULL, NULL, NULL, NULL};
     if (env != NULL && env[0] != '\0') {
         candidates[0] = env; /* only this one: the operator chose it */
     } else {
         candidates[0] = "libcudart.so.12";
-        candidates[1] = "libcudart.so";
+        candidates[1] = "libcudart.so.13";
+        candidates[2] = "libcudart.so";
     }
     void *dl = NULL;
     const char *used = NULL;
-    char tried[512] = "";
-    for (int i = 0; i < 3 && candidates[i] != NULL && dl == NULL; i++) {
+    char tried[768] = "";
+    for (int i = 0; i < 4 && candidates[i] != NULL && dl == NULL; i++) {
         dl = dlopen(candidates[i], RTLD_NOW | RTLD_LOCAL);
         if (dl != NULL) {
             used = candidates[i];

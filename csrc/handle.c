@@ -227,6 +227,18 @@ int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, in
                              char *err, size_t errlen)
 {
     kvr_engine_t *e = kvr_handle_engine(h);
+    /* Two writes of one page land in no defined order: refused.  Sorted
+     * outside the engine's lock. */
+    long first = -1, again = kvr_pages_repeat(pages, n, &first);
+    if (again == -2) {
+        return kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+    }
+    if (again >= 0) {
+        return kvr_err(err, errlen, KVR_EVALUE,
+                       "kv_indices[%ld] and kv_indices[%ld] are both page %d: a decode page "
+                       "can receive one page of a room",
+                       first, again, pages[again]);
+    }
     int rc = kvr_handle_enter(h, err, errlen);
     if (rc) {
         return rc;

@@ -1,6 +1,7 @@
 #include "room.h"
 
 #include <stdlib.h>
+#include <string.h>
 
 #include "debug.h"
 
@@ -204,6 +205,49 @@ uint32_t kvr_run_length(const int32_t *src, const int32_t *dst, uint32_t pos, ui
         n++;
     }
     return n;
+}
+
+static int kvr_page_cmp(const void *a, const void *b)
+{
+    int32_t x = *(const int32_t *)a, y = *(const int32_t *)b;
+    return (x > y) - (x < y);
+}
+
+long kvr_pages_repeat(const int32_t *pages, size_t n, long *first)
+{
+    if (n < 2) {
+        return -1;
+    }
+    int32_t *v = malloc(n * sizeof(int32_t));
+    if (v == NULL) {
+        return -2;
+    }
+    memcpy(v, pages, n * sizeof(int32_t));
+    qsort(v, n, sizeof(int32_t), kvr_page_cmp);
+    int found = 0;
+    int32_t twice = 0;
+    for (size_t i = 1; i < n && !found; i++) {
+        if (v[i] == v[i - 1]) {
+            found = 1;
+            twice = v[i];
+        }
+    }
+    free(v);
+    if (!found) {
+        return -1;
+    }
+    long at = -1;
+    for (size_t i = 0; i < n; i++) {
+        if (pages[i] != twice) {
+            continue;
+        }
+        if (at >= 0) {
+            *first = at;
+            return (long)i;
+        }
+        at = (long)i;
+    }
+    return -1; /* not reached */
 }
 
 long kvr_pages_check(const int32_t *pages, size_t n, int64_t limit)

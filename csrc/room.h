@@ -220,5 +220,8 @@ uint32_t kvr_run_length(const int32_t *src, const int32_t *dst, uint32_t pos, ui
  * the position of the first bad one.
  */
 long kvr_pages_check(const int32_t *pages, size_t n, int64_t limit);
+/* The index of the second place some page appears in pages (*first gets
+ * the first), -1 if every page appears once, -2 out of memory. */
+long kvr_pages_repeat(const int32_t *pages, size_t n, long *first);
 
 #endif

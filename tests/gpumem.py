@@ -30,7 +30,8 @@ def build_fake(out_dir: str) -> str:
 
 
 def find_cudart() -> Optional[str]:
-    for name in (os.environ.get("KVRECV_CUDART"), "libcudart.so.12", "libcudart.so"):
+    for name in (os.environ.get("KVRECV_CUDART"), "libcudart.so.12", "libcudart.so.13",
+                 "libcudart.so"):
         if not name:
             continue
         try:
@@ -95,6 +96,18 @@ class Cudart:
         arr = (ctypes.c_uint64 * 6)()
         self.lib.fakecuda_counters(arr)
         return dict(zip(("h2d", "d2h", "d2d", "bytes", "async", "bad_kind"), list(arr)))
+
+
+def pages_with_runs(rng, num_pages: int, n: int, src_run: int, dst_run: int, run: int):
+    """n source and n destination pages, each starting with a run of `run`
+    consecutive pages (at src_run, dst_run), the rest shuffled.  No
+    destination page twice (send_metadata refuses that); a source page may
+    repeat."""
+    src = rng.permutation(num_pages)[:n]
+    src[:run] = np.arange(src_run, src_run + run)
+    rest = np.setdiff1d(np.arange(num_pages), np.arange(dst_run, dst_run + run))
+    dst = np.concatenate([np.arange(dst_run, dst_run + run), rng.permutation(rest)[:n - run]])
+    return src.astype(np.int32), dst.astype(np.int32)
 
 
 class MemSide:

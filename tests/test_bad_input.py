@@ -160,6 +160,16 @@ def test_out_of_range_message_names_the_position_and_the_limit(prog):
     assert "kv_indices[2]" in msg and str(N + 3) in msg and str(N) in msg
 
 
+def test_send_metadata_rejects_a_page_named_twice(prog):
+    # Two pages of the room written into one decode page: which lands last
+    # is not defined, so the room is refused before any byte moves.
+    with pytest.raises(ValueError, match=r"^kv_indices\[1\] and kv_indices\[3\] are both page 7: "):
+        prog.r.send_metadata(np.array([3, 7, 9, 7, 2], dtype=np.int32))
+    time.sleep(0.05)
+    assert_all_canary(prog.dst)
+    finish_and_check(prog, [1, 2, 3, 1], [3, 7, 9, 2])  # a repeated source page is fine
+
+
 def test_two_dimensional_index_array_is_rejected(prog):
     with pytest.raises(ValueError, match="kv_indices"):
         prog.r.send_metadata(np.array([[1, 2], [3, 4]], dtype=np.int32))

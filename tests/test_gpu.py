@@ -16,7 +16,7 @@ import pytest
 
 from kvrecv import KVConfig, KVManager, KVPoll, KVReceiver, KVSender, _core
 from kvtest import ROBUST_CONFIG, Layout, describe_failure, terminal, wait_for
-from gpumem import Cudart, MemSide, build_fake
+from gpumem import Cudart, MemSide, build_fake, pages_with_runs
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -56,12 +56,8 @@ def managers(res, bootstrap, src, dst, **cfg):
 
 def plan(rng, layout, n):
     """n source pages and n destination pages: shuffled with runs in them."""
-    src = rng.permutation(layout.num_pages)[:n]
-    dst = rng.permutation(layout.num_pages)[:n]
     # a consecutive run on both sides, longer than a small slot
-    src[:12] = np.arange(40, 52)
-    dst[:12] = np.arange(70, 82)
-    return src.astype(np.int32), dst.astype(np.int32)
+    return pages_with_runs(rng, layout.num_pages, n, 40, 70, 12)
 
 
 def apply(want, src: MemSide, sp, dp, src_aux, dst_aux):
@@ -333,3 +329,12 @@ def test_real_gpu_transfer(real_gpu, kinds, path):
     print(p.stdout, p.stderr)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert "CHECK OK" in p.stdout
+
+
+@pytest.mark.gpu
+def test_real_gpu_abort_lands_nothing_after_failed(real_gpu):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "gpu_bench.py"), "abort"],
+                       env=_clean_env(), capture_output=True, text=True, timeout=300)
+    print(p.stdout, p.stderr)
+    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
+    assert "ABORT CHECK OK" in p.stdout
