@@ -32,6 +32,7 @@ from kvrecv import (
     KVTransferError,
     KVTransportError,
 )
+from kvtest import describe_failure
 
 
 NBUF = peer_mod.NBUF
@@ -176,9 +177,11 @@ def _check_new_room_in_process(pmgr, pkv, paux, dmgr, dkv, daux, addr, room, dst
     s.send(np.asarray(src_pages[:2], dtype=np.int32))
     s.send(np.asarray(src_pages[2:], dtype=np.int32))
     st, el = _wait_state(r, TERMINAL, 20)
-    assert st == KVPoll.Success, f"new room {room} on the surviving manager: {st} after {el:.3f} s"
+    assert st == KVPoll.Success, \
+        f"new room {room} on the surviving manager: {describe_failure(r)} after {el:.3f} s"
     st, el = _wait_state(s, TERMINAL, 20)
-    assert st == KVPoll.Success, f"new room {room}, prefill side: {st} after {el:.3f} s"
+    assert st == KVPoll.Success, \
+        f"new room {room}, prefill side: {describe_failure(s)} after {el:.3f} s"
     assert _pages_equal(pkv, dkv, src_pages, dst_pages), "new room: KV bytes differ"
     assert np.array_equal(paux[0][5 * AUX_ITEM:6 * AUX_ITEM],
                           daux[0][dst_aux * AUX_ITEM:(dst_aux + 1) * AUX_ITEM]), "new room: aux differs"
