@@ -43,7 +43,13 @@ from typing import Dict, List, Optional
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 LAYERS = 2
-TOTAL_HEADS = 4  # the model's KV heads (config.json's num_key_value_heads)
+KV_HEADS_ENV = "KVRECV_TEST_KV_HEADS"  # set per layout in the rank processes
+
+
+def total_heads() -> int:
+    """The model's KV heads (config.json's num_key_value_heads): the
+    layout's kv_heads, 4 unless a layout says otherwise."""
+    return int(os.environ.get(KV_HEADS_ENV, "4"))
 HEAD_DIM = 16
 MLA_LORA, MLA_ROPE = 16, 8  # an MLA pool: one latent cache of kv_lora_rank + qk_rope_head_dim
 POOL_TOKENS = 4096
@@ -109,7 +115,7 @@ def input_ids(spec: ReqSpec) -> List[int]:
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """The two instances: attention-TP sizes and the KV pool (sglang's
-    MHATokenToKVPool with the rank's share of TOTAL_HEADS, or with mla its
+    MHATokenToKVPool with the rank's share of kv_heads, or with mla its
     MLATokenToKVPool, one latent cache every rank holds whole), and the
     prefill's DP groups."""
 
@@ -119,16 +125,18 @@ class Layout:
     prefill_dp: int = 1  # DP attention: DP groups of prefill_tp ranks
     prefill_pp: int = 1  # PP stages of prefill_tp ranks, each holding LAYERS / prefill_pp layers
     prefill_balance: str = "follow_bootstrap_room"  # the prefill's --load-balance-method
+    kv_heads: int = 4  # the model's KV heads; fewer than a TP size: replicated heads
 
 
 def rank_heads(tp: int, rank: int) -> slice:
     """The model's KV heads a rank of tp holds, as sglang splits them:
-    max(1, TOTAL_HEADS // tp) a rank; with fewer heads than ranks, head
-    rank // (tp // TOTAL_HEADS) on each of its replicas."""
-    if tp <= TOTAL_HEADS:
-        h = TOTAL_HEADS // tp
+    max(1, heads // tp) a rank; with fewer heads than ranks, head
+    rank // (tp // heads) on each of its replicas."""
+    heads = total_heads()
+    if tp <= heads:
+        h = heads // tp
         return slice(rank * h, rank * h + h)
-    head = rank // (tp // TOTAL_HEADS)
+    head = rank // (tp // heads)
     return slice(head, head + 1)
 
 
@@ -142,7 +150,7 @@ def kv_pattern(room: int, n_tokens: int, tp: int, rank: int, mla: bool):
     seed = int.from_bytes(hashlib.blake2b(f"{room}".encode(), digest_size=6).digest(), "big")
     g = torch.Generator().manual_seed(seed)
     shape = (LAYERS, 1, n_tokens, 1, MLA_LORA + MLA_ROPE) if mla else \
-        (LAYERS, 2, n_tokens, TOTAL_HEADS, HEAD_DIM)
+        (LAYERS, 2, n_tokens, total_heads(), HEAD_DIM)
     full = torch.randint(-32768, 32767, shape, generator=g, dtype=torch.int16)
     return full if mla else full[:, :, :, rank_heads(tp, rank)]
 
@@ -182,7 +190,7 @@ def _model_config_stand_in():
         num_hidden_layers=LAYERS,
         hf_text_config=types.SimpleNamespace(),
         hf_config=types.SimpleNamespace(),
-        get_total_num_kv_heads=lambda: TOTAL_HEADS,
+        get_total_num_kv_heads=total_heads,
     )
 
 
@@ -238,10 +246,10 @@ def model_dir() -> str:
     import json
     import tempfile
 
-    d = os.path.join(tempfile.gettempdir(), f"kvrecv-sglang-model-{os.getuid()}")
+    d = os.path.join(tempfile.gettempdir(), f"kvrecv-sglang-model-{os.getuid()}-h{total_heads()}")
     os.makedirs(d, exist_ok=True)
     cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-           "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": TOTAL_HEADS,
+           "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": total_heads(),
            "num_hidden_layers": LAYERS, "vocab_size": 32000, "max_position_embeddings": 1024,
            "rms_norm_eps": 1e-5, "torch_dtype": "float16", "bos_token_id": 1, "eos_token_id": 2}
     path = os.path.join(d, "config.json")
@@ -822,7 +830,8 @@ class Cluster:
 
     def _start(self, cls, n, tp, env, *extra) -> List[_Proc]:
         store = free_port()
-        procs = [_Proc(_rank_main, cls, dict(KVRECV_ENV, **(env or {})), r, tp, store,
+        env = dict(KVRECV_ENV, **(env or {}), **{KV_HEADS_ENV: str(self.layout.kv_heads)})
+        procs = [_Proc(_rank_main, cls, env, r, tp, store,
                        self.bootstrap_port, self.page_size, self.layout.mla, *extra,
                        name=f"{cls.__name__}{r}")
                  for r in range(n)]

@@ -23,6 +23,9 @@ from sglang_sched import Driver, Layout, ReqSpec
 # Ordered so that the kill test, which follows the byte-exact test, finds
 # its layout (the last) up.
 LAYOUTS = {
+    # 2 KV heads over 4 prefill ranks: each head on 2 of them
+    "gqa2-tp4-to-2": Layout(prefill_tp=4, decode_tp=2, kv_heads=2),
+    "mla-tp2-to-4": Layout(prefill_tp=2, decode_tp=4, mla=True),
     "mla-tp2-to-1": Layout(prefill_tp=2, decode_tp=1, mla=True),
     "mla-tp1-to-2": Layout(prefill_tp=1, decode_tp=2, mla=True),
     "tp1-to-2": Layout(prefill_tp=1, decode_tp=2),
