@@ -190,8 +190,8 @@ def test_state_bad_input(pair):
     with pytest.raises(ValueError, match=r"^state_indices\[1\]=5 is outside the registered "
                                          r"state slots \[0, 5\)$"):
         r.send_metadata(pages, state_indices=[[0], [5]])
-    with pytest.raises(ValueError, match=r"^state_indices\[0\] has 2 slots: one slot per state "
-                                         r"component is supported"):
+    with pytest.raises(ValueError, match=r"^state_indices\[0\] has 2 slots: state component 0 "
+                                         r"takes one slot per request"):
         r.send_metadata(pages, state_indices=[[0, 1], None])
     with pytest.raises(ValueError, match=r"^state_indices names 3 state components, 2 are "
                                          r"registered$"):
