@@ -22,26 +22,11 @@ import failure_peer as fp
 import statelist_peer as sp
 from failtest import _wait_state
 from peer_proc import PeerProcess
-from kvrecv import (
-    BootstrapServer,
-    KVAbortedError,
-    KVArgs,
-    KVConfig,
-    KVLayoutError,
-    KVManager,
-    KVPeerLostError,
-    KVPoll,
-    KVProtocolError,
-    KVReceiver,
-    KVSender,
-    KVTransferError,
-)
+from test_state import CONFIG, DST, SRC, TERMINAL, _failure, _receiver
+from kvrecv import (BootstrapServer, KVAbortedError, KVArgs, KVConfig, KVLayoutError, KVManager,
+                    KVPeerLostError, KVPoll, KVProtocolError, KVReceiver, KVSender)
 
-TERMINAL = (KVPoll.Success, KVPoll.Failed)
 SEED = 9
-SRC = [3, 4, 5, 9, 11, 12]
-DST = [0, 1, 7, 8, 20, 2]
-CONFIG = {"heartbeat_interval_ms": 100, "heartbeat_timeout_ms": 1000}
 # Window pages: scattered (runs of 1 and 3 on both sides), and consecutive.
 SCATTERED = ([3, 17, 9, 30, 31, 32, 0], [10, 2, 39, 5, 6, 7, 1])
 CONSECUTIVE = (list(range(4, 36)), list(range(8, 40)))
@@ -88,21 +73,6 @@ def pair():
     yield make
     for obj in reversed(made):
         obj.close()
-
-
-def _receiver(addr, dec, rid, states, aux=1):
-    r = KVReceiver(dec.mgr, addr, rid)
-    r.init()
-    st, _ = _wait_state(r, (KVPoll.WaitingForInput, KVPoll.Failed), 20)
-    assert st == KVPoll.WaitingForInput, st
-    r.send_metadata(np.asarray(DST, dtype=np.int32), aux_index=aux, state_indices=states)
-    return r
-
-
-def _failure(room) -> KVTransferError:
-    with pytest.raises(KVTransferError) as ei:
-        room.failure_exception()
-    return ei.value
 
 
 def _ops(pre) -> int:

@@ -215,6 +215,25 @@ TEST_IMPL(plan_state_rows)
     ASSERT_EQ(c2.aux_done, 1);
 }
 
+/* Plans ref_n messages from the start, every other one held first ("no
+ * slot") and planned again, into got. */
+static void replan_held(const kvr_plan_t *p, int ref_n, msgs_t *got)
+{
+    kvr_plan_cursor_t c;
+    memset(&c, 0, sizeof(c));
+    for (int k = 0; got->n < ref_n; k++) {
+        kvr_plan_cursor_t next = c;
+        kvr_am_header_t h;
+        ASSERT(kvr_post_plan(p, &next, &h));
+        if (k % 2 == 0) {
+            kvr_plan_hold(&c, &h); /* "no slot": retry */
+            continue;
+        }
+        got->h[got->n++] = h;
+        c = next;
+    }
+}
+
 /* A list component (sliding-window pages): its buffers' rows are list
  * positions, one message per range and group of its buffers whatever the
  * list's length when its slots run; scattered slots become pieces, a new
@@ -274,18 +293,7 @@ TEST_IMPL(plan_state_lists)
         at += ref.h[i].npages;
     }
     ASSERT_EQ(at, 3000);
-    memset(&c, 0, sizeof(c));
-    for (int k = 0; got.n < ref.n; k++) {
-        kvr_plan_cursor_t next = c;
-        kvr_am_header_t h;
-        ASSERT(kvr_post_plan(&p, &next, &h));
-        if (k % 2 == 0) {
-            kvr_plan_hold(&c, &h); /* "no slot": retry */
-            continue;
-        }
-        got.h[got.n++] = h;
-        c = next;
-    }
+    replan_held(&p, ref.n, &got);
     for (int i = 0; i < ref.n; i++) {
         ASSERT(got.h[i].buf == ref.h[i].buf && got.h[i].nbuf == ref.h[i].nbuf);
         ASSERT(got.h[i].pos == ref.h[i].pos && got.h[i].npages == ref.h[i].npages);
@@ -310,18 +318,7 @@ TEST_IMPL(plan_hold_retries_same)
     msgs_t ref = {0}, got = {0};
     kvr_plan_cursor_t c = {0};
     drain(&p, &c, &ref);
-    memset(&c, 0, sizeof(c));
-    for (int k = 0; got.n < ref.n; k++) {
-        kvr_plan_cursor_t next = c;
-        kvr_am_header_t h;
-        ASSERT(kvr_post_plan(&p, &next, &h));
-        if (k % 2 == 0) {
-            kvr_plan_hold(&c, &h); /* "no slot": retry */
-            continue;
-        }
-        got.h[got.n++] = h;
-        c = next;
-    }
+    replan_held(&p, ref.n, &got);
     for (int i = 0; i < ref.n; i++) {
         ASSERT_EQ(got.h[i].kind, ref.h[i].kind);
         ASSERT_EQ(got.h[i].buf, ref.h[i].buf);
