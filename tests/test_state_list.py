@@ -83,9 +83,9 @@ def test_state_lists_byte_exact_and_coalesced(pair):
     """Pages, the aux row, the Mamba row and the window pages of a list of
     7 scattered slots and of 32 consecutive ones land byte for byte (the
     lists given with the last chunk, as sglang does); every other state
-    byte stays CANARY.  The last chunk posts as many data operations for
-    4 consecutive window slots as for 32, and as for 7 scattered ones
-    (runs are pieces of one message, as pages)."""
+    byte stays CANARY.  A room posts as many data operations for 4
+    consecutive window slots as for 32, and as for 7 scattered ones (runs
+    are pieces of one message, as pages)."""
     addr, pre, dec = pair()
     src_kv, src_aux = fp.source_buffers(SEED)
     src_state = sp.source(SEED)
@@ -96,8 +96,11 @@ def test_state_lists_byte_exact_and_coalesced(pair):
     for rid, (dst, src), mdst, msrc in cases:
         r = _receiver(addr, dec, rid, [[mdst], dst])
         pre.call("open_sender", room=rid, n=len(SRC), aux=2)
-        pre.call("send", room=rid, pages=SRC[:3])
+        # Bound to the decode's request: each send() posts its messages.
+        assert pre.call("wait", room=rid, states=[int(KVPoll.WaitingForInput)])["state"] == \
+            KVPoll.WaitingForInput
         before = _ops(pre)
+        pre.call("send", room=rid, pages=SRC[:3])
         pre.call("send", room=rid, pages=SRC[3:], state=[[msrc], src])
         st, el = _wait_state(r, TERMINAL, 20)
         assert st == KVPoll.Success, f"room {rid}: {st!r} after {el:.2f} s"
