@@ -22,9 +22,10 @@ import failure_peer as fp
 import statelist_peer as sp
 from failtest import _wait_state
 from peer_proc import PeerProcess
-from test_state import CONFIG, DST, SRC, TERMINAL, _failure, _receiver
-from kvrecv import (BootstrapServer, KVAbortedError, KVArgs, KVConfig, KVLayoutError, KVManager,
-                    KVPeerLostError, KVPoll, KVProtocolError, KVReceiver, KVSender)
+from test_state import (CONFIG, DST, SRC, TERMINAL, _failure, _receiver, check_abort,
+                        check_prefill_killed)
+from kvrecv import (BootstrapServer, KVArgs, KVConfig, KVLayoutError, KVManager, KVPoll,
+                    KVProtocolError, KVReceiver, KVSender)
 
 SEED = 9
 # Window pages: scattered (runs of 1 and 3 on both sides), and consecutive.
@@ -126,41 +127,16 @@ def test_state_lists_byte_exact_and_coalesced(pair):
 def test_state_lists_prefill_killed(pair, part):
     """The prefill SIGKILLed before it sent (part: after the first pages,
     before the last chunk that carries the window pages): the decode
-    raises PEER_LOST naming it, and no state byte landed."""
-    addr, pre, dec = pair()
-    rid = 21
-    r = _receiver(addr, dec, rid, [[3], SCATTERED[0]])
-    pre.call("open_sender", room=rid, n=len(SRC), aux=2)
-    if part:
-        pre.call("send", room=rid, pages=SRC[:3])
-    pre.kill()
-    st, el = _wait_state(r, TERMINAL, 15)
-    assert st == KVPoll.Failed, f"{st!r} after {el:.2f} s"
-    e = _failure(r)
-    assert type(e) is KVPeerLostError, e.failure_reason
-    assert "prefill rank 0 at 127.0.0.1" in e.failure_reason, e.failure_reason
-    assert e.bootstrap_room == rid
-    assert dec.state_canary_except([(), ()]) == ""
-    r.clear()
+    raises PEER_LOST naming it, and no state byte landed
+    (test_state.check_prefill_killed)."""
+    check_prefill_killed(*pair(), [[3], SCATTERED[0]], part)
 
 
 def test_state_lists_abort(pair):
     """abort() on the decode before the last chunk: both sides fail with
-    ABORTED, and no window page lands, also once the prefill sends it."""
-    addr, pre, dec = pair()
-    rid = 31
-    r = _receiver(addr, dec, rid, [[3], SCATTERED[0]])
-    pre.call("open_sender", room=rid, n=len(SRC), aux=2)
-    pre.call("send", room=rid, pages=SRC[:3])
-    r.abort()
-    e = _failure(r)
-    assert type(e) is KVAbortedError, e.failure_reason
-    assert pre.call("wait", room=rid, states=[int(KVPoll.Failed)])["state"] == KVPoll.Failed
-    f = pre.call("failure", room=rid)
-    assert f["cls"] == "KVAbortedError" and "aborted by decode rank 0" in f["reason"], f
-    pre.call("send", room=rid, pages=SRC[3:], state=[[2], SCATTERED[1]])
-    assert dec.state_canary_except([(), ()]) == ""
-    r.clear()
+    ABORTED, and no window page lands, also once the prefill sends it
+    (test_state.check_abort)."""
+    check_abort(*pair(), [[3], SCATTERED[0]], [[2], SCATTERED[1]])
 
 
 def test_state_lists_bad_input(pair):
