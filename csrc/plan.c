@@ -331,12 +331,17 @@ static int kvr_plan_is_list(const kvr_plan_t *p, uint32_t b)
 }
 
 /* Runs of list positions [pos, end) consecutive on both sides, at most
- * KVR_MAX_IOV; *end (0: up to len) becomes where they stop. */
+ * max_runs, over at most max_pos positions; *end (0: up to len) becomes
+ * where they stop. */
 static uint32_t kvr_plan_list_runs(const int32_t *src, const int32_t *dst, uint32_t pos,
-                                   uint32_t *end, uint32_t len)
+                                   uint32_t *end, uint32_t len, uint32_t max_runs,
+                                   uint32_t max_pos)
 {
     uint32_t runs = 0, at = pos, stop = *end ? *end : len;
-    while (at < stop && runs < KVR_MAX_IOV) {
+    if (stop - pos > max_pos) {
+        stop = pos + max_pos;
+    }
+    while (at < stop && runs < max_runs) {
         at += kvr_run_length(src, dst, at, stop);
         runs++;
     }
@@ -359,14 +364,22 @@ static int kvr_plan_list(const kvr_plan_t *p, kvr_plan_cursor_t *c, kvr_am_heade
     }
     const int32_t *src = p->src_lists->slots + p->src_lists->at[comp];
     const int32_t *dst = p->dst_lists->slots + p->dst_lists->at[comp];
-    uint32_t len = p->dst_lists->n[comp];
+    uint32_t len = p->dst_lists->n[comp], max_runs = p->row_run_alone ? 1 : KVR_MAX_IOV;
+    uint64_t item = 0, max_pos = UINT32_MAX;
+    for (uint32_t b = first; b < last; b++) {
+        item = p->aux_item[b] > item ? p->aux_item[b] : item;
+    }
+    if (p->row_cap > 0) {
+        max_pos = p->row_cap / item > 0 ? p->row_cap / item : 1;
+    }
     if (c->row_end <= c->row_pos) {
         c->row_end = 0;
-        kvr_plan_list_runs(src, dst, c->row_pos, &c->row_end, len);
+        kvr_plan_list_runs(src, dst, c->row_pos, &c->row_end, len, max_runs, (uint32_t)max_pos);
         c->aux_buf = first;
     }
     uint32_t end = c->row_end;
-    uint32_t runs = kvr_plan_list_runs(src, dst, c->row_pos, &end, len);
+    uint32_t runs =
+        kvr_plan_list_runs(src, dst, c->row_pos, &end, len, max_runs, (uint32_t)max_pos);
     h->kind = KVR_AM_KIND_AUX;
     h->pos = c->row_pos;
     h->npages = c->row_end - c->row_pos;

@@ -157,6 +157,11 @@ typedef struct {
      * both sides. */
     uint32_t state_list;
     const kvr_slot_lists_t *src_lists, *dst_lists;
+    /* Device buffers: most bytes per buffer of a list message (a staging
+     * slot; 0: no limit), and 1 for one run per message (UCX moves device
+     * memory contiguous only). */
+    uint64_t row_cap;
+    int row_run_alone;
     const uint64_t *kv_item, *aux_item; /* item lengths per buffer */
     uint64_t kv_item_max;       /* the widest KV item (> 0) */
     uint64_t run_bytes;         /* a run this long goes alone */

@@ -93,6 +93,8 @@ static void kvr_post_limits(const kvr_engine_t *e, const kvr_room_t *r, kvr_plan
 {
     uint64_t run_bytes = e->cfg.coalesce_run_bytes, cap = e->cfg.coalesce_bytes;
     uint32_t max_pages = UINT32_MAX;
+    p->row_cap = 0;
+    p->row_run_alone = 0;
     int shm = kvr_tp_ep_is_shm(r->peer->ep);
     int aux = r->dst_aux >= 0 || kvr_state_any(r->dst_states);
     if (shm && e->ndev == 0 && e->kv_item_max <= KVR_TP_SHM_EAGER_BYTES &&
@@ -126,6 +128,7 @@ static void kvr_post_limits(const kvr_engine_t *e, const kvr_room_t *r, kvr_plan
         /* UCX moves device memory itself: contiguous messages only (one
          * per run), which it handles on every protocol. */
         run_bytes = 0;
+        p->row_run_alone = 1;
     } else if (e->gpu_path == KVR_GPU_STAGED) {
         /* Every message of a device buffer must fit one slot: runs are cut
          * at max_pages and coalescing stops at the slot size (the widest
@@ -135,6 +138,7 @@ static void kvr_post_limits(const kvr_engine_t *e, const kvr_room_t *r, kvr_plan
         if (cap > e->cfg.staging_slot_bytes) {
             cap = e->cfg.staging_slot_bytes;
         }
+        p->row_cap = e->cfg.staging_slot_bytes; /* list rows too */
     }
     p->src_pages = r->src_pages;
     p->dst_pages = r->dst_pages;
