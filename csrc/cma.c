@@ -237,13 +237,14 @@ const char *kvr_cma_read_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_hea
     if (claim == KVR_CLAIM_REPEATED) {
         return "data for positions already received";
     }
-    uint32_t niov = kvr_msg_pieces(e, h, r->pages, r->aux_index, r->states, s, NULL, NULL, &want);
+    uint32_t niov =
+        kvr_msg_pieces(e, h, r->pages, r->aux_index, r->states, &r->lists, s, NULL, NULL, &want);
     kvr_op_t *op = claim == KVR_CLAIM_OK ? kvr_op_new(r, want, niov) : NULL;
     if (op == NULL) {
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory receiving data");
         return NULL;
     }
-    kvr_msg_pieces(e, h, r->pages, r->aux_index, r->states, s, NULL, op->iov, &want);
+    kvr_msg_pieces(e, h, r->pages, r->aux_index, r->states, &r->lists, s, NULL, op->iov, &want);
     kvr_room_advance(r, KVR_POLL_TRANSFERRING); /* first byte */
     /* kvr_tp_iov_t is laid out as struct iovec (buf, len). */
     pid_t pid = (pid_t)r->peer->cma_pid;

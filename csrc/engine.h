@@ -94,6 +94,9 @@ typedef struct {
      * flat rules, nstate_rules u32); 0: not given (equal TP sizes only). */
     uint32_t nstate_rules;
     const uint32_t *state_rules;
+    /* Bit c: state component c takes a list of slots per request (sliding-
+     * window pages), not one slot; equal TP sizes only. */
+    uint32_t state_list;
     /* KVR_MEM_* per buffer; NULL: every buffer auto (detected with
      * cudaPointerGetAttributes when the CUDA runtime loads, else host). */
     const uint8_t *kv_kinds, *aux_kinds;
@@ -216,11 +219,21 @@ void kvr_handle_release(kvr_handle_t *h);
 int kvr_handle_recv_init(kvr_handle_t *h, int prefill_dp_rank, const char *bootstrap_addr,
                          uint32_t prefill_tp_size, uint32_t prefill_pp_size, char *err,
                          size_t errlen);
+/* The entries of state_indices given as lists of slots: entry c is the
+ * list of n[c] slots at slots[sum of n[0..c)] when bit c of seq is set
+ * (its states[c] is then ignored).  NULL: none. */
+typedef struct {
+    uint32_t seq;
+    const uint32_t *n;     /* per entry */
+    const int64_t *slots;  /* the lists, concatenated in entry order */
+} kvr_state_in_t;
 /* states: the slot of each of the first nstates state components (-1:
- * none), checked against the registered slots (state.c). */
+ * none), or the lists in `lists`, checked against the registered slots
+ * (state.c): a list component takes a list (an int is a list of one), a
+ * one-slot component one slot (a list of one). */
 int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, int64_t aux_index,
-                             const int64_t *states, uint32_t nstates, uint32_t prefix_len,
-                             char *err, size_t errlen);
+                             const int64_t *states, uint32_t nstates, const kvr_state_in_t *lists,
+                             uint32_t prefix_len, char *err, size_t errlen);
 /* Prefill side.  kvr_handle_prefix_len: the decode's prefix_len, once its
  * request arrived (poll() left Bootstrapping); 0 before.  (Decode: the one
  * given to send_metadata.)  Takes the lock. */
@@ -230,7 +243,7 @@ int kvr_handle_send_init(kvr_handle_t *h, int64_t num_pages, int64_t aux_index, 
 /* states (nstates 0: not given): this side's state slots, needed by the
  * time the last page is handed over. */
 int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, const int64_t *states,
-                    uint32_t nstates, char *err, size_t errlen);
+                    uint32_t nstates, const kvr_state_in_t *lists, char *err, size_t errlen);
 
 /* Both sides.  poll never blocks and never fails.  On the decode, a room
  * waiting for data gets UCX progressed from the caller (config

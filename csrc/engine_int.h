@@ -221,6 +221,7 @@ typedef struct kvr_pending {
     uint64_t tag;
     int64_t aux_index;
     int64_t states[KVR_MAX_STATES];
+    kvr_slot_lists_t lists; /* of the list components (state.c) */
     uint32_t npages;
     int32_t *pages;
     uint32_t prefix_len;
@@ -292,6 +293,7 @@ struct kvr_engine {
     uint32_t *state_comp;               /* component of each state buffer */
     int64_t state_rows[KVR_MAX_STATES]; /* slots every buffer of a component has */
     uint64_t state_bytes[KVR_MAX_STATES]; /* sum of its item lengths */
+    uint32_t state_list;                /* bit c: component c takes a list of slots */
     /* Their slicing over TP ranks (stateslice.h), when given: the flat
      * rules, each buffer's offset in them, 1 per replicated buffer, and
      * the most pieces a row of one buffer is cut into. */
@@ -522,8 +524,8 @@ void kvr_on_recv_done(void *arg, kvr_tp_op_t *tp_op, size_t len, int failed,
 void kvr_on_send_done(void *arg, kvr_tp_op_t *op, int failed, const char *status_text);
 uint32_t kvr_msg_pieces(const kvr_engine_t *e, const kvr_am_header_t *h,
                         const int32_t *pages, int64_t aux, const int64_t *states,
-                        const kvr_slice_t *s, const kvr_state_link_t *sl,
-                        kvr_tp_iov_t *out, uint64_t *bytes);
+                        const kvr_slot_lists_t *lists, const kvr_slice_t *s,
+                        const kvr_state_link_t *sl, kvr_tp_iov_t *out, uint64_t *bytes);
 void kvr_op_send_locked(kvr_engine_t *e, kvr_room_t *r, kvr_op_t *op,
                         const kvr_tp_iov_t *iov, uint32_t niov, int host);
 
@@ -549,8 +551,8 @@ void kvr_gpu_free(kvr_engine_t *e);
 void kvr_rejected_fail_locked(kvr_engine_t *e, kvr_room_t *r);
 void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r);
 void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint64_t tag,
-                             int64_t aux_index, const int64_t *states, uint32_t npages,
-                             int32_t *pages);
+                             int64_t aux_index, const int64_t *states,
+                             kvr_slot_lists_t *lists, uint32_t npages, int32_t *pages);
 void kvr_pending_free(kvr_engine_t *e, kvr_pending_t *pd);
 /* A message from peer p (a decode on our ROUTER, or the prefill on our
  * connection) that either side may get: ROOM_FAIL, BYE; anything else is
@@ -588,16 +590,31 @@ void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void
 /* state.c: per-request state buffers (any thread; engine description
  * only).  Setup at creation (ValueError text); the row of row buffer b
  * (aux, then state) for aux row `aux` and per-component slots `states`
- * (-1: none); the bytes of the rows asked for; a caller's slots of n
- * components checked against the registered ones; slots copied (the rest
+ * (-1: none); the bytes of the rows asked for (a list component's: its
+ * list's); slots copied (the rest
  * -1); 1 if any slot is asked for. */
 int kvr_state_setup(kvr_engine_t *e, const kvr_engine_params_t *p, char *err, size_t errlen);
 int64_t kvr_state_row(const kvr_engine_t *e, uint32_t b, int64_t aux, const int64_t *states);
-uint64_t kvr_state_bytes(const kvr_engine_t *e, int64_t aux, const int64_t *states);
-int kvr_state_check(const kvr_engine_t *e, const int64_t *states, uint32_t n, char *err,
-                    size_t errlen);
+uint64_t kvr_state_bytes(const kvr_engine_t *e, int64_t aux, const int64_t *states,
+                         const kvr_slot_lists_t *lists);
 void kvr_state_copy(int64_t *dst, const int64_t *src, uint32_t n);
 int kvr_state_any(const int64_t *states);
+/* List components (state.c).  kvr_state_take: a caller's state_indices
+ * (states, n entries, and those given as lists) checked against the
+ * registration, into a room's slots (out: list components 0 when their
+ * list is not empty, else -1) and lists (allocated; NULL slots when
+ * none).  kvr_state_list_of: the list component of row buffer b, or -1.
+ * kvr_state_lists_copy: a deep copy (0, or -1 out of memory);
+ * kvr_state_lists_free.  kvr_state_list_bit: the first claim bit of row
+ * buffer b of a list component, counted from the first after the aux
+ * bits; with b == naux, all of them. */
+int kvr_state_take(const kvr_engine_t *e, const int64_t *states, uint32_t n,
+                   const kvr_state_in_t *in, int64_t *out, kvr_slot_lists_t *lists, char *err,
+                   size_t errlen);
+int kvr_state_list_of(const kvr_engine_t *e, uint32_t b);
+int kvr_state_lists_copy(kvr_slot_lists_t *dst, const kvr_slot_lists_t *src);
+void kvr_state_lists_free(kvr_slot_lists_t *l);
+uint64_t kvr_state_list_bit(const kvr_engine_t *e, const kvr_slot_lists_t *l, uint32_t b);
 /* State rows across TP sizes (stateslice.h).  kvr_state_link_set: peer
  * p's link from the prefill's and the decode's head layouts ph, dh and
  * the peer's layout l; -1 with why (LAYOUT_MISMATCH) when the state
@@ -611,7 +628,7 @@ int kvr_state_link_set(kvr_engine_t *e, kvr_peer_t *p, const kvr_wire_layout_t *
                        const kvr_heads_t *ph, const kvr_heads_t *dh, char *why, size_t n);
 const kvr_state_link_t *kvr_room_state_link(const kvr_room_t *r);
 uint64_t kvr_state_link_bytes(const kvr_engine_t *e, const kvr_state_link_t *sl, int64_t aux,
-                              const int64_t *states);
+                              const int64_t *states, const kvr_slot_lists_t *lists);
 int kvr_state_skip(const kvr_engine_t *e, const kvr_state_link_t *sl, uint32_t i);
 uint32_t kvr_state_pieces(const kvr_engine_t *e, const kvr_state_link_t *sl, uint32_t i,
                           int64_t row, kvr_tp_iov_t *out, uint64_t *bytes);

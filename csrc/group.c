@@ -220,7 +220,7 @@ uint64_t kvr_group_leg_bytes(const kvr_engine_t *e, const kvr_room_t *r)
 {
     kvr_state_link_t sl = kvr_leg_state_link(e, r);
     return (uint64_t)r->npages * kvr_leg_page_bytes(e, r) +
-           kvr_state_link_bytes(e, &sl, r->aux_index, r->states);
+           kvr_state_link_bytes(e, &sl, r->aux_index, r->states, &r->lists);
 }
 
 /* The links of decode room h to the prefill's TP ranks: by the head
@@ -378,6 +378,10 @@ int kvr_group_meta_locked(kvr_engine_t *e, kvr_room_t *h)
         kvr_state_link_t sl = kvr_leg_state_link(e, leg);
         leg->aux_index = rows ? h->aux_index : -1;
         kvr_state_copy(leg->states, h->states, rows || (last && sl.sliced) ? KVR_MAX_STATES : 0);
+        if (rows && kvr_state_lists_copy(&leg->lists, &h->lists) != 0) {
+            return -1;
+        }
+        leg->claim_lists = kvr_state_list_bit(e, &leg->lists, e->naux);
         leg->expected = kvr_group_leg_bytes(e, leg);
         leg->meta_set = 1;
         kvr_work_push_locked(e, leg);
@@ -438,6 +442,13 @@ static void kvr_group_sync_leg(kvr_engine_t *e, kvr_room_t *h, kvr_room_t *leg)
         }
     }
     memcpy(leg->src_states, h->src_states, sizeof(leg->src_states));
+    if (h->src_lists.total > 0) { /* given with the last chunk */
+        kvr_state_lists_free(&leg->src_lists);
+        if (kvr_state_lists_copy(&leg->src_lists, &h->src_lists) != 0) {
+            kvr_room_failf_locked(e, leg, KVR_TRANSPORT, 1, "out of memory");
+            return;
+        }
+    }
     if (h->given > leg->given) {
         memcpy(leg->src_pages + leg->given, h->src_pages + leg->given,
                (size_t)(h->given - leg->given) * sizeof(int32_t));

@@ -112,7 +112,7 @@ int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
             if (q->peer != NULL && q->peer->state == KVR_PEER_READY) {
                 r->prefix_len = q->prefix_len;
                 kvr_bind_request_locked(e, r, q->peer, q->tag, q->aux_index, q->states,
-                                        q->npages, q->pages);
+                                        &q->lists, q->npages, q->pages);
                 q->pages = NULL;
             }
         }
@@ -223,9 +223,10 @@ out:
 }
 
 int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, int64_t aux_index,
-                             const int64_t *states, uint32_t nstates, uint32_t prefix_len,
-                             char *err, size_t errlen)
+                             const int64_t *states, uint32_t nstates, const kvr_state_in_t *in,
+                             uint32_t prefix_len, char *err, size_t errlen)
 {
+    kvr_slot_lists_t lists = {0};
     kvr_engine_t *e = kvr_handle_engine(h);
     /* Two writes of one page land in no defined order: refused.  Sorted
      * outside the engine's lock. */
@@ -272,12 +273,11 @@ int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, in
                      aux_index, e->aux_rows);
         goto out;
     }
-    rc = kvr_state_check(e, states, nstates, err, errlen);
+    int64_t slots[KVR_MAX_STATES];
+    rc = kvr_state_take(e, states, nstates, in, slots, &lists, err, errlen);
     if (rc != 0) {
         goto out;
     }
-    int64_t slots[KVR_MAX_STATES];
-    kvr_state_copy(slots, states, nstates);
     if (n == 0 && (aux_index < 0 || e->naux == e->nstate) && !kvr_state_any(slots)) {
         rc = kvr_err(err, errlen, KVR_EVALUE, "kv_indices is empty and there is no aux row: nothing to transfer");
         goto out;
@@ -296,14 +296,19 @@ int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, in
     h->npages = (uint32_t)n;
     h->aux_index = aux_index;
     memcpy(h->states, slots, sizeof(slots));
+    h->lists = lists; /* taken */
+    memset(&lists, 0, sizeof(lists));
+    h->claim_lists = kvr_state_list_bit(e, &h->lists, e->naux);
     h->prefix_len = prefix_len;
-    h->expected = (uint64_t)n * e->page_bytes + kvr_state_bytes(e, aux_index, h->states);
+    h->expected =
+        (uint64_t)n * e->page_bytes + kvr_state_bytes(e, aux_index, h->states, &h->lists);
     h->meta_set = 1;
     if (h->nlegs > 0 && kvr_group_meta_locked(e, h) != 0) {
         kvr_room_failf_locked(e, h, KVR_TRANSPORT, 1, "out of memory handing pages to the legs");
     }
     kvr_work_push_locked(e, h);
 out:
+    kvr_state_lists_free(&lists);
     return kvr_handle_unlock_wake(e, rc);
 }
 
@@ -355,8 +360,10 @@ out:
 }
 
 int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, const int64_t *states,
-                    uint32_t nstates, char *err, size_t errlen)
+                    uint32_t nstates, const kvr_state_in_t *in, char *err, size_t errlen)
 {
+    kvr_slot_lists_t lists = {0};
+    int64_t slots[KVR_MAX_STATES];
     kvr_engine_t *e = kvr_handle_engine(h);
     int wake = 0;
     int rc = kvr_handle_enter(h, err, errlen);
@@ -375,7 +382,7 @@ int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, const int64
     }
     rc = kvr_handle_pages_check(e, pages, n, err, errlen);
     if (rc == 0) {
-        rc = kvr_state_check(e, states, nstates, err, errlen);
+        rc = kvr_state_take(e, states, nstates, in, slots, &lists, err, errlen);
     }
     if (rc != 0) {
         goto out;
@@ -386,8 +393,11 @@ int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, const int64
     if (n) {
         memcpy(h->src_pages + h->given, pages, n * sizeof(int32_t));
     }
-    if (nstates) {
-        kvr_state_copy(h->src_states, states, nstates); /* sglang: with the last chunk */
+    if (nstates) { /* sglang: with the last chunk */
+        memcpy(h->src_states, slots, sizeof(slots));
+        kvr_state_lists_free(&h->src_lists);
+        h->src_lists = lists; /* taken */
+        memset(&lists, 0, sizeof(lists));
     }
     h->given += (uint32_t)n;
     if (h->given == h->total_pages && n) {
@@ -418,6 +428,7 @@ int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, const int64
         kvr_work_push_locked(e, h);
     }
 out:
+    kvr_state_lists_free(&lists);
     kvr_engine_unlock(e);
     if (rc == 0 && wake) {
         kvr_wake(e);

@@ -133,7 +133,9 @@ void kvr_on_send_done(void *arg, kvr_tp_op_t *op, int failed, const char *status
  * The pieces of the data message h, in order: for each buffer of
  * [h->buf, h->buf + h->nbuf) of its kind, the runs of consecutive pages of
  * `pages` over positions [h->pos, h->pos + h->npages) (KV), or each row
- * buffer's row (aux row `aux`, state slots `states`: kvr_state_row).  The
+ * buffer's row (aux row `aux`, state slots `states`: kvr_state_row; a list
+ * component's rows: positions [pos, pos + npages) of its list in `lists`,
+ * one piece per run of consecutive slots).  The
  * prefill passes its source pages and rows, the decode its own
  * destination pages and rows; s, unless NULL, the slice of the heads of
  * their pages the message carries (group.c); sl, unless NULL, the share of
@@ -143,12 +145,29 @@ void kvr_on_send_done(void *arg, kvr_tp_op_t *op, int failed, const char *status
  */
 uint32_t kvr_msg_pieces(const kvr_engine_t *e, const kvr_am_header_t *h,
                         const int32_t *pages, int64_t aux, const int64_t *states,
-                        const kvr_slice_t *s, const kvr_state_link_t *sl, kvr_tp_iov_t *out,
-                        uint64_t *bytes)
+                        const kvr_slot_lists_t *lists, const kvr_slice_t *s,
+                        const kvr_state_link_t *sl, kvr_tp_iov_t *out, uint64_t *bytes)
 {
     uint32_t n = 0, end = h->pos + h->npages;
     uint64_t total = 0;
     for (uint32_t b = h->buf; b < (uint32_t)h->buf + h->nbuf; b++) {
+        int lc = h->kind == KVR_AM_KIND_AUX ? kvr_state_list_of(e, b) : -1;
+        if (lc >= 0) {
+            /* List positions [pos, end) of a list component's rows: one
+             * piece per run of consecutive slots, as pages. */
+            const int32_t *slots = lists->slots + lists->at[lc];
+            for (uint32_t at = h->pos; at < end; n++) {
+                uint32_t run = kvr_run_length(NULL, slots, at, end);
+                if (out != NULL) {
+                    out[n].buf = (char *)(uintptr_t)e->aux_ptrs[b] +
+                                 (uint64_t)slots[at] * e->aux_item[b];
+                    out[n].len = (size_t)run * e->aux_item[b];
+                }
+                at += run;
+            }
+            total += (uint64_t)h->npages * e->aux_item[b];
+            continue;
+        }
         if (h->kind == KVR_AM_KIND_AUX) {
             int64_t row = kvr_state_row(e, b, aux, states);
             if (sl != NULL && b >= e->naux - e->nstate) {

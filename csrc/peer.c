@@ -85,6 +85,7 @@ void kvr_fill_layout(kvr_engine_t *e, kvr_wire_layout_t *l)
     l->layers = given ? y->layers : 0;
     l->nrules = e->nstate_rules;
     l->rules = (const unsigned char *)e->state_rules; /* little-endian host */
+    l->state_lists = e->state_list;
 }
 
 /* Compares one kind of buffers' item lengths (ours against the wire's). */
@@ -122,6 +123,13 @@ int kvr_layout_diff(kvr_engine_t *e, const kvr_wire_layout_t *l, char *why, size
     }
     if (l->naux != e->naux) {
         snprintf(why, n, "%u aux and state buffers here, %u there", e->naux, l->naux);
+        return -1;
+    }
+    if (l->state_lists != e->state_list) {
+        uint32_t c = (uint32_t)__builtin_ctz(l->state_lists ^ e->state_list);
+        snprintf(why, n, "state component %u takes %s here, %s there", c,
+                 e->state_list >> c & 1u ? "a list of slots" : "one slot",
+                 l->state_lists >> c & 1u ? "a list of slots" : "one slot");
         return -1;
     }
     /* The state buffers (state.c) follow the aux buffers; across TP sizes

@@ -323,6 +323,85 @@ static uint32_t kvr_plan_range(const kvr_plan_t *p, uint32_t pos)
     return end;
 }
 
+/* 1 if row buffer b is a buffer of a list component. */
+static int kvr_plan_is_list(const kvr_plan_t *p, uint32_t b)
+{
+    uint32_t base = p->naux - p->nstate;
+    return b >= base && (p->state_list >> p->state_comp[b - base] & 1u);
+}
+
+/* Runs of list positions [pos, end) consecutive on both sides, at most
+ * max_runs, over at most max_pos positions; *end (0: up to len) becomes
+ * where they stop. */
+static uint32_t kvr_plan_list_runs(const int32_t *src, const int32_t *dst, uint32_t pos,
+                                   uint32_t *end, uint32_t len, uint32_t max_runs,
+                                   uint32_t max_pos)
+{
+    uint32_t runs = 0, at = pos, stop = *end ? *end : len;
+    if (stop - pos > max_pos) {
+        stop = pos + max_pos;
+    }
+    while (at < stop && runs < max_runs) {
+        at += kvr_run_length(src, dst, at, stop);
+        runs++;
+    }
+    *end = at;
+    return runs;
+}
+
+/* The next message of the list component whose buffer c->aux_buf is: a
+ * range of list positions (at most KVR_MAX_IOV runs) over a group of the
+ * component's buffers, then the next group, then the next range. */
+static int kvr_plan_list(const kvr_plan_t *p, kvr_plan_cursor_t *c, kvr_am_header_t *h)
+{
+    uint32_t base = p->naux - p->nstate, comp = p->state_comp[c->aux_buf - base];
+    uint32_t first = c->aux_buf, last = c->aux_buf + 1;
+    while (first > base && p->state_comp[first - 1 - base] == comp) {
+        first--;
+    }
+    while (last < p->naux && p->state_comp[last - base] == comp) {
+        last++;
+    }
+    const int32_t *src = p->src_lists->slots + p->src_lists->at[comp];
+    const int32_t *dst = p->dst_lists->slots + p->dst_lists->at[comp];
+    uint32_t len = p->dst_lists->n[comp], max_runs = p->row_run_alone ? 1 : KVR_MAX_IOV;
+    uint64_t item = 0, max_pos = UINT32_MAX;
+    for (uint32_t b = first; b < last; b++) {
+        item = p->aux_item[b] > item ? p->aux_item[b] : item;
+    }
+    if (p->row_cap > 0) {
+        max_pos = p->row_cap / item > 0 ? p->row_cap / item : 1;
+    }
+    if (c->row_end <= c->row_pos) {
+        c->row_end = 0;
+        kvr_plan_list_runs(src, dst, c->row_pos, &c->row_end, len, max_runs, (uint32_t)max_pos);
+        c->aux_buf = first;
+    }
+    uint32_t end = c->row_end;
+    uint32_t runs =
+        kvr_plan_list_runs(src, dst, c->row_pos, &end, len, max_runs, (uint32_t)max_pos);
+    h->kind = KVR_AM_KIND_AUX;
+    h->pos = c->row_pos;
+    h->npages = c->row_end - c->row_pos;
+    h->buf = (uint16_t)c->aux_buf;
+    h->nbuf = kvr_plan_buf_group(p->aux_item, last, c->aux_buf, h->npages, runs, p->merge);
+    c->aux_buf += h->nbuf;
+    if (c->aux_buf >= last) {
+        c->row_pos = c->row_end;
+        c->row_end = 0;
+        c->aux_buf = first;
+        if (c->row_pos >= len) {
+            c->row_pos = 0;
+            c->aux_buf = last;
+            while (c->aux_buf < p->naux && !kvr_plan_row_wanted(p, c->aux_buf)) {
+                c->aux_buf++;
+            }
+            c->aux_done = c->aux_buf >= p->naux;
+        }
+    }
+    return 1;
+}
+
 int kvr_post_plan(const kvr_plan_t *p, kvr_plan_cursor_t *c, kvr_am_header_t *h)
 {
     if (p->kv_none && c->posted < p->given) {
@@ -367,6 +446,10 @@ int kvr_post_plan(const kvr_plan_t *p, kvr_plan_cursor_t *c, kvr_am_header_t *h)
         c->aux_done = 1;
         return 0;
     }
+    if (kvr_plan_is_list(p, c->aux_buf)) {
+        return kvr_plan_list(p, c, h);
+    }
+    c->row_pos = c->row_end = 0;
     h->kind = KVR_AM_KIND_AUX;
     h->pos = 0;
     h->npages = 1;
@@ -374,7 +457,8 @@ int kvr_post_plan(const kvr_plan_t *p, kvr_plan_cursor_t *c, kvr_am_header_t *h)
     uint16_t nb = kvr_plan_buf_group(p->aux_item, p->naux, c->aux_buf, 1,
                                      p->row_pieces ? p->row_pieces : 1, p->merge);
     h->nbuf = 1;
-    while (h->nbuf < nb && kvr_plan_row_wanted(p, c->aux_buf + h->nbuf)) {
+    while (h->nbuf < nb && kvr_plan_row_wanted(p, c->aux_buf + h->nbuf) &&
+           !kvr_plan_is_list(p, c->aux_buf + h->nbuf)) {
         h->nbuf++; /* a message covers only rows asked for */
     }
     c->aux_buf += h->nbuf;
@@ -408,5 +492,7 @@ void kvr_plan_hold(kvr_plan_cursor_t *c, const kvr_am_header_t *h)
         c->buf = h->buf;
     } else {
         c->aux_buf = h->buf;
+        c->row_pos = h->pos; /* a list range (kvr_plan_list); else reset there */
+        c->row_end = h->pos + h->npages;
     }
 }

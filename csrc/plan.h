@@ -27,6 +27,18 @@
 #define KVR_MAX_IOV 1024
 
 /*
+ * The slot lists of a room's list components (state.c: sliding-window
+ * pages and other state named by a list of slots per request): component
+ * c's slots are slots[at[c], at[c] + n[c]); n[c] is 0 for a component not
+ * asked for and for one-slot components.  Owned by the room.
+ */
+typedef struct {
+    int32_t *slots;
+    uint32_t at[KVR_MAX_STATES], n[KVR_MAX_STATES];
+    uint32_t total;
+} kvr_slot_lists_t;
+
+/*
  * Heads: how one side's ranks hold the KV heads (MHA/GQA), or one latent
  * cache (MLA, total 1 head held whole by every rank).  A rank of tp_size
  * over total heads holds, when tp_size <= total, the total / tp_size heads
@@ -138,6 +150,18 @@ typedef struct {
      * (NULL: none skipped). */
     uint32_t row_pieces;
     const unsigned char *state_skip;
+    /* List components (bit c of state_list): their buffers' rows are the
+     * slots of src_lists and dst_lists (equal lengths, checked before),
+     * moved like pages: a message per range of list positions and group of
+     * the component's buffers, one piece per run of slots consecutive on
+     * both sides. */
+    uint32_t state_list;
+    const kvr_slot_lists_t *src_lists, *dst_lists;
+    /* Device buffers: most bytes per buffer of a list message (a staging
+     * slot; 0: no limit), and 1 for one run per message (UCX moves device
+     * memory contiguous only). */
+    uint64_t row_cap;
+    int row_run_alone;
     const uint64_t *kv_item, *aux_item; /* item lengths per buffer */
     uint64_t kv_item_max;       /* the widest KV item (> 0) */
     uint64_t run_bytes;         /* a run this long goes alone */
@@ -161,6 +185,8 @@ typedef struct {
     uint32_t end;     /* end of the position range in progress (0: none) */
     uint32_t buf;     /* next KV buffer of that range */
     uint32_t aux_buf; /* next row buffer (aux, then state) */
+    uint32_t row_pos; /* list components: first list position of the range in progress */
+    uint32_t row_end; /* its end (0: none) */
     int aux_done;     /* the rows are planned (or none was asked for) */
 } kvr_plan_cursor_t;
 

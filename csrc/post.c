@@ -30,8 +30,8 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
     uint64_t len = 0;
     const kvr_slice_t *s = h->kind == KVR_AM_KIND_KV ? kvr_room_slice(r, 0) : NULL;
     const kvr_state_link_t *sl = kvr_room_state_link(r);
-    uint32_t niov = kvr_msg_pieces(e, h, r->src_pages, r->src_aux, r->src_states, s, sl, NULL,
-                                  &len);
+    uint32_t niov = kvr_msg_pieces(e, h, r->src_pages, r->src_aux, r->src_states, &r->src_lists,
+                                   s, sl, NULL, &len);
     kvr_op_t *op = kvr_op_new(r, len, niov);
     if (op == NULL) {
         if (slot != NULL) {
@@ -40,7 +40,8 @@ static int kvr_post_one_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_head
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory posting data");
         return 0;
     }
-    kvr_msg_pieces(e, h, r->src_pages, r->src_aux, r->src_states, s, sl, op->iov, &len);
+    kvr_msg_pieces(e, h, r->src_pages, r->src_aux, r->src_states, &r->src_lists, s, sl, op->iov,
+                   &len);
     kvr_am_header_t wire = *h;
     if (h->kind == KVR_AM_KIND_KV) {
         /* The decode's numbering of the buffers (a PP stage's layers). */
@@ -92,11 +93,14 @@ static void kvr_post_limits(const kvr_engine_t *e, const kvr_room_t *r, kvr_plan
 {
     uint64_t run_bytes = e->cfg.coalesce_run_bytes, cap = e->cfg.coalesce_bytes;
     uint32_t max_pages = UINT32_MAX;
+    p->row_cap = 0;
+    p->row_run_alone = 0;
     int shm = kvr_tp_ep_is_shm(r->peer->ep);
     int aux = r->dst_aux >= 0 || kvr_state_any(r->dst_states);
     if (shm && e->ndev == 0 && e->kv_item_max <= KVR_TP_SHM_EAGER_BYTES &&
         (!aux || e->aux_item_max <= KVR_TP_SHM_EAGER_BYTES) &&
-        (uint64_t)r->total_pages * e->page_bytes + kvr_state_bytes(e, r->dst_aux, r->dst_states) <=
+        (uint64_t)r->total_pages * e->page_bytes +
+                kvr_state_bytes(e, r->dst_aux, r->dst_states, &r->dst_lists) <=
             KVR_SHM_EAGER_ROOM_BYTES) {
         /* A small room over shared memory goes as eager messages of at
          * most KVR_TP_SHM_EAGER_BYTES, one fragment of UCX's segment each:
@@ -124,6 +128,7 @@ static void kvr_post_limits(const kvr_engine_t *e, const kvr_room_t *r, kvr_plan
         /* UCX moves device memory itself: contiguous messages only (one
          * per run), which it handles on every protocol. */
         run_bytes = 0;
+        p->row_run_alone = 1;
     } else if (e->gpu_path == KVR_GPU_STAGED) {
         /* Every message of a device buffer must fit one slot: runs are cut
          * at max_pages and coalescing stops at the slot size (the widest
@@ -133,6 +138,7 @@ static void kvr_post_limits(const kvr_engine_t *e, const kvr_room_t *r, kvr_plan
         if (cap > e->cfg.staging_slot_bytes) {
             cap = e->cfg.staging_slot_bytes;
         }
+        p->row_cap = e->cfg.staging_slot_bytes; /* list rows too */
     }
     p->src_pages = r->src_pages;
     p->dst_pages = r->dst_pages;
@@ -147,6 +153,9 @@ static void kvr_post_limits(const kvr_engine_t *e, const kvr_room_t *r, kvr_plan
     const kvr_state_link_t *sl = kvr_room_state_link(r);
     p->row_pieces = sl != NULL ? e->state_pieces_max : 1;
     p->state_skip = sl != NULL && !sl->rep ? e->state_replicated : NULL;
+    p->state_list = e->state_list;
+    p->src_lists = &r->src_lists;
+    p->dst_lists = &r->dst_lists;
     p->kv_item = e->kv_item;
     p->aux_item = e->aux_item;
     p->kv_item_max = e->kv_item_max;
@@ -212,6 +221,15 @@ static int kvr_post_ready_locked(kvr_engine_t *e, kvr_room_t *r)
         return 0;
     }
     for (uint32_t c = 0; c < e->nstates && r->given == r->total_pages; c++) {
+        if ((e->state_list >> c & 1u) && r->dst_states[c] >= 0 &&
+            r->dst_lists.n[c] != r->src_lists.n[c]) {
+            /* A list component's rows pair up by list position. */
+            kvr_room_failf_locked(e, r, KVR_LAYOUT_MISMATCH, 1,
+                                  "state component %u: the decode asked for %u slots, the "
+                                  "prefill sender gave %u",
+                                  c, r->dst_lists.n[c], r->src_lists.n[c]);
+            return 0;
+        }
         if (r->dst_states[c] >= 0 && r->src_states[c] < 0) {
             /* Checked once every page was handed over: sglang gives the
              * state slots with the last chunk. */

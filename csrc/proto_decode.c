@@ -42,6 +42,53 @@ static const char *kvr_kv_range_why(const kvr_engine_t *e, const kvr_room_t *r,
     return NULL;
 }
 
+/* Why rows of list component buffers [buf, buf + nbuf) at list positions
+ * [pos, pos + npages) are not the room's (NULL: they are). */
+static const char *kvr_list_range_why(const kvr_engine_t *e, const kvr_room_t *r,
+                                      const kvr_am_header_t *h)
+{
+    int c = kvr_state_list_of(e, h->buf);
+    if (kvr_state_list_of(e, (uint32_t)h->buf + h->nbuf - 1) != c) {
+        return "a message mixes a list component's rows with other rows";
+    }
+    uint32_t n = r->lists.n[c];
+    if (r->states[c] < 0 || h->npages == 0 || h->pos > n || h->npages > n - h->pos) {
+        return "state list positions outside the room's list";
+    }
+    return NULL;
+}
+
+/* Why the positions and buffers data message h names are not room r's
+ * (NULL: they are). */
+static const char *kvr_data_range_why(const kvr_engine_t *e, const kvr_room_t *r,
+                                      const kvr_am_header_t *h)
+{
+    if (h->kind == KVR_AM_KIND_KV) {
+        return kvr_kv_range_why(e, r, h);
+    }
+    if ((uint32_t)h->buf + h->nbuf > e->naux) {
+        return "aux row does not match the room";
+    }
+    if (kvr_state_list_of(e, h->buf) >= 0) {
+        return kvr_list_range_why(e, r, h);
+    }
+    if (h->npages != 1) {
+        return "aux row does not match the room";
+    }
+    for (uint32_t b = h->buf; b < (uint32_t)h->buf + h->nbuf; b++) {
+        if (kvr_state_list_of(e, b) >= 0) {
+            return "a message mixes a list component's rows with other rows";
+        }
+        if (kvr_state_row(e, b, r->aux_index, r->states) < 0 ||
+            (b >= e->naux - e->nstate &&
+             kvr_state_skip(e, kvr_room_state_link(r), b - (e->naux - e->nstate)))) {
+            return b < e->naux - e->nstate ? "aux row does not match the room"
+                                           : "state row the room did not ask for";
+        }
+    }
+    return NULL;
+}
+
 /* Decode: a data message arrived; decide where (if anywhere) it lands. */
 void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len, size_t len,
                  int rndv, kvr_tp_accept_t *acc)
@@ -83,23 +130,8 @@ void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len,
      * [buf, buf + nbuf); the destination is what this room asked for there,
      * never an address the sender names: one piece per buffer and run of
      * consecutive destination pages. */
-    if (h.kind == KVR_AM_KIND_KV) {
-        if ((why = kvr_kv_range_why(e, r, &h)) != NULL) {
-            goto protocol;
-        }
-    } else if ((uint32_t)h.buf + h.nbuf > e->naux || h.npages != 1) {
-        why = "aux row does not match the room";
+    if ((why = kvr_data_range_why(e, r, &h)) != NULL) {
         goto protocol;
-    } else {
-        for (uint32_t b = h.buf; b < (uint32_t)h.buf + h.nbuf; b++) {
-            if (kvr_state_row(e, b, r->aux_index, r->states) < 0 ||
-                (b >= e->naux - e->nstate &&
-                 kvr_state_skip(e, kvr_room_state_link(r), b - (e->naux - e->nstate)))) {
-                why = b < e->naux - e->nstate ? "aux row does not match the room"
-                                              : "state row the room did not ask for";
-                goto protocol;
-            }
-        }
     }
     uint64_t want = 0;
     const kvr_slice_t *s = h.kind == KVR_AM_KIND_KV ? kvr_room_slice(r, 0) : NULL;
@@ -108,7 +140,8 @@ void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len,
         why = "KV data for a link that carries none";
         goto protocol;
     }
-    uint32_t niov = kvr_msg_pieces(e, &h, r->pages, r->aux_index, r->states, s, sl, NULL, &want);
+    uint32_t niov =
+        kvr_msg_pieces(e, &h, r->pages, r->aux_index, r->states, &r->lists, s, sl, NULL, &want);
     if (h.flags & KVR_AM_FLAG_READ) {
         /* Read by the decode, now, under the lock: the room is receiving. */
         why = kvr_cma_read_locked(e, r, &h, s, want, acc->data, len);
@@ -125,8 +158,12 @@ void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len,
     }
     /* Counted when accepted, not when landed: a repeated rendezvous would
      * otherwise be accepted again while the first copy is in flight. */
-    int claim = kvr_room_claim(r, h.kind == KVR_AM_KIND_AUX, e->nkv, e->naux, h.buf, h.nbuf, h.pos,
-                               h.npages);
+    int lc = h.kind == KVR_AM_KIND_AUX ? kvr_state_list_of(e, h.buf) : -1;
+    int claim = lc >= 0 ? kvr_room_claim_list(r, e->nkv, e->naux,
+                                              kvr_state_list_bit(e, &r->lists, h.buf),
+                                              r->lists.n[lc], h.nbuf, h.pos, h.npages)
+                        : kvr_room_claim(r, h.kind == KVR_AM_KIND_AUX, e->nkv, e->naux, h.buf,
+                                         h.nbuf, h.pos, h.npages);
     if (claim == KVR_CLAIM_REPEATED) {
         why = "data for positions already received";
         goto protocol;
@@ -137,7 +174,7 @@ void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len,
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory receiving data");
         goto reject;
     }
-    kvr_msg_pieces(e, &h, r->pages, r->aux_index, r->states, s, sl, op->iov, &want);
+    kvr_msg_pieces(e, &h, r->pages, r->aux_index, r->states, &r->lists, s, sl, op->iov, &want);
     kvr_room_advance(r, KVR_POLL_TRANSFERRING); /* first byte */
     r->peer->last_data_ns = kvr_now_ns();
     e->stats.data_rendezvous += rndv != 0;
@@ -193,10 +230,16 @@ reject:
 void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r)
 {
     KVR_ASSERT_LOCKED(e);
+    int64_t states[KVR_MAX_STATES]; /* a list component's: its length */
+    for (uint32_t c = 0; c < KVR_MAX_STATES; c++) {
+        states[c] = (e->state_list >> c & 1u) && r->states[c] >= 0 ? r->lists.n[c] : r->states[c];
+    }
     kvr_msg_t m = kvr_msg_room_req(r->id, r->tag, r->aux_index, r->npages,
                                    (const unsigned char *)r->pages, /* little-endian host */
                                    r->prefix_len, kvr_state_any(r->states) ? e->nstates : 0,
-                                   (const unsigned char *)r->states);
+                                   (const unsigned char *)states);
+    m.nslots = kvr_state_any(r->states) ? r->lists.total : 0;
+    m.slots = (const unsigned char *)r->lists.slots;
     kvr_send_ctrl_to_peer(e, r->peer, &m);
     r->req_sent = 1;
     if (r->lead != NULL) {

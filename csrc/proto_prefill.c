@@ -66,14 +66,18 @@ void kvr_check_prefill_done_locked(kvr_engine_t *e, kvr_room_t *r)
 }
 
 void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint64_t tag,
-                             int64_t aux_index, const int64_t *states, uint32_t npages,
-                             int32_t *pages)
+                             int64_t aux_index, const int64_t *states,
+                             kvr_slot_lists_t *lists, uint32_t npages, int32_t *pages)
 {
     KVR_ASSERT_LOCKED(e);
     if (p->slice.heads && (r = kvr_group_leg_locked(e, r, p, tag)) == NULL) {
         free(pages); /* a second request of that decode rank (refused), or no memory */
+        kvr_state_lists_free(lists);
         return;
     }
+    kvr_state_lists_free(&r->dst_lists);
+    r->dst_lists = *lists; /* taken */
+    memset(lists, 0, sizeof(*lists));
     r->bound = 1;
     r->peer = p;
     r->peer_counted = 1;
@@ -85,7 +89,8 @@ void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint
     r->dst_pages = pages;
     r->started_ns = kvr_now_ns();
     uint64_t bytes =
-        (uint64_t)npages * e->page_bytes + kvr_state_bytes(e, aux_index, r->dst_states);
+        (uint64_t)npages * e->page_bytes +
+        kvr_state_bytes(e, aux_index, r->dst_states, &r->dst_lists);
     r->deadline_ns = kvr_deadline_ns(e, r->started_ns, bytes);
     kvr_timer_arm_locked(e, r);
     kvr_room_advance(r, KVR_POLL_WAITING);
@@ -107,9 +112,77 @@ void kvr_pending_free(kvr_engine_t *e, kvr_pending_t *pd)
             pd->peer->nrooms--;
         }
         free(pd->pages);
+        free(pd->lists.slots);
         free(pd);
         pd = next;
     }
+}
+
+/* The state slots of request m into states, and its list components'
+ * (whose entries are list lengths, made 0 here) lengths and count checked
+ * into *lists (no slots yet: kvr_req_slots), or the request refused (-1).
+ * The slots are the decode's own, like its pages: checked there against
+ * its registration; here only that they name components this side has. */
+static int kvr_req_states_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m,
+                                 int64_t *states, kvr_slot_lists_t *lists)
+{
+    memset(lists, 0, sizeof(*lists));
+    if (m->nstates > e->nstates) {
+        kvr_refuse_req_locked(e, p, m, KVR_LAYOUT_MISMATCH,
+                              "it asks for %u state components, this prefill has %u",
+                              m->nstates, e->nstates);
+        return -1;
+    }
+    for (uint32_t c = 0; c < KVR_MAX_STATES; c++) {
+        states[c] = c < m->nstates ? (int64_t)kvr_wire_u64_at(m->states, c) : -1;
+        if (states[c] < -1) {
+            kvr_refuse_req_locked(e, p, m, KVR_PROTOCOL,
+                                  "state_indices[%u]=%" PRId64 " is negative", c, states[c]);
+            return -1;
+        }
+    }
+    for (uint32_t c = 0; c < KVR_MAX_STATES; c++) {
+        if (!(e->state_list >> c & 1u) || states[c] < 0) {
+            continue;
+        }
+        if (states[c] == 0 || states[c] > (int64_t)KVR_WIRE_MAX_PAGES) {
+            kvr_refuse_req_locked(e, p, m, KVR_PROTOCOL,
+                                  "state component %u: a list of %" PRId64 " slots", c,
+                                  states[c]);
+            return -1;
+        }
+        lists->n[c] = (uint32_t)states[c];
+        lists->at[c] = lists->total;
+        lists->total += lists->n[c];
+        states[c] = 0;
+    }
+    if (lists->total != m->nslots) {
+        kvr_refuse_req_locked(e, p, m, KVR_PROTOCOL,
+                              "its state lists name %u slots, it carries %u", lists->total,
+                              m->nslots);
+        return -1;
+    }
+    for (uint32_t i = 0; i < m->nslots; i++) {
+        if (kvr_wire_i32_at(m->slots, i) < 0) {
+            kvr_refuse_req_locked(e, p, m, KVR_PROTOCOL, "state list slot %d is negative",
+                                  kvr_wire_i32_at(m->slots, i));
+            return -1;
+        }
+    }
+    return 0;
+}
+
+/* The slots of request m's lists, counted by kvr_req_states_locked;
+ * -1 out of memory. */
+static int kvr_req_slots(const kvr_msg_t *m, kvr_slot_lists_t *lists)
+{
+    if (lists->total && (lists->slots = malloc((size_t)lists->total * sizeof(int32_t))) == NULL) {
+        return -1;
+    }
+    for (uint32_t i = 0; i < lists->total; i++) {
+        lists->slots[i] = kvr_wire_i32_at(m->slots, i);
+    }
+    return 0;
 }
 
 /* The request of peer p among the pending requests pd of one room. */
@@ -433,23 +506,10 @@ static void kvr_on_room_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
                               m->aux_index);
         return;
     }
-    /* State slots are the decode's own, like its pages: checked there
-     * against its registration; here only that they name components this
-     * side has. */
     int64_t states[KVR_MAX_STATES];
-    if (m->nstates > e->nstates) {
-        kvr_refuse_req_locked(e, p, m, KVR_LAYOUT_MISMATCH,
-                              "it asks for %u state components, this prefill has %u",
-                              m->nstates, e->nstates);
+    kvr_slot_lists_t lists;
+    if (kvr_req_states_locked(e, p, m, states, &lists) != 0) {
         return;
-    }
-    for (uint32_t c = 0; c < KVR_MAX_STATES; c++) {
-        states[c] = c < m->nstates ? (int64_t)kvr_wire_u64_at(m->states, c) : -1;
-        if (states[c] < -1) {
-            kvr_refuse_req_locked(e, p, m, KVR_PROTOCOL,
-                                  "state_indices[%u]=%" PRId64 " is negative", c, states[c]);
-            return;
-        }
     }
     kvr_room_t *r = kvr_table_get(&e->rooms, m->room);
     int fresh = r != NULL && !r->bound && !kvr_room_terminal(r) && !r->failing;
@@ -516,9 +576,13 @@ static void kvr_on_room_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
         return;
     }
     int32_t *pages = NULL;
+    if (kvr_req_slots(m, &lists) != 0) {
+        return;
+    }
     if (m->npages) {
         pages = malloc((size_t)m->npages * sizeof(int32_t));
         if (pages == NULL) {
+            free(lists.slots);
             return;
         }
         for (uint32_t i = 0; i < m->npages; i++) {
@@ -527,14 +591,17 @@ static void kvr_on_room_req_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
     }
     if (fresh) {
         r->prefix_len = m->prefix_len;
-        kvr_bind_request_locked(e, r, p, m->tag, m->aux_index, states, m->npages, pages);
+        kvr_bind_request_locked(e, r, p, m->tag, m->aux_index, states, &lists, m->npages,
+                                pages);
         return;
     }
     kvr_pending_t *pd = calloc(1, sizeof(*pd));
     if (pd == NULL) {
         free(pages);
+        free(lists.slots);
         return;
     }
+    pd->lists = lists;
     pd->peer = p;
     p->nrooms++;
     pd->tag = m->tag;

@@ -33,25 +33,27 @@ void kvr_room_free(kvr_room_t *r)
     free(r->pages);
     free(r->src_pages);
     free(r->dst_pages);
+    free(r->lists.slots);
+    free(r->src_lists.slots);
+    free(r->dst_lists.slots);
     free(r->claimed);
     free(r->legs);
     free(r);
 }
 
-int kvr_room_claim(kvr_room_t *r, int aux, uint32_t nkv, uint32_t naux, uint32_t buf,
-                   uint32_t nbuf, uint32_t pos, uint32_t npages)
+/* Claims bits first + i x stride + [0, count) for i < nbuf (all or none). */
+static int kvr_room_claim_bits(kvr_room_t *r, uint64_t total, uint64_t first, uint64_t stride,
+                               uint32_t nbuf, uint64_t count)
 {
-    uint64_t kv_bits = (uint64_t)nkv * r->npages;
     if (r->claimed == NULL) {
-        r->claimed = calloc((size_t)((kv_bits + naux + 7) / 8), 1);
+        r->claimed = calloc((size_t)((total + 7) / 8), 1);
         if (r->claimed == NULL) {
             return KVR_CLAIM_NOMEM;
         }
     }
     for (int set = 0; set < 2; set++) {
-        for (uint32_t b = buf; b < buf + nbuf; b++) {
-            uint64_t first = aux ? kv_bits + b : (uint64_t)b * r->npages + pos;
-            for (uint64_t i = first; i < first + (aux ? 1 : npages); i++) {
+        for (uint32_t b = 0; b < nbuf; b++) {
+            for (uint64_t i = first + b * stride; i < first + b * stride + count; i++) {
                 unsigned char bit = (unsigned char)(1u << (i & 7));
                 if (set) {
                     r->claimed[i >> 3] |= bit;
@@ -62,6 +64,24 @@ int kvr_room_claim(kvr_room_t *r, int aux, uint32_t nkv, uint32_t naux, uint32_t
         }
     }
     return KVR_CLAIM_OK;
+}
+
+int kvr_room_claim(kvr_room_t *r, int aux, uint32_t nkv, uint32_t naux, uint32_t buf,
+                   uint32_t nbuf, uint32_t pos, uint32_t npages)
+{
+    uint64_t kv_bits = (uint64_t)nkv * r->npages, total = kv_bits + naux + r->claim_lists;
+    if (aux) {
+        return kvr_room_claim_bits(r, total, kv_bits + buf, 1, nbuf, 1);
+    }
+    return kvr_room_claim_bits(r, total, (uint64_t)buf * r->npages + pos, r->npages, nbuf,
+                               npages);
+}
+
+int kvr_room_claim_list(kvr_room_t *r, uint32_t nkv, uint32_t naux, uint64_t first,
+                        uint32_t stride, uint32_t nbuf, uint32_t pos, uint32_t npages)
+{
+    uint64_t kv_bits = (uint64_t)nkv * r->npages, total = kv_bits + naux + r->claim_lists;
+    return kvr_room_claim_bits(r, total, kv_bits + naux + first + pos, stride, nbuf, npages);
 }
 
 int kvr_room_terminal(const kvr_room_t *r)

@@ -103,6 +103,8 @@ typedef struct kvr_room {
     uint32_t npages;
     int64_t aux_index;
     int64_t states[KVR_MAX_STATES]; /* state slots (state.c), -1: none */
+    kvr_slot_lists_t lists; /* of the list components (state.c) */
+    uint64_t claim_lists;   /* claim bits of their rows, after the aux bits */
     uint64_t expected;      /* bytes */
     uint64_t received;
     unsigned char *claimed; /* one bit per (buffer, position) accepted (kvr_room_claim) */
@@ -114,11 +116,13 @@ typedef struct kvr_room {
     uint32_t given;         /* pages handed over by send() */
     int64_t src_aux;
     int64_t src_states[KVR_MAX_STATES]; /* given by send(); -1: none */
+    kvr_slot_lists_t src_lists;         /* given by send() */
     int bound;              /* decode's request arrived */
     int32_t *dst_pages;
     uint32_t ndst;
     int64_t dst_aux;
     int64_t dst_states[KVR_MAX_STATES];
+    kvr_slot_lists_t dst_lists;
     uint64_t dst_tag;
     int done_received;
     uint64_t rejected_ns;   /* the decode refused a data message (0: never) */
@@ -201,6 +205,12 @@ int kvr_room_force_drain(kvr_room_t *r);
 enum { KVR_CLAIM_OK = 0, KVR_CLAIM_REPEATED = 1, KVR_CLAIM_NOMEM = 2 };
 int kvr_room_claim(kvr_room_t *r, int aux, uint32_t nkv, uint32_t naux, uint32_t buf,
                    uint32_t nbuf, uint32_t pos, uint32_t npages);
+/* As kvr_room_claim, for rows of a list component (state.c): list
+ * positions [pos, pos + npages) of nbuf buffers, buffer i's bits from
+ * `first` + i x stride, counted after the KV and aux bits (r->claim_lists
+ * of them). */
+int kvr_room_claim_list(kvr_room_t *r, uint32_t nkv, uint32_t naux, uint64_t first,
+                        uint32_t stride, uint32_t nbuf, uint32_t pos, uint32_t npages);
 
 /* Decode: 1 when every expected byte has landed and nothing is in flight. */
 int kvr_room_complete(const kvr_room_t *r);

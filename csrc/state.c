@@ -63,7 +63,9 @@ int kvr_state_setup(kvr_engine_t *e, const kvr_engine_params_t *p, char *err, si
         return kvr_err(err, errlen, KVR_EVALUE, "state_slicing given without state buffers");
     }
     if (p->nstate == 0) {
-        return 0;
+        return p->state_list ? kvr_err(err, errlen, KVR_EVALUE,
+                                       "state_lists given without state buffers")
+                             : 0;
     }
     if (p->nstate > p->naux || p->state_comp == NULL) {
         return kvr_err(err, errlen, KVR_EVALUE, "%u state buffers but %u row buffers", p->nstate,
@@ -93,6 +95,12 @@ int kvr_state_setup(kvr_engine_t *e, const kvr_engine_params_t *p, char *err, si
         e->state_comp[i] = c;
     }
     e->nstate = p->nstate;
+    if (p->state_list >> e->nstates) {
+        return kvr_err(err, errlen, KVR_EVALUE,
+                       "state_lists names component %u, %u state components are registered",
+                       31 - (uint32_t)__builtin_clz(p->state_list), e->nstates);
+    }
+    e->state_list = p->state_list;
     return p->nstate_rules > 0 ? kvr_state_rules_setup(e, p, err, errlen) : 0;
 }
 
@@ -102,32 +110,129 @@ int64_t kvr_state_row(const kvr_engine_t *e, uint32_t b, int64_t aux, const int6
     return b < base ? aux : states[e->state_comp[b - base]];
 }
 
-uint64_t kvr_state_bytes(const kvr_engine_t *e, int64_t aux, const int64_t *states)
+uint64_t kvr_state_bytes(const kvr_engine_t *e, int64_t aux, const int64_t *states,
+                         const kvr_slot_lists_t *lists)
 {
     uint64_t bytes = aux >= 0 ? e->aux_bytes : 0;
     for (uint32_t c = 0; c < e->nstates; c++) {
-        bytes += states[c] >= 0 ? e->state_bytes[c] : 0;
+        uint64_t rows = e->state_list >> c & 1u ? (lists != NULL ? lists->n[c] : 0) : 1;
+        bytes += states[c] >= 0 ? e->state_bytes[c] * rows : 0;
     }
     return bytes;
 }
 
-int kvr_state_check(const kvr_engine_t *e, const int64_t *states, uint32_t n, char *err,
-                    size_t errlen)
+/* Checks slot s of entry c (list position i, or -1 for a one-slot entry). */
+static int kvr_state_slot_check(const kvr_engine_t *e, uint32_t c, int64_t i, int64_t s,
+                                char *err, size_t errlen)
 {
+    if (s >= 0 && s < e->state_rows[c]) {
+        return 0;
+    }
+    char at[32] = "";
+    if (i >= 0) {
+        snprintf(at, sizeof(at), "[%" PRId64 "]", i);
+    }
+    return kvr_err(err, errlen, KVR_EVALUE,
+                   "state_indices[%u]%s=%" PRId64
+                   " is outside the registered state slots [0, %" PRId64 ")",
+                   c, at, s, e->state_rows[c]);
+}
+
+int kvr_state_take(const kvr_engine_t *e, const int64_t *states, uint32_t n,
+                   const kvr_state_in_t *in, int64_t *out, kvr_slot_lists_t *lists, char *err,
+                   size_t errlen)
+{
+    memset(lists, 0, sizeof(*lists));
     if (n > e->nstates) {
         return kvr_err(err, errlen, KVR_EVALUE,
                        "state_indices names %u state components, %u are registered", n,
                        e->nstates);
     }
-    for (uint32_t c = 0; c < n; c++) {
-        if (states[c] >= e->state_rows[c]) {
-            return kvr_err(err, errlen, KVR_EVALUE,
-                           "state_indices[%u]=%" PRId64
-                           " is outside the registered state slots [0, %" PRId64 ")",
-                           c, states[c], e->state_rows[c]);
+    const int64_t *from[KVR_MAX_STATES];
+    uint64_t off = 0;
+    for (uint32_t c = 0; c < KVR_MAX_STATES; c++) {
+        int seq = c < n && in != NULL && (in->seq >> c & 1u);
+        uint32_t len = seq ? in->n[c] : (c < n && states[c] >= 0);
+        from[c] = seq ? in->slots + off : states + c;
+        off += seq ? in->n[c] : 0;
+        out[c] = c < n && !seq ? states[c] : -1;
+        if (!(e->state_list >> c & 1u)) {
+            if (seq && len != 1) {
+                return kvr_err(err, errlen, KVR_EVALUE,
+                               "state_indices[%u] has %u slots: state component %u takes one "
+                               "slot per request (a list of slots is for a component registered "
+                               "as a list, such as sliding-window pages)",
+                               c, len, c);
+            }
+            out[c] = seq ? from[c][0] : out[c];
+            if (out[c] >= 0 && kvr_state_slot_check(e, c, -1, out[c], err, errlen) != 0) {
+                return KVR_EVALUE;
+            }
+            continue;
+        }
+        for (uint32_t i = 0; i < len; i++) {
+            if (kvr_state_slot_check(e, c, seq ? (int64_t)i : -1, from[c][i], err, errlen) != 0) {
+                return KVR_EVALUE;
+            }
+        }
+        lists->n[c] = len;
+        lists->at[c] = lists->total;
+        lists->total += len;
+        out[c] = len ? 0 : -1;
+    }
+    if (lists->total == 0) {
+        return 0;
+    }
+    lists->slots = malloc((size_t)lists->total * sizeof(int32_t));
+    if (lists->slots == NULL) {
+        return kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+    }
+    for (uint32_t c = 0; c < KVR_MAX_STATES; c++) {
+        for (uint32_t i = 0; i < lists->n[c]; i++) {
+            lists->slots[lists->at[c] + i] = (int32_t)from[c][i];
         }
     }
     return 0;
+}
+
+int kvr_state_list_of(const kvr_engine_t *e, uint32_t b)
+{
+    uint32_t base = e->naux - e->nstate;
+    if (b < base || b >= e->naux || !(e->state_list >> e->state_comp[b - base] & 1u)) {
+        return -1;
+    }
+    return (int)e->state_comp[b - base];
+}
+
+int kvr_state_lists_copy(kvr_slot_lists_t *dst, const kvr_slot_lists_t *src)
+{
+    *dst = *src;
+    dst->slots = NULL;
+    if (src->total == 0) {
+        return 0;
+    }
+    dst->slots = malloc((size_t)src->total * sizeof(int32_t));
+    if (dst->slots == NULL) {
+        return -1;
+    }
+    memcpy(dst->slots, src->slots, (size_t)src->total * sizeof(int32_t));
+    return 0;
+}
+
+void kvr_state_lists_free(kvr_slot_lists_t *l)
+{
+    free(l->slots);
+    memset(l, 0, sizeof(*l));
+}
+
+uint64_t kvr_state_list_bit(const kvr_engine_t *e, const kvr_slot_lists_t *l, uint32_t b)
+{
+    uint64_t bit = 0;
+    for (uint32_t i = e->naux - e->nstate; i < b; i++) {
+        int c = kvr_state_list_of(e, i);
+        bit += c >= 0 ? l->n[c] : 0;
+    }
+    return bit;
 }
 
 void kvr_state_copy(int64_t *dst, const int64_t *src, uint32_t n)
@@ -176,6 +281,15 @@ int kvr_state_link_set(kvr_engine_t *e, kvr_peer_t *p, const kvr_wire_layout_t *
                        const kvr_heads_t *ph, const kvr_heads_t *dh, char *why, size_t n)
 {
     kvr_state_link_t sl = kvr_state_link(ph->tp_size, ph->tp_rank, dh->tp_size, dh->tp_rank);
+    if (e->state_list && ph->tp_size != dh->tp_size) {
+        /* Sliding-window pages are KV pages of their own heads; slicing
+         * them by head is not built. */
+        snprintf(why, n,
+                 "state component %u takes a list of slots (sliding-window pages), which moves "
+                 "between equal TP sizes only: prefill TP %u, decode TP %u",
+                 (uint32_t)__builtin_ctz(e->state_list), ph->tp_size, dh->tp_size);
+        return -1;
+    }
     if (e->nstate == 0 || ph->tp_size == dh->tp_size) {
         p->slink = sl;
         return 0;
@@ -238,10 +352,10 @@ int kvr_state_skip(const kvr_engine_t *e, const kvr_state_link_t *sl, uint32_t i
 }
 
 uint64_t kvr_state_link_bytes(const kvr_engine_t *e, const kvr_state_link_t *sl, int64_t aux,
-                              const int64_t *states)
+                              const int64_t *states, const kvr_slot_lists_t *lists)
 {
     if (sl == NULL || !sl->sliced || e->nstate_rules == 0) {
-        return kvr_state_bytes(e, aux, states);
+        return kvr_state_bytes(e, aux, states, lists);
     }
     uint64_t bytes = aux >= 0 ? e->aux_bytes : 0;
     for (uint32_t i = 0; i < e->nstate; i++) {

@@ -202,7 +202,7 @@ static void kvr_timer_deadline_locked(kvr_engine_t *e, kvr_room_t *r)
     uint64_t expected = e->mode == KVR_MODE_DECODE
                             ? r->expected
                             : (uint64_t)r->ndst * e->page_bytes +
-                                  kvr_state_bytes(e, r->dst_aux, r->dst_states);
+                                  kvr_state_bytes(e, r->dst_aux, r->dst_states, &r->dst_lists);
     uint64_t got = e->mode == KVR_MODE_DECODE ? r->received : 0;
     if (e->mode == KVR_MODE_DECODE) {
         kvr_room_failf_locked(e, r, KVR_TIMEOUT, 1,

@@ -103,6 +103,7 @@ enum {
     KVR_HELLO_CMA = 8,
     KVR_HELLO_LAYERS = 16,
     KVR_HELLO_STATE_RULES = 32,
+    KVR_HELLO_STATE_LISTS = 64,
 };
 
 static void kvr_put_hello_fields(kvr_wbuf_t *b, const kvr_msg_t *m)
@@ -112,7 +113,8 @@ static void kvr_put_hello_fields(kvr_wbuf_t *b, const kvr_msg_t *m)
                  (hello && m->has_shm ? KVR_HELLO_SHM : 0) |
                  (m->layout.heads ? KVR_HELLO_HEADS : 0) | (m->has_cma ? KVR_HELLO_CMA : 0) |
                  (m->layout.layers ? KVR_HELLO_LAYERS : 0) |
-                 (m->layout.nrules ? KVR_HELLO_STATE_RULES : 0);
+                 (m->layout.nrules ? KVR_HELLO_STATE_RULES : 0) |
+                 (m->layout.state_lists ? KVR_HELLO_STATE_LISTS : 0);
     if (x == 0) {
         return;
     }
@@ -146,6 +148,9 @@ static void kvr_put_hello_fields(kvr_wbuf_t *b, const kvr_msg_t *m)
     if (x & KVR_HELLO_STATE_RULES) {
         kvr_put_u32(b, m->layout.nrules);
         kvr_wbuf_put(b, m->layout.rules, (size_t)m->layout.nrules * 4);
+    }
+    if (x & KVR_HELLO_STATE_LISTS) {
+        kvr_put_u8(b, (uint8_t)m->layout.state_lists);
     }
 }
 
@@ -224,6 +229,10 @@ int kvr_wire_encode(kvr_wbuf_t *b, const kvr_msg_t *m)
         if (m->nstates) {
             kvr_put_u16(b, (uint16_t)m->nstates);
             kvr_wbuf_put(b, m->states, (size_t)m->nstates * 8);
+            if (m->nslots) {
+                kvr_put_u32(b, m->nslots);
+                kvr_wbuf_put(b, m->slots, (size_t)m->nslots * 4);
+            }
         }
         break;
     case KVR_MSG_ROOM_DONE:
@@ -324,6 +333,7 @@ static void kvr_rd_hello_fields(kvr_rd_t *r, kvr_msg_t *m)
     }
     unsigned x = (unsigned)kvr_rd_int(r, 1, "truncated HELLO fields");
     unsigned known = KVR_HELLO_HEADS | KVR_HELLO_CMA | KVR_HELLO_LAYERS | KVR_HELLO_STATE_RULES |
+                     KVR_HELLO_STATE_LISTS |
                      (m->type == KVR_MSG_HELLO ? KVR_HELLO_TCP_RX | KVR_HELLO_SHM : 0);
     if (x == 0 || (x & ~known)) {
         r->why = x == 0 ? "explicit empty HELLO fields" : "unknown HELLO fields";
@@ -379,6 +389,12 @@ static void kvr_rd_hello_fields(kvr_rd_t *r, kvr_msg_t *m)
             return;
         }
         kvr_rd_take(r, (size_t)m->layout.nrules * 4, &m->layout.rules, "truncated state slicing");
+    }
+    if (x & KVR_HELLO_STATE_LISTS) {
+        m->layout.state_lists = (uint32_t)kvr_rd_int(r, 1, "truncated state lists");
+        if (!r->why && m->layout.state_lists == 0) {
+            r->why = "explicit empty state lists";
+        }
     }
 }
 
@@ -482,6 +498,13 @@ int kvr_wire_decode(const void *buf, size_t len, kvr_msg_t *m, const char **why)
                     r.why = "bad state count";
                 }
                 kvr_rd_take(&r, (size_t)m->nstates * 8, &m->states, "truncated state slots");
+                if (!r.why && r.left >= 4) { /* then the optional list slots */
+                    m->nslots = (uint32_t)kvr_rd_int(&r, 4, "truncated list slot count");
+                    if (!r.why && (m->nslots == 0 || m->nslots > KVR_WIRE_MAX_PAGES)) {
+                        r.why = "bad list slot count";
+                    }
+                    kvr_rd_take(&r, (size_t)m->nslots * 4, &m->slots, "truncated list slots");
+                }
             } else if (m->prefix_len == 0) {
                 r.why = "explicit zero prefix length";
             }

@@ -61,7 +61,8 @@ typedef enum {
  * address of its epoch u64, which the decode reads to check it may), the
  * layers (only when layers > 0: 4 u32 pp_size, pp_rank, start_layer,
  * layers); state slicing rules (when nrules > 0: u32 nrules, then nrules
- * u32).
+ * u32); the list components (when state_lists > 0: one byte, bit c for
+ * component c).
  * None: no flags byte. */
 typedef struct {
     uint32_t page_size;
@@ -77,6 +78,9 @@ typedef struct {
      * rules, little-endian u32), at most KVR_WIRE_MAX_RULES; 0: none. */
     uint32_t nrules;
     const unsigned char *rules;
+    /* Bit c: state component c takes a list of slots per request (state.c);
+     * on the wire (one byte, HELLO flag 64) only when not 0. */
+    uint32_t state_lists;
 } kvr_wire_layout_t;
 
 #define KVR_WIRE_MAX_RULES (1u << 20)
@@ -106,6 +110,12 @@ typedef struct {
      * (then prefix_len is there too, 0 allowed). */
     uint32_t nstates;
     const unsigned char *states; /* nstates x little-endian int64 */
+    /* ROOM_REQ: the slots of the list components (state.c), whose entries
+     * in states are their list lengths (-1: none), concatenated in
+     * component order; on the wire (u32 count, then the slots) only when
+     * nslots > 0, after the states. */
+    uint32_t nslots;
+    const unsigned char *slots; /* nslots x little-endian int32 */
     /* HELLO: the decode's UCX tcp receive buffer size in bytes (0: not
      * known, UINT32_MAX: no tcp); on the wire only when > 0, like
      * prefix_len. */

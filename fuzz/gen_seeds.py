@@ -45,7 +45,7 @@ def wire_seeds():
                     + struct.pack("<I", 8) + bytes(range(8)))
     # the optional fields: a flags byte (1 tcp receive size, 2 shared-memory
     # sizes, 4 head layout, 8 cross-memory offer, 16 layers, 32 state slicing
-    # rules), then each present field in that order
+    # rules, 64 list components), then each present field in that order
     rx, shm = struct.pack("<I", 512 << 10), struct.pack("<II", 32 << 10, 256)
     heads = struct.pack("<4I", 4, 1, 2, 8)  # tp_size, tp_rank, heads, total_heads
     out["hello_tcp_rx"] = out["hello"] + b"\x01" + rx
@@ -53,6 +53,8 @@ def wire_seeds():
     out["hello_tcp_rx_shm_heads"] = out["hello"] + b"\x07" + rx + shm + heads
     rules = struct.pack("<6I", 5, 1, 1, 4, 1, 0)  # count; outer 1, one group of 4; replicated
     out["hello_heads_state_rules"] = out["hello"] + b"\x24" + heads + rules
+    # 64 list components: one byte, bit c for component c
+    out["hello_state_lists"] = out["hello"] + b"\x40\x02"
     out["hello_ok"] = (header(HELLO_OK) + struct.pack("<I", 0) + layout(16, [4096, 4096], [])
                        + struct.pack("<I", 8) + bytes(range(8)))
     boot = bytes(range(0xB0, 0xC0))
@@ -68,6 +70,10 @@ def wire_seeds():
     out["room_req_noaux"] = header(ROOM_REQ) + struct.pack("<QQqI", 43, 8, -1, 0)
     out["room_req_prefix"] = (header(ROOM_REQ) + struct.pack("<QQqI", 44, 9, 1, 2)
                               + struct.pack("<2i", 5, 6) + struct.pack("<I", 4096))
+    # state slots (component 1 a list of 3: its entry is the count), then the list slots
+    out["room_req_lists"] = (header(ROOM_REQ) + struct.pack("<QQqI", 45, 10, -1, 1)
+                             + struct.pack("<i", 5) + struct.pack("<IH", 0, 2)
+                             + struct.pack("<2q", 4, 3) + struct.pack("<I3i", 3, 7, 8, 2))
     out["room_done"] = header(ROOM_DONE) + struct.pack("<QQ", 42, 7)
     out["room_fail"] = (header(ROOM_FAIL) + struct.pack("<QQHi", 42, 7, 3, -1) + s(b"peer lost")
                         + s(b"10.0.0.2:6000"))

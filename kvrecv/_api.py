@@ -124,7 +124,10 @@ class KVArgs:
 
     State buffers (hybrid models, sglang's state_* fields): per component
     (state_types, e.g. Mamba), a list of buffers, each of its own item length,
-    indexed by the request's slot of that component (docs/layouts.md).
+    indexed by the request's slot of that component (docs/layouts.md); a
+    component whose state_types entry is "swa" (LIST_STATE_TYPES: sliding-
+    window pages) is indexed by a list of slots per request, equal lengths
+    on both sides, moved like pages (equal TP sizes only).
     state_slicing (optional, parallel to state_item_lens): how each state
     buffer's row splits over the TP ranks, so that prefill and decode of
     different TP sizes move state: 0 (replicated: every rank holds the whole
@@ -187,7 +190,8 @@ class KVArgs:
                             ("state_data_lens", state_data_lens),
                             ("state_item_lens", state_item_lens))
         )
-        self.state = _state(self.state_data_ptrs, self.state_data_lens, self.state_item_lens)
+        self.state = _state(self.state_data_ptrs, self.state_data_lens, self.state_item_lens,
+                            self.state_types)
         self.state_slicing = state_slicing
         self.state_rules = _state_rules(state_slicing, self.state_item_lens)
         nstate = len(self.state[0]) if self.state else 0
@@ -271,9 +275,19 @@ def _dp_rank(name: str, value: Any) -> int:
     return value
 
 
-def _state(ptrs: list, lens: list, items: list):
+# State types whose components take a list of slots per request (a
+# sliding window's pages), moved like pages; the others take one slot.
+LIST_STATE_TYPES = ("swa",)
+
+
+def _state_type_name(t: Any) -> str:
+    return str(getattr(t, "value", t)).lower()
+
+
+def _state(ptrs: list, lens: list, items: list, types: Sequence[Any] = ()):
     """The state buffers for the core, flat: (ptrs, lens, item lens,
-    component of each), or None when there are none."""
+    component of each[, mask of the list components]), or None when there
+    are none."""
     if not (len(ptrs) == len(lens) == len(items)):
         raise ValueError(
             "state_data_ptrs, state_data_lens and state_item_lens have different numbers of "
@@ -288,7 +302,10 @@ def _state(ptrs: list, lens: list, items: list):
             )
         for k, v in enumerate((p, n, i, [c] * len(p))):
             flat[k].extend(v)
-    return flat if flat[0] else None
+    mask = sum(1 << c for c, t in enumerate(types) if _state_type_name(t) in LIST_STATE_TYPES)
+    if not flat[0]:
+        return None
+    return (*flat, mask) if mask else flat
 
 
 def _state_rule(where: str, rule: Any) -> list:

@@ -26,9 +26,11 @@ Hybrid-model state: Mamba state buffers (``kv_args.state_types`` MAMBA,
 ``state_data_ptrs/lens/item_lens``) move with the room, one slot per state
 type from ``state_indices`` on both sides, sliced across attention TP sizes
 by sglang's state_dim_per_tensor / state_slice_outer_counts /
-state_conv_shard_groups (docs/layouts.md).  Other state types (sliding
-window, DSA, ...) are refused at creation; a manager with none registered
-fails a room given non-empty ``state_indices`` with a reason that says so.
+state_conv_shard_groups (docs/layouts.md).  Sliding-window pages (SWA) move
+as a list of pages per request, equal lengths on both sides, between equal
+attention TP sizes.  Other state types (DSA, ...) are refused at creation; a
+manager with none registered fails a room given non-empty ``state_indices``
+with a reason that says so.
 """
 
 from __future__ import annotations
@@ -164,9 +166,10 @@ _MAX_BOOTSTRAP_FAILURES = 1024
 
 _NO_STATE = ("this manager registered no state buffers (kv_args.state_types is empty), so "
              "state_indices={!r} cannot be transferred")
-# The state types kvrecv moves: one slot per request, buffers of their own
-# item length (state.c).
-_STATE_TYPES = ("mamba",)
+# The state types kvrecv moves (state.c): Mamba, one slot per request;
+# sliding-window pages, a list of slots per request (kvrecv's
+# LIST_STATE_TYPES).  Buffers of their own item length.
+_STATE_TYPES = ("mamba", "swa")
 
 
 def _state_slicing(args: Any, tp: int) -> Optional[list]:
@@ -211,12 +214,13 @@ def _state_args(args: Any, tp: int = 1) -> dict:
     bad = [n for n in names if n not in _STATE_TYPES]
     if bad:
         raise NotImplementedError(
-            f"kvrecv moves state types {list(_STATE_TYPES)} only (one slot per request); "
-            f"state_types {bad!r} are not supported")
+            f"kvrecv moves state types {list(_STATE_TYPES)} only (Mamba slots, sliding-window "
+            f"pages); state_types {bad!r} are not supported")
     if not types:
         return {}
-    out = {k: [_seq(c) for c in getattr(args, k)]
-           for k in ("state_data_ptrs", "state_data_lens", "state_item_lens")}
+    out: dict = {k: [_seq(c) for c in getattr(args, k)]
+                 for k in ("state_data_ptrs", "state_data_lens", "state_item_lens")}
+    out["state_types"] = names
     slicing = _state_slicing(args, tp)
     if slicing is not None:
         out["state_slicing"] = slicing

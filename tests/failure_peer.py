@@ -123,8 +123,10 @@ def main() -> int:
             import statetp_peer as stp
             state = stp.prefill_state(int(spec.get("seed", 1)), h["tp"], rank)
             args = stp.kv_args(kvrecv, kv, aux, h["tp"], rank, h["total"], state)
-    elif spec.get("state"):  # a prefill with state buffers (tests/state_peer.py)
-        import state_peer as sp
+    elif spec.get("state"):  # a prefill with state buffers (tests/state_peer.py,
+        import importlib  # or with a list component: tests/statelist_peer.py)
+
+        sp = importlib.import_module("statelist_peer" if spec["state"] == "list" else "state_peer")
         kv, aux = source_buffers(int(spec.get("seed", 1)))
         args = sp.kv_args(KVArgs, rank, kv, aux, sp.source(int(spec.get("seed", 1))))
     elif role == "prefill":

@@ -14,7 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from kvrecv import KVConfig, KVManager, KVPoll, KVReceiver, KVSender, _core
+from kvrecv import KVArgs, KVConfig, KVManager, KVPoll, KVReceiver, KVSender, _core
 from kvtest import ROBUST_CONFIG, Layout, describe_failure, terminal, wait_for
 from gpumem import Cudart, MemSide, build_fake, pages_with_runs
 
@@ -338,3 +338,60 @@ def test_real_gpu_abort_lands_nothing_after_failed(real_gpu):
     print(p.stdout, p.stderr)
     assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-4000:]
     assert "ABORT CHECK OK" in p.stdout
+
+
+# Window pages for the list-state test: a list of 40 is 160 KiB, ten 16 KiB slots.
+WL = Layout((64, 512), 96, (24,), 8)
+WIN_ITEM, WIN_ROWS = 4096, 64
+
+
+def _window_args(side: MemSide, state, kind):
+    a = side.args()
+    ptr = state if isinstance(state, int) else state.ctypes.data
+    return KVArgs(0, a.kv_data_ptrs, a.kv_data_lens, a.kv_item_lens, a.aux_data_ptrs,
+                  a.aux_data_lens, a.aux_item_lens, state_data_ptrs=[[ptr]],
+                  state_data_lens=[[WIN_ITEM * WIN_ROWS]], state_item_lens=[[WIN_ITEM]],
+                  state_types=["swa"], mem_kinds=side.kinds + [kind])
+
+
+@pytest.mark.parametrize("order", ["consecutive", "scattered"])
+def test_staged_window_list_fits_the_slots(cu, res, bootstrap, order):
+    """Sliding-window pages (a state component that takes a list of slots,
+    docs/layouts.md) in device memory: a window list longer than a staging
+    slot moves in messages that each fit one slot, byte for byte, with the
+    slots consecutive (one run) and scattered."""
+    rng = np.random.default_rng(5)
+    src_state = rng.integers(0, 256, size=WIN_ITEM * WIN_ROWS, dtype=np.uint8)
+    dev = cu.malloc(len(src_state))
+    cu.upload(dev, src_state)
+    dst_state = np.full(WIN_ITEM * WIN_ROWS, MemSide.CANARY, dtype=np.uint8)
+    src, dst = MemSide(cu, WL, ["host"] * 3, seed=7), MemSide(cu, WL, ["host"] * 3)
+    conf = KVConfig(**dict(ROBUST_CONFIG, staging_slots=2, staging_slot_bytes=16 << 10))
+    pre = KVManager(_window_args(src, dev, "cuda"), "prefill", bootstrap_addr=bootstrap.address,
+                    config=conf)
+    res._managers.append(pre)
+    dec = KVManager(_window_args(dst, dst_state, "host"), "decode", config=conf)
+    res._managers.append(dec)
+    if order == "consecutive":
+        sl, dl = list(range(20, 60)), list(range(0, 40))
+    else:
+        sl, dl = list(rng.permutation(WIN_ROWS)[:40]), list(rng.permutation(WIN_ROWS)[:40])
+    recv = KVReceiver(dec, bootstrap.address, 1)
+    recv.init()
+    assert wait_for(recv, (KVPoll.WaitingForInput, KVPoll.Failed), 20) == KVPoll.WaitingForInput
+    recv.send_metadata(np.arange(4, dtype=np.int32), state_indices=[dl])
+    send = KVSender(pre, bootstrap.address, 1)
+    send.init(4)
+    send.send(np.arange(4, 8, dtype=np.int32), state_indices=[sl])
+    for r in (recv, send):
+        assert wait_for(r, terminal(), 30) == KVPoll.Success, describe_failure(r)
+    for s, d in zip(sl, dl):
+        assert np.array_equal(dst_state[d * WIN_ITEM:(d + 1) * WIN_ITEM], src_state[s * WIN_ITEM:(s + 1) * WIN_ITEM])
+    for d in set(range(WIN_ROWS)) - set(dl):
+        assert (dst_state[d * WIN_ITEM:(d + 1) * WIN_ITEM] == MemSide.CANARY).all(), d
+    ps = pre.stats()
+    assert ps["gpu_path"] == "staged", ps["gpu_path_why"]
+    # 160 KiB of window pages in 16 KiB slots: at least ten staged messages.
+    assert ps["staged_ops"] >= 10 and ps["staged_bytes"] >= 40 * WIN_ITEM, ps
+    recv.clear()
+    send.clear()

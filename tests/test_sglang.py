@@ -271,10 +271,11 @@ def test_mode_name():
 
 
 def test_state_buffers_rejected():
-    """State types other than Mamba (tests/test_state.py moves Mamba's)."""
+    """State types other than Mamba and sliding-window pages
+    (tests/test_state.py moves Mamba's, tests/test_sglang_swa.py SWA's)."""
     a = sglang_kv_args(Side(STD, rank=0))
-    a.state_types = ["mamba", "swa"]
-    with pytest.raises(NotImplementedError, match=r"state_types \['swa'\] are not supported"):
+    a.state_types = ["mamba", "swa", "dsa"]
+    with pytest.raises(NotImplementedError, match=r"state_types \['dsa'\] are not supported"):
         KVRecvManager(a, DisaggregationMode.DECODE, types.SimpleNamespace(), False)
 
 

@@ -135,14 +135,12 @@ def test_state_rows_byte_exact(pair):
     r.clear()
 
 
-@pytest.mark.parametrize("part", [False, True])
-def test_state_prefill_killed(pair, part):
-    """The prefill SIGKILLed before it sent (part: after the first pages,
-    before the last chunk that carries the state rows): the decode raises
-    PEER_LOST naming it, and no state byte landed."""
-    addr, pre, dec = pair()
+def check_prefill_killed(addr, pre, dec, dst_states, part):
+    """The prefill child SIGKILLed before it sent (part: after the first
+    pages, before the last chunk that carries the state rows): the decode
+    raises PEER_LOST naming it, and no state or aux byte landed."""
     rid = 21
-    r = _receiver(addr, dec, rid, [[3], [1]])
+    r = _receiver(addr, dec, rid, dst_states)
     pre.call("open_sender", room=rid, n=len(SRC), aux=2)
     if part:
         pre.call("send", room=rid, pages=SRC[:3])
@@ -158,12 +156,11 @@ def test_state_prefill_killed(pair, part):
     r.clear()
 
 
-def test_state_abort(pair):
+def check_abort(addr, pre, dec, dst_states, src_states):
     """abort() on the decode before the last chunk: both sides fail with
     ABORTED, and no state byte lands, also once the prefill sends it."""
-    addr, pre, dec = pair()
     rid = 31
-    r = _receiver(addr, dec, rid, [[3], [1]])
+    r = _receiver(addr, dec, rid, dst_states)
     pre.call("open_sender", room=rid, n=len(SRC), aux=2)
     pre.call("send", room=rid, pages=SRC[:3])
     r.abort()
@@ -173,9 +170,20 @@ def test_state_abort(pair):
     assert got["state"] == KVPoll.Failed
     f = pre.call("failure", room=rid)
     assert f["cls"] == "KVAbortedError" and "aborted by decode rank 0" in f["reason"], f
-    pre.call("send", room=rid, pages=SRC[3:], state=[[2], [4]])
+    pre.call("send", room=rid, pages=SRC[3:], state=src_states)
     assert dec.state_canary_except([(), ()]) == ""
     r.clear()
+
+
+@pytest.mark.parametrize("part", [False, True])
+def test_state_prefill_killed(pair, part):
+    """check_prefill_killed, for Mamba slots."""
+    check_prefill_killed(*pair(), [[3], [1]], part)
+
+
+def test_state_abort(pair):
+    """check_abort, for Mamba slots."""
+    check_abort(*pair(), [[3], [1]], [[2], [4]])
 
 
 def test_state_bad_input(pair):
@@ -190,8 +198,8 @@ def test_state_bad_input(pair):
     with pytest.raises(ValueError, match=r"^state_indices\[1\]=5 is outside the registered "
                                          r"state slots \[0, 5\)$"):
         r.send_metadata(pages, state_indices=[[0], [5]])
-    with pytest.raises(ValueError, match=r"^state_indices\[0\] has 2 slots: one slot per state "
-                                         r"component is supported"):
+    with pytest.raises(ValueError, match=r"^state_indices\[0\] has 2 slots: state component 0 "
+                                         r"takes one slot per request"):
         r.send_metadata(pages, state_indices=[[0, 1], None])
     with pytest.raises(ValueError, match=r"^state_indices names 3 state components, 2 are "
                                          r"registered$"):

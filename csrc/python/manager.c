@@ -148,11 +148,11 @@ static int kvr_cfg_secret(PyObject *cfg, kvr_config_t *c)
     return rc;
 }
 
-/* state: None, or (ptrs, lens, item lens, components) of the state buffers
- * (state.c), appended to the aux buffers bufs[3..5] (ns[3] of them);
+/* state: None, or (ptrs, lens, item lens, components[, list mask]) of the
+ * state buffers (state.c), appended to the aux buffers bufs[3..5] (ns[3] of them);
  * *comp gets the components.  Returns 0, or -1 with the error set. */
 static int kvr_py_state_args(PyObject *state, uint64_t **bufs, uint32_t *ns, uint32_t **comp,
-                             uint32_t *nstate)
+                             uint32_t *nstate, uint32_t *list_mask)
 {
     if (state == Py_None) {
         return 0;
@@ -162,9 +162,18 @@ static int kvr_py_state_args(PyObject *state, uint64_t **bufs, uint32_t *ns, uin
     uint64_t *lists[4] = {NULL, NULL, NULL, NULL};
     uint32_t n[4] = {0, 0, 0, 0};
     int rc = -1;
-    if (!PyTuple_Check(state) || PyTuple_GET_SIZE(state) != 4) {
-        PyErr_SetString(PyExc_TypeError, "state must be (ptrs, lens, item_lens, components)");
+    Py_ssize_t parts = PyTuple_Check(state) ? PyTuple_GET_SIZE(state) : 0;
+    if (parts != 4 && parts != 5) {
+        PyErr_SetString(PyExc_TypeError,
+                        "state must be (ptrs, lens, item_lens, components[, list mask])");
         return -1;
+    }
+    if (parts == 5) { /* bit c: component c takes a list of slots (state.c) */
+        unsigned long mask = PyLong_AsUnsignedLongMask(PyTuple_GET_ITEM(state, 4));
+        if (PyErr_Occurred()) {
+            return -1;
+        }
+        *list_mask = (uint32_t)mask;
     }
     for (int i = 0; i < 4; i++) {
         if (kvr_py_u64_list(PyTuple_GET_ITEM(state, i), names[i], &lists[i], &n[i]) < 0) {
@@ -308,7 +317,7 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
                      "different lengths (%u, %u, %u)", ns[3], ns[4], ns[5]);
         goto out;
     }
-    if (kvr_py_state_args(state, bufs, ns, &state_comp, &p.nstate) < 0 ||
+    if (kvr_py_state_args(state, bufs, ns, &state_comp, &p.nstate, &p.state_list) < 0 ||
         kvr_py_state_rules(rules, &state_rules, &p.nstate_rules) < 0) {
         goto out;
     }

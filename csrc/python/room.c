@@ -263,59 +263,91 @@ static int kvr_py_aux(PyObject *obj, int64_t *out)
     return 0;
 }
 
-/* One state slot: a non-negative int, or a sequence of one (sglang's
- * Mamba slot list).  Returns 0, or -1 with the error set. */
-static int kvr_py_state_slot(PyObject *v, uint32_t c, int64_t *out)
+/* state_indices parsed: per entry its slot (-1: None), or, for an entry
+ * given as a list (bit c of in.seq), the list in slots; in points there. */
+typedef struct {
+    int64_t states[KVR_MAX_STATES];
+    uint32_t nstates;
+    uint32_t n[KVR_MAX_STATES];
+    int64_t *slots; /* PyMem */
+    size_t nslots, cap;
+    kvr_state_in_t in;
+} kvr_py_states_t;
+
+/* One slot: a non-negative int (entry c, list position i or -1). */
+static int kvr_py_slot(PyObject *v, uint32_t c, Py_ssize_t i, int64_t *out)
 {
-    Py_INCREF(v);
-    if (PySequence_Check(v)) { /* before PyIndex_Check: a numpy array has __index__ */
-        Py_ssize_t len = PySequence_Size(v);
-        if (len != 1) {
-            if (len >= 0) {
-                PyErr_Format(PyExc_ValueError,
-                             "state_indices[%u] has %zd slots: one slot per state component "
-                             "is supported (a Mamba state slot)",
-                             c, len);
-            }
-            Py_DECREF(v);
-            return -1;
-        }
-        PyObject *item = PySequence_GetItem(v, 0);
-        Py_DECREF(v);
-        if (item == NULL) {
-            return -1;
-        }
-        v = item;
-    }
     long long s = -1;
     int overflow = 0;
     if (!PyBool_Check(v) && PyIndex_Check(v)) {
         PyObject *idx = PyNumber_Index(v);
-        if (idx != NULL) {
-            s = PyLong_AsLongLongAndOverflow(idx, &overflow);
-            Py_DECREF(idx);
+        if (idx == NULL) {
+            return -1;
+        }
+        s = PyLong_AsLongLongAndOverflow(idx, &overflow);
+        Py_DECREF(idx);
+        if (s == -1 && PyErr_Occurred()) {
+            return -1;
         }
     } else {
-        PyErr_Format(PyExc_TypeError, "state_indices[%u] must be an integer, a list of one, "
+        PyErr_Format(PyExc_TypeError, "state_indices[%u] must be an integer, a list of slots, "
                      "or None, not %.100s", c, Py_TYPE(v)->tp_name);
-    }
-    Py_DECREF(v);
-    if (PyErr_Occurred()) {
         return -1;
     }
-    if (overflow || s < 0) {
-        PyErr_Format(PyExc_ValueError, "state_indices[%u] must be a non-negative slot", c);
+    if (overflow || s < 0 || s > INT32_MAX) {
+        if (i < 0) {
+            PyErr_Format(PyExc_ValueError, "state_indices[%u] must be a non-negative slot", c);
+        } else {
+            PyErr_Format(PyExc_ValueError,
+                         "state_indices[%u][%zd] must be a non-negative slot below 2**31", c, i);
+        }
         return -1;
     }
     *out = s;
     return 0;
 }
 
-/* state_indices: None (no state), or one entry per state component: None
- * (not asked for) or its slot (kvr_py_state_slot).  *n gets the entries. */
-static int kvr_py_states(PyObject *obj, int64_t *out, uint32_t *n)
+/* Entry c given as a sequence (sglang's Mamba slot list, a window's pages):
+ * appended to st->slots. */
+static int kvr_py_slot_list(PyObject *v, uint32_t c, kvr_py_states_t *st)
 {
-    *n = 0;
+    PyObject *seq = PySequence_Fast(v, "state_indices entries must be sequences");
+    if (seq == NULL) {
+        return -1;
+    }
+    Py_ssize_t len = PySequence_Fast_GET_SIZE(seq);
+    if ((size_t)len > st->cap - st->nslots) {
+        size_t cap = st->nslots + (size_t)len + 16;
+        int64_t *grown = PyMem_Realloc(st->slots, cap * sizeof(int64_t));
+        if (grown == NULL) {
+            Py_DECREF(seq);
+            PyErr_NoMemory();
+            return -1;
+        }
+        st->slots = grown;
+        st->cap = cap;
+    }
+    int rc = 0;
+    for (Py_ssize_t i = 0; rc == 0 && i < len; i++) {
+        rc = kvr_py_slot(PySequence_Fast_GET_ITEM(seq, i), c, i, &st->slots[st->nslots + i]);
+    }
+    Py_DECREF(seq);
+    if (rc == 0) {
+        st->nslots += (size_t)len;
+        st->n[c] = (uint32_t)len;
+        st->in.seq |= 1u << c;
+    }
+    return rc;
+}
+
+/* state_indices: None (no state), or one entry per state component: None
+ * (not asked for), a slot, or a list of slots (state.c says which
+ * components take which).  Returns 0, or -1 with the error set (free
+ * st->slots with PyMem_Free either way). */
+static int kvr_py_states(PyObject *obj, kvr_py_states_t *st)
+{
+    memset(st, 0, sizeof(*st));
+    st->in.n = st->n;
     if (obj == NULL || obj == Py_None) {
         return 0;
     }
@@ -332,13 +364,17 @@ static int kvr_py_states(PyObject *obj, int64_t *out, uint32_t *n)
     }
     for (Py_ssize_t i = 0; rc == 0 && i < len; i++) {
         PyObject *v = PySequence_Fast_GET_ITEM(seq, i);
-        out[i] = -1;
-        if (v != Py_None) {
-            rc = kvr_py_state_slot(v, (uint32_t)i, &out[i]);
+        st->states[i] = -1;
+        if (v == Py_None) {
+            continue;
         }
+        /* A sequence before an int: a numpy array has __index__. */
+        rc = PySequence_Check(v) ? kvr_py_slot_list(v, (uint32_t)i, st)
+                                 : kvr_py_slot(v, (uint32_t)i, -1, &st->states[i]);
     }
     Py_DECREF(seq);
-    *n = rc == 0 ? (uint32_t)len : 0;
+    st->nstates = rc == 0 ? (uint32_t)len : 0;
+    st->in.slots = st->slots;
     return rc;
 }
 
@@ -391,8 +427,8 @@ static PyObject *kvr_room_send_metadata(PyObject *op, PyObject *args, PyObject *
     static char *kwlist[] = {"kv_indices", "aux_index", "decode_prefix_len", "state_indices",
                              NULL};
     PyObject *ind, *aux = Py_None, *prefix = Py_None, *st = Py_None;
-    int64_t auxv, states[KVR_MAX_STATES];
-    uint32_t nstates;
+    int64_t auxv;
+    kvr_py_states_t sts;
     uint32_t prefix_len = 0;
     int32_t *pages;
     size_t n;
@@ -422,17 +458,21 @@ static PyObject *kvr_room_send_metadata(PyObject *op, PyObject *args, PyObject *
         }
         prefix_len = (uint32_t)v;
     }
-    if (kvr_py_aux(aux, &auxv) < 0 || kvr_py_states(st, states, &nstates) < 0 ||
-        kvr_py_indices(ind, "kv_indices", &pages, &n) < 0) {
+    if (kvr_py_aux(aux, &auxv) < 0) {
+        return NULL;
+    }
+    if (kvr_py_states(st, &sts) < 0 || kvr_py_indices(ind, "kv_indices", &pages, &n) < 0) {
+        PyMem_Free(sts.slots);
         return NULL;
     }
     char errbuf[512] = "";
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = kvr_handle_send_metadata(h, pages, n, auxv, states, nstates, prefix_len, errbuf,
-                                  sizeof(errbuf));
+    rc = kvr_handle_send_metadata(h, pages, n, auxv, sts.states, sts.nstates, &sts.in,
+                                  prefix_len, errbuf, sizeof(errbuf));
     Py_END_ALLOW_THREADS
     PyMem_Free(pages);
+    PyMem_Free(sts.slots);
     if (rc != 0) {
         return kvr_py_raise(rc, errbuf);
     }
@@ -478,23 +518,23 @@ static PyObject *kvr_room_send(PyObject *op, PyObject *args, PyObject *kwds)
     PyObject *ind, *st = Py_None;
     int32_t *pages;
     size_t n;
-    int64_t states[KVR_MAX_STATES];
-    uint32_t nstates;
+    kvr_py_states_t sts;
     kvr_handle_t *h = kvr_room_handle((kvr_py_room_t *)op);
     if (h == NULL || !PyArg_ParseTupleAndKeywords(args, kwds, "O|O", kwlist, &ind, &st) ||
         kvr_room_role_check(h, KVR_MODE_PREFILL, "send") < 0) {
         return NULL;
     }
-    if (kvr_py_states(st, states, &nstates) < 0 ||
-        kvr_py_indices(ind, "kv_indices", &pages, &n) < 0) {
+    if (kvr_py_states(st, &sts) < 0 || kvr_py_indices(ind, "kv_indices", &pages, &n) < 0) {
+        PyMem_Free(sts.slots);
         return NULL;
     }
     char errbuf[512] = "";
     int rc;
     Py_BEGIN_ALLOW_THREADS
-    rc = kvr_handle_send(h, pages, n, states, nstates, errbuf, sizeof(errbuf));
+    rc = kvr_handle_send(h, pages, n, sts.states, sts.nstates, &sts.in, errbuf, sizeof(errbuf));
     Py_END_ALLOW_THREADS
     PyMem_Free(pages);
+    PyMem_Free(sts.slots);
     if (rc != 0) {
         return kvr_py_raise(rc, errbuf);
     }

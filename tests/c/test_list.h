@@ -25,6 +25,7 @@
     X(wire_every_truncation_rejected, 60, 0)                                  \
     X(wire_trailing_bytes_rejected, 10, 0)                                    \
     X(wire_room_req_prefix, 10, 0)                                    \
+    X(wire_room_req_lists, 10, 0)                                     \
     X(wire_bs_dp_pp, 10, 0)                                                   \
     X(wire_hello_fields, 10, 0)                                       \
     X(wire_bad_header, 10, 0)                                                 \
@@ -55,6 +56,7 @@
     X(plan_merge_buffers, 10, 0)                                              \
     X(plan_resume_and_aux, 10, 0)                                             \
     X(plan_state_rows, 10, 0)                                                 \
+    X(plan_state_lists, 10, 0)                                                \
     X(stateslice_moves_every_byte_once, 20, 0)                                \
     X(stateslice_pieces_joined_and_replicated, 10, 0)                         \
     X(stateslice_bad_rules, 10, 0)                                            \

@@ -215,6 +215,91 @@ TEST_IMPL(plan_state_rows)
     ASSERT_EQ(c2.aux_done, 1);
 }
 
+/* Plans ref_n messages from the start, every other one held first ("no
+ * slot") and planned again, into got. */
+static void replan_held(const kvr_plan_t *p, int ref_n, msgs_t *got)
+{
+    kvr_plan_cursor_t c;
+    memset(&c, 0, sizeof(c));
+    for (int k = 0; got->n < ref_n; k++) {
+        kvr_plan_cursor_t next = c;
+        kvr_am_header_t h;
+        ASSERT(kvr_post_plan(p, &next, &h));
+        if (k % 2 == 0) {
+            kvr_plan_hold(&c, &h); /* "no slot": retry */
+            continue;
+        }
+        got->h[got->n++] = h;
+        c = next;
+    }
+}
+
+/* A list component (sliding-window pages): its buffers' rows are list
+ * positions, one message per range and group of its buffers whatever the
+ * list's length when its slots run; scattered slots become pieces, a new
+ * range after KVR_MAX_IOV runs; a held message is planned again, the
+ * same; one-slot rows before it never share its message. */
+TEST_IMPL(plan_state_lists)
+{
+    static int32_t src[3000], dst[3000];
+    int32_t page = 0;
+    /* 1 aux buffer, state buffers of components 0 (one slot) and 1 (a list, 2 buffers). */
+    uint64_t items[1] = {64}, rows[4] = {8, 48, 32, 32};
+    uint32_t comp[3] = {0, 1, 1};
+    int64_t want[KVR_MAX_STATES] = {3, 0, -1, -1, -1, -1, -1, -1};
+    kvr_slot_lists_t sl = {src, {0}, {0, 3000}, 3000}, dl = {dst, {0}, {0, 3000}, 3000};
+    kvr_plan_t p;
+    base(&p, &page, &page, 1, items, 1);
+    p.naux = 4;
+    p.aux_item = rows;
+    p.nstate = 3;
+    p.state_comp = comp;
+    p.dst_states = want;
+    p.merge = UINT64_MAX;
+    p.state_list = 2;
+    p.src_lists = &sl;
+    p.dst_lists = &dl;
+    for (int len = 1; len <= 3000; len *= 10) {
+        for (int i = 0; i < len; i++) {
+            src[i] = 3000 + i; /* consecutive: one run */
+            dst[i] = 7 + i;
+        }
+        sl.n[1] = dl.n[1] = (uint32_t)len;
+        kvr_plan_cursor_t c = {0};
+        msgs_t m = {0};
+        drain(&p, &c, &m);
+        ASSERT_EQ(m.n, 3); /* the page, component 0's row, the whole list of both buffers */
+        ASSERT(m.h[1].buf == 1 && m.h[1].nbuf == 1 && m.h[1].npages == 1);
+        ASSERT(m.h[2].kind == KVR_AM_KIND_AUX && m.h[2].buf == 2 && m.h[2].nbuf == 2);
+        ASSERT(m.h[2].pos == 0 && m.h[2].npages == (uint32_t)len);
+        ASSERT_EQ(c.aux_done, 1);
+    }
+    for (int i = 0; i < 3000; i++) {
+        src[i] = 2 * i; /* every slot its own run */
+        dst[i] = i;
+    }
+    sl.n[1] = dl.n[1] = 3000;
+    msgs_t ref = {0}, got = {0};
+    kvr_plan_cursor_t c = {0};
+    drain(&p, &c, &ref);
+    /* The page, the row, then per range of KVR_MAX_IOV positions one
+     * message a buffer (two buffers' pieces would pass KVR_MAX_IOV). */
+    ASSERT_EQ(ref.n, 2 + 3 * 2);
+    uint32_t at = 0;
+    for (int i = 2; i < ref.n; i += 2) {
+        ASSERT(ref.h[i].pos == at && ref.h[i + 1].pos == at);
+        ASSERT(ref.h[i].buf == 2 && ref.h[i + 1].buf == 3 && ref.h[i].nbuf == 1);
+        ASSERT(ref.h[i].npages == (at + KVR_MAX_IOV <= 3000 ? KVR_MAX_IOV : 3000 - at));
+        at += ref.h[i].npages;
+    }
+    ASSERT_EQ(at, 3000);
+    replan_held(&p, ref.n, &got);
+    for (int i = 0; i < ref.n; i++) {
+        ASSERT(got.h[i].buf == ref.h[i].buf && got.h[i].nbuf == ref.h[i].nbuf);
+        ASSERT(got.h[i].pos == ref.h[i].pos && got.h[i].npages == ref.h[i].npages);
+    }
+}
+
 /* A message that could not be posted is planned again, the same. */
 TEST_IMPL(plan_hold_retries_same)
 {
@@ -233,18 +318,7 @@ TEST_IMPL(plan_hold_retries_same)
     msgs_t ref = {0}, got = {0};
     kvr_plan_cursor_t c = {0};
     drain(&p, &c, &ref);
-    memset(&c, 0, sizeof(c));
-    for (int k = 0; got.n < ref.n; k++) {
-        kvr_plan_cursor_t next = c;
-        kvr_am_header_t h;
-        ASSERT(kvr_post_plan(&p, &next, &h));
-        if (k % 2 == 0) {
-            kvr_plan_hold(&c, &h); /* "no slot": retry */
-            continue;
-        }
-        got.h[got.n++] = h;
-        c = next;
-    }
+    replan_held(&p, ref.n, &got);
     for (int i = 0; i < ref.n; i++) {
         ASSERT_EQ(got.h[i].kind, ref.h[i].kind);
         ASSERT_EQ(got.h[i].buf, ref.h[i].buf);

@@ -116,6 +116,8 @@ static void assert_same(const kvr_msg_t *a, const kvr_msg_t *b)
     ASSERT_EQ(a->prefix_len, b->prefix_len);
     ASSERT_EQ(a->nstates, b->nstates);
     ASSERT(bytes_eq(a->states, b->states, (size_t)a->nstates * 8));
+    ASSERT_EQ(a->nslots, b->nslots);
+    ASSERT(bytes_eq(a->slots, b->slots, (size_t)a->nslots * 4));
     ASSERT_EQ(a->found, b->found);
     ASSERT_U64_EQ(a->peer_epoch, b->peer_epoch);
     ASSERT_EQ(a->code, b->code);
@@ -158,6 +160,7 @@ static int decode_exact(const void *buf, size_t len, kvr_msg_t *out, const char 
         INSIDE(out->layout.kv_item_lens, (size_t)out->layout.nkv * 8);
         INSIDE(out->layout.aux_item_lens, (size_t)out->layout.naux * 8);
         INSIDE(out->layout.rules, (size_t)out->layout.nrules * 4);
+        INSIDE(out->slots, (size_t)out->nslots * 4);
 #undef INSIDE
         /* the caller compares fields after free, so hand back stable copies */
         static unsigned char rules[4 * 64];
@@ -165,6 +168,12 @@ static int decode_exact(const void *buf, size_t len, kvr_msg_t *out, const char 
             ASSERT((size_t)out->layout.nrules * 4 <= sizeof(rules));
             memcpy(rules, out->layout.rules, (size_t)out->layout.nrules * 4);
             out->layout.rules = rules;
+        }
+        static unsigned char slots[4 * 64];
+        if (out->nslots > 0) {
+            ASSERT((size_t)out->nslots * 4 <= sizeof(slots));
+            memcpy(slots, out->slots, (size_t)out->nslots * 4);
+            out->slots = slots;
         }
     }
     free(copy);
@@ -751,6 +760,44 @@ TEST_IMPL(wire_room_req_prefix)
     ASSERT_EQ(d.prefix_len, 0);
 }
 
+/* ROOM_REQ's list slots (state.c): after the states, u32 count then the
+ * slots, only when there are any; a count of 0 or past the limit, or
+ * fewer slots than it says, is refused. */
+TEST_IMPL(wire_room_req_lists)
+{
+    unsigned char pages[4] = {5, 0, 0, 0};
+    unsigned char states[16] = {3, 0, 0, 0, 0, 0, 0, 0, 2, 0, 0, 0, 0, 0, 0, 0};
+    unsigned char slots[8] = {7, 0, 0, 0, 9, 0, 0, 0};
+    kvr_msg_t m = kvr_msg_room_req(43, 7, 1, 1, pages, 0, 2, states), d;
+    kvr_wbuf_t b0, b;
+    kvr_wbuf_init(&b0);
+    kvr_wbuf_init(&b);
+    const char *why = NULL;
+    ASSERT_EQ(kvr_wire_encode(&b0, &m), 0);
+    m.nslots = 2;
+    m.slots = slots;
+    ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
+    ASSERT_EQ(b.len, b0.len + 4 + 8);
+    ASSERT(memcmp(b.data, b0.data, b0.len) == 0);
+    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
+    ASSERT(d.nslots == 2 && memcmp(d.slots, slots, 8) == 0);
+    for (size_t cut = 4; cut < 12; cut++) {
+        ASSERT_EQ(decode_exact(b.data, b0.len + cut, &d, &why), -1);
+        ASSERT(why != NULL && strcmp(why, "truncated list slots") == 0);
+    }
+    unsigned char buf[256];
+    ASSERT(b0.len + 4 <= sizeof(buf));
+    static const uint32_t bad[] = {0, KVR_WIRE_MAX_PAGES + 1};
+    for (size_t i = 0; i < 2; i++) {
+        memcpy(buf, b0.data, b0.len);
+        put_le(buf + b0.len, bad[i], 4);
+        ASSERT_EQ(decode_exact(buf, b0.len + 4, &d, &why), -1);
+        ASSERT(why != NULL && strcmp(why, "bad list slot count") == 0);
+    }
+    kvr_wbuf_free(&b);
+    kvr_wbuf_free(&b0);
+}
+
 /* BS_REGISTER's and BS_QUERY's DP and PP ranks: two u32 after the rest,
  * only when either is > 0 (DP 0, PP 0 encodes as before). */
 TEST_IMPL(wire_bs_dp_pp)
@@ -868,6 +915,9 @@ static void hello_fields(kvr_msg_t *m, unsigned x)
         m->layout.nrules = 3;
         m->layout.rules = rules;
     }
+    if (x & 64) {
+        m->layout.state_lists = 2;
+    }
 }
 
 TEST_IMPL(wire_hello_fields)
@@ -879,13 +929,13 @@ TEST_IMPL(wire_hello_fields)
     ASSERT_EQ(kvr_wire_encode(&b0, &base), 0);
     ASSERT_EQ(decode_exact(b0.data, b0.len, &d, &why), 0);
     ASSERT(d.tcp_rx_seg == 0 && d.has_shm == 0 && d.layout.heads == 0);
-    for (unsigned x = 1; x < 64; x++) {
+    for (unsigned x = 1; x < 128; x++) {
         kvr_msg_t m = base;
         hello_fields(&m, x);
         kvr_wbuf_init(&b);
         ASSERT_EQ(kvr_wire_encode(&b, &m), 0);
         size_t want = 1 + (x & 1 ? 4 : 0) + (x & 2 ? 8 : 0) + (x & 4 ? 16 : 0) + (x & 8 ? 16 : 0) +
-                      (x & 16 ? 16 : 0) + (x & 32 ? 16 : 0);
+                      (x & 16 ? 16 : 0) + (x & 32 ? 16 : 0) + (x & 64 ? 1 : 0);
         ASSERT_EQ(b.len, b0.len + want);
         ASSERT(memcmp(b.data, b0.data, b0.len) == 0);
         ASSERT_EQ(b.data[b0.len], x);
@@ -899,6 +949,7 @@ TEST_IMPL(wire_hello_fields)
                d.layout.start_layer == m.layout.start_layer && d.layout.layers == m.layout.layers);
         ASSERT(d.layout.nrules == m.layout.nrules &&
                (!m.layout.nrules || memcmp(d.layout.rules, m.layout.rules, 12) == 0));
+        ASSERT_EQ(d.layout.state_lists, m.layout.state_lists);
         ASSERT(!m.has_cma || memcmp(d.boot_id, m.boot_id, sizeof(d.boot_id)) == 0);
         ASSERT(d.pid == 0 && d.probe_addr == 0); /* a HELLO's offer has neither */
         for (size_t cut = 1; cut < want; cut++) {
@@ -920,7 +971,8 @@ TEST_IMPL(wire_hello_fields)
         size_t n;
         const char *why;
     } bad[] = {{0, 0, "explicit empty HELLO fields"},
-               {64, 4, "unknown HELLO fields"},
+               {128, 4, "unknown HELLO fields"},
+               {64, 1, "explicit empty state lists"},
                {16, 16, "explicit zero layers"},
                {32, 4, "bad state slicing length"},
                {1, 4, "explicit zero tcp receive size"},
@@ -991,7 +1043,7 @@ TEST_IMPL(wire_constructors)
     unsigned char lens[8] = {0, 16, 0, 0, 0, 0, 0, 0}, pages[8] = {5, 0, 0, 0, 9, 0, 0, 0};
     /* State slots 3 and -1 (component 1 not asked for). */
     unsigned char slots[16] = {3, 0, 0, 0, 0, 0, 0, 0, 255, 255, 255, 255, 255, 255, 255, 255};
-    kvr_wire_layout_t layout = {16, 1, lens, 0, NULL, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL};
+    kvr_wire_layout_t layout = {16, 1, lens, 0, NULL, 0, 0, 0, 0, 0, 0, 0, 0, 0, NULL, 0};
     char addr[3] = {1, 2, 3};
     kvr_msg_t ms[] = {
         kvr_msg_rank(KVR_MSG_PING, 3),
