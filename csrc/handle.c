@@ -59,6 +59,24 @@ static int kvr_handle_pages_check(const kvr_engine_t *e, const int32_t *pages, s
     return 0;
 }
 
+/* A decode page or list slot named twice in a room would get two writes
+ * landing in no defined order: refused (sorted outside the engine's lock). */
+static int kvr_handle_repeat_check(const int32_t *v, size_t n, const char *what,
+                                   const char *unit, char *err, size_t errlen)
+{
+    long first = -1, again = kvr_pages_repeat(v, n, &first);
+    if (again == -2) {
+        return kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+    }
+    if (again >= 0) {
+        return kvr_err(err, errlen, KVR_EVALUE,
+                       "%s[%ld] and %s[%ld] are both %s %d: a decode %s can receive one %s of "
+                       "a room",
+                       what, first, what, again, unit, v[again], unit, unit);
+    }
+    return 0;
+}
+
 int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
                     kvr_handle_t **h_p, char *err, size_t errlen)
 {
@@ -228,19 +246,11 @@ int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, in
 {
     kvr_slot_lists_t lists = {0};
     kvr_engine_t *e = kvr_handle_engine(h);
-    /* Two writes of one page land in no defined order: refused.  Sorted
-     * outside the engine's lock. */
-    long first = -1, again = kvr_pages_repeat(pages, n, &first);
-    if (again == -2) {
-        return kvr_err(err, errlen, KVR_ENOMEM, "out of memory");
+    int rc = kvr_handle_repeat_check(pages, n, "kv_indices", "page", err, errlen);
+    if (rc != 0) {
+        return rc;
     }
-    if (again >= 0) {
-        return kvr_err(err, errlen, KVR_EVALUE,
-                       "kv_indices[%ld] and kv_indices[%ld] are both page %d: a decode page "
-                       "can receive one page of a room",
-                       first, again, pages[again]);
-    }
-    int rc = kvr_handle_enter(h, err, errlen);
+    rc = kvr_handle_enter(h, err, errlen);
     if (rc) {
         return rc;
     }
@@ -275,6 +285,15 @@ int kvr_handle_send_metadata(kvr_handle_t *h, const int32_t *pages, size_t n, in
     }
     int64_t slots[KVR_MAX_STATES];
     rc = kvr_state_take(e, states, nstates, in, slots, &lists, err, errlen);
+    for (uint32_t c = 0; c < KVR_MAX_STATES && rc == 0; c++) {
+        if (lists.n[c] < 2) {
+            continue;
+        }
+        char what[32];
+        snprintf(what, sizeof(what), "state_indices[%u]", c);
+        rc = kvr_handle_repeat_check(lists.slots + lists.at[c], lists.n[c], what, "slot", err,
+                                     errlen);
+    }
     if (rc != 0) {
         goto out;
     }

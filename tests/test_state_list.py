@@ -141,8 +141,8 @@ def test_state_lists_abort(pair):
 
 def test_state_lists_bad_input(pair):
     """A window slot outside the registered rows, a negative one, a list
-    for the one-slot component: ValueError naming them, on both sides,
-    before any byte moves."""
+    for the one-slot component, a decode slot named twice: ValueError naming
+    them, on both sides, before any byte moves."""
     addr, pre, dec = pair(child=False)
     r = KVReceiver(dec.mgr, addr, 41)
     r.init()
@@ -158,6 +158,9 @@ def test_state_lists_bad_input(pair):
                                          r"takes one slot per request \(a list of slots is for "
                                          r"a component registered as a list"):
         r.send_metadata(pages, state_indices=[[0, 1], [2]])
+    with pytest.raises(ValueError, match=r"^state_indices\[1\]\[0\] and state_indices\[1\]\[2\] "
+                                         r"are both slot 5: a decode slot can receive one slot"):
+        r.send_metadata(pages, state_indices=[[0], [5, 6, 5]])
     s = KVSender(pre, addr, 41)
     s.init(len(SRC))
     with pytest.raises(ValueError, match=r"^state_indices\[1\]\[0\]=41 is outside the "
