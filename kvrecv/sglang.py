@@ -900,9 +900,11 @@ class KVRecvReceiver(_RoomMixin, KVReceiver):
 
     def drained(self) -> bool:
         """True once the core reports the room Failed (its in-flight
-        operations drained) or has dropped it."""
+        operations drained) or Success (every byte landed: a room whose
+        pages all came but that sglang failed because another rank's part
+        failed), or has dropped it."""
         try:
-            return _core.Room.poll(self) == KVPoll.Failed
+            return _core.Room.poll(self) in _TERMINAL
         except RuntimeError:
             return True
 

@@ -28,6 +28,7 @@ from __future__ import annotations
 import array
 import dataclasses
 import faulthandler
+import functools
 import datetime
 import hashlib
 import multiprocessing as mp
@@ -117,7 +118,7 @@ class Layout:
     """The two instances: attention-TP sizes and the KV pool (sglang's
     MHATokenToKVPool with the rank's share of kv_heads, or with mla its
     MLATokenToKVPool, one latent cache every rank holds whole), and the
-    prefill's DP groups."""
+    prefill's and the decode's DP groups."""
 
     prefill_tp: int = 2
     decode_tp: int = 2
@@ -126,6 +127,7 @@ class Layout:
     prefill_pp: int = 1  # PP stages of prefill_tp ranks, each holding LAYERS / prefill_pp layers
     prefill_balance: str = "follow_bootstrap_room"  # the prefill's --load-balance-method
     kv_heads: int = 4  # the model's KV heads; fewer than a TP size: replicated heads
+    decode_dp: int = 1  # DP attention on the decode: room r goes to its group r % decode_dp
 
 
 def rank_heads(tp: int, rank: int) -> slice:
@@ -306,15 +308,16 @@ def _init_rank(mode: str, rank: int, tp: int, store_port: int, bootstrap_port: i
 
     sa = _server_args(mode, tp, bootstrap_port, page_size, radix, dp, balance, pp)
     publish(sa, role="scheduler", ranks=SpawnRanks(world_rank=rank, gpu_id=0))
-    world = tp * dp * pp
+    world, timeout = tp * dp * pp, datetime.timedelta(seconds=SIDE_TIMEOUT_S)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=SIDE_TIMEOUT_S))
+                            world_size=world, timeout=timeout)
+    # each group with that timeout too (a rank whose collective waits on a
+    # rank that left it fails instead of hanging)
+    new_group = functools.partial(dist.new_group, backend="gloo", timeout=timeout)
     width = tp * dp  # sglang's tp_size: the ranks of one stage
-    tp_groups = [dist.new_group(list(range(s * width, s * width + width)), backend="gloo")
-                 for s in range(pp)]
-    attn = [dist.new_group(list(range(d * tp, d * tp + tp)), backend="gloo")
-            for d in range(dp * pp)]
-    singles = [dist.new_group([r], backend="gloo") for r in range(world)]
+    tp_groups = [new_group(list(range(s * width, s * width + width))) for s in range(pp)]
+    attn = [new_group(list(range(d * tp, d * tp + tp))) for d in range(dp * pp)]
+    singles = [new_group([r]) for r in range(world)]
     groups = dict(
         attn_tp_group=types.SimpleNamespace(cpu_group=attn[rank // tp], world_size=tp,
                                             rank_in_group=rank % tp),
@@ -323,7 +326,7 @@ def _init_rank(mode: str, rank: int, tp: int, store_port: int, bootstrap_port: i
     pp_group = None
     if pp > 1:
         members = [[t + s * width for s in range(pp)] for t in range(width)]
-        made = [dist.new_group(m, backend="gloo") for m in members]
+        made = [new_group(m) for m in members]
         pp_group = groups["pp_group"] = PPGroupStandIn(made[rank % width], members[rank % width],
                                                        rank)
     get_parallel().override_permanently(**groups)
@@ -469,17 +472,19 @@ def _raised(result: dict, where: str) -> None:
 
 
 class DecodeRank:
-    def __init__(self, rank, tp, store_port, bootstrap_port, page_size, mla=False, radix=False):
+    def __init__(self, rank, tp, store_port, bootstrap_port, page_size, mla=False, radix=False,
+                 dp=1):
         from sglang.srt.disaggregation.decode import DecodePreallocQueue, DecodeTransferQueue
         from sglang.srt.disaggregation.utils import TransferBackend
         from sglang.srt.runtime_context import get_disagg
 
         from kvrecv.sglang import KVRecvReceiver
 
-        self.rank, self.bootstrap_port, self.page_size = rank, bootstrap_port, page_size
-        self.tp, self.mla = tp, mla
+        self.bootstrap_port, self.page_size = bootstrap_port, page_size
+        self.tp, self.mla, self.dp = tp, mla, dp
+        self.rank, self.dp_group = rank % tp, rank // tp  # in the attention-TP group, its group
         sa, self.group, _, _ = _init_rank("decode", rank, tp, store_port, bootstrap_port, page_size,
-                                       radix)
+                                       radix, dp=dp)
         self.failures: Dict[str, list] = {}
         self.pages: Dict[str, list] = {}
         _spy_failures(self.failures, KVRecvReceiver)
@@ -537,10 +542,11 @@ class DecodeRank:
         from sglang.srt.mem_cache.common import release_kv_cache
 
         timer, result, reqs = _Timer(), {"reqs": {}}, {}
-        held_max = 0
+        held_max, moved = 0, self.pq.kv_manager.stats()["bytes_moved"]
         self.failures.clear()
         self.pages.clear()
         deadline = time.monotonic() + SIDE_TIMEOUT_S
+        specs = [s for s in specs if s.room % self.dp == self.dp_group]  # sglang's DP dispatch
         try:
             if any(s.decode_cached for s in specs):
                 _stale_rows(self.p.meta)
@@ -592,6 +598,8 @@ class DecodeRank:
             _raised(result, "radix tree eviction")
         result["leaked_tokens"] = self.free_tokens - self.p.alloc.available_size()
         result["leaked_meta"] = self.p.meta.output_ids.shape[0] - self.p.meta_alloc.available_size()
+        result["bytes_moved"] = self.pq.kv_manager.stats()["bytes_moved"] - moved
+        result["aux_row_bytes"] = sum(self.pq.kv_manager.kv_args.aux_item_lens)
         result["time_s"], result["calls"] = timer.s, timer.n
         return result
 
@@ -657,6 +665,7 @@ class PrefillRank:
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
         timer, result = _Timer(), {"reqs": {}}
+        moved = self.bq.kv_manager.stats()["bytes_moved"]
         self.failures.clear()
         self.pages.clear()
         if any(s.decode_cached for s in specs):
@@ -720,6 +729,7 @@ class PrefillRank:
         result["failures"] = dict(self.failures)
         result["pages"] = dict(self.pages)
         result["leaked_tokens"] = self.free_tokens - self.p.alloc.available_size()
+        result["bytes_moved"] = self.bq.kv_manager.stats()["bytes_moved"] - moved
         result["time_s"], result["calls"] = timer.s, timer.n
         return result
 
@@ -852,8 +862,8 @@ class Cluster:
         (--disaggregation-decode-enable-radix-cache)."""
         for p in self.decode:
             p.close()
-        tp = self.layout.decode_tp
-        self.decode = self._start(DecodeRank, tp, tp, env, radix)
+        tp, dp = self.layout.decode_tp, self.layout.decode_dp
+        self.decode = self._start(DecodeRank, tp * dp, tp, env, radix, dp)
 
     def run(self, specs: List[ReqSpec], timeout: float = SIDE_TIMEOUT_S + 15) -> dict:
         """Hands the requests to every rank; each runs sglang's queue loop

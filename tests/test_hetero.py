@@ -196,7 +196,7 @@ KILLED = {"tp2-to-1": 1, "tp1-to-2": 0, "tp4-to-2-gqa": 3, "mla-tp2-to-4": 1,
 
 
 @pytest.mark.parametrize("name, part", [(n, False) for n in LAYOUTS] +
-                         [("tp2-to-1", True), ("tp1-to-2", True)])
+                         [("tp2-to-1", True), ("tp1-to-2", True), ("tp4-to-2-gqa", True)])
 def test_hetero_prefill_rank_killed(deployment, name, part):
     """A prefill rank SIGKILLed once every rank has opened the room and
     before it sent (part: after every prefill rank sent the first pages):

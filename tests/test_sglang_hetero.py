@@ -18,7 +18,7 @@ import pytest
 # test_sglang_real's marks: skipped without sglang, a failure with
 # KVRECV_REQUIRE_SGLANG=1 (set by CI)
 from test_sglang_real import _check_causes, _check_clean, _ok, _run_ok, pytestmark  # noqa: F401
-from sglang_sched import Driver, Layout, ReqSpec
+from sglang_sched import HEAD_DIM, LAYERS, MLA_LORA, MLA_ROPE, Driver, Layout, ReqSpec
 
 # Ordered so that the kill test, which follows the byte-exact test, finds
 # its layout (the last) up.
@@ -38,6 +38,12 @@ DP_LAYOUTS = {
     "dp2-tp1-to-2-round-robin": Layout(prefill_tp=1, decode_tp=2, prefill_dp=2,
                                        prefill_balance="round_robin"),
 }
+# A decode of 2 DP attention groups (each one attention-TP rank), reading a
+# prefill of TP 2 or of 2 DP groups.
+DECODE_DP_LAYOUTS = {
+    "tp2-to-dp2-tp1": Layout(prefill_tp=2, decode_tp=1, decode_dp=2),
+    "dp2-tp1-to-dp2-tp1": Layout(prefill_tp=1, decode_tp=1, prefill_dp=2, decode_dp=2),
+}
 # A prefill of 2 PP stages (sglang's pp_size 2), each holding one of the 2 layers.
 PP_LAYOUTS = {
     "pp2-tp1-to-2": Layout(prefill_tp=1, decode_tp=2, prefill_pp=2),
@@ -54,7 +60,7 @@ def hetero(tmp_path_factory):
 
     def use(name: str) -> Driver:
         if current != [name]:
-            lay = {**LAYOUTS, **DP_LAYOUTS, **PP_LAYOUTS}[name]
+            lay = {**LAYOUTS, **DP_LAYOUTS, **PP_LAYOUTS, **DECODE_DP_LAYOUTS}[name]
             d.call("layout", layout=dataclasses.asdict(lay))
             current[:] = [name]
         return d
@@ -81,36 +87,64 @@ def test_sglang_hetero_byte_exact(hetero, name):
              ReqSpec("x3", base + 3, 1)]
     out = _run_ok(d, specs)
     assert (len(out["prefill"]), len(out["decode"])) == (lay.prefill_tp, lay.decode_tp)
+    _check_bytes_moved(lay, specs, out)
+
+
+def _check_bytes_moved(lay, specs, out):
+    """Each decode rank received its pages' bytes and the metadata rows
+    exactly once (one writer a page, never a replica twice), and the
+    prefill ranks sent exactly that; with MLA fan-out every prefill rank
+    took a share."""
+    if lay.mla:
+        token = (MLA_LORA + MLA_ROPE) * 2
+    else:
+        token = 2 * max(1, lay.kv_heads // lay.decode_tp) * HEAD_DIM * 2  # K and V
+    tokens = sum(s.input_len for s in specs)
+    got = [r["bytes_moved"] for r in out["decode"]]
+    assert got == [tokens * LAYERS * token + len(specs) * r["aux_row_bytes"]
+                   for r in out["decode"]], got
+    sent = [r["bytes_moved"] for r in out["prefill"]]
+    assert sum(sent) == sum(got), (sent, got)
+    if lay.mla and lay.decode_tp >= lay.prefill_tp:
+        assert min(sent) > 0, sent
 
 
 @pytest.mark.timeout(180)
-def test_sglang_hetero_killed_prefill_rank_fails_the_request(hetero):
-    """Prefill TP 2 -> decode TP 1: prefill rank 1 SIGKILLed after its first
-    chunk.  The decode rank reads heads 2-3 from it: sglang's
-    pop_transferred gets KVPeerLostError naming prefill rank 1 (its own
-    cause, not from another rank) and aborts the request with it; the pages
-    are held until the room drained, then released.  Prefill rank 0 fails
-    in sglang's gloo all-reduce with its dead peer, as a real instance
+@pytest.mark.parametrize("name, dead, origin", [("tp2-to-1", 1, 0), ("gqa2-tp4-to-2", 3, 1)])
+def test_sglang_hetero_killed_prefill_rank_fails_the_request(hetero, name, dead, origin):
+    """Prefill TP 2 -> decode TP 1, prefill rank 1 SIGKILLed after its first
+    chunk (the decode rank reads heads 2-3 from it); prefill TP 4 -> decode
+    TP 2 with 2 KV heads, prefill rank 3 killed (decode rank 1 reads head 1
+    from it, decode rank 0 reads head 0 from prefill rank 0).  sglang's
+    pop_transferred gets KVPeerLostError naming the dead rank on every
+    decode rank (its own cause on the rank reading from it, the sibling's
+    on the other) and aborts the request with it; the pages are held until
+    the room drained, then released.  The other prefill ranks fail in
+    sglang's gloo all-reduce with their dead peer, as a real instance
     would.  A restarted prefill serves the next request."""
-    d = hetero("tp2-to-1")
-    room = 2101
-    out = d.run([ReqSpec("k1", room, 64, chunk=8, prefill_die_rank=1)])
-    assert out["prefill"][1] == {"died": -9}
-    # prefill rank 0 lost its peer in sglang's MIN all-reduce: that instance is gone
-    [raised] = out["prefill"][0]["raised"]
-    assert "all_reduce" in raised and "gloo" in raised, raised
+    d = hetero(name)
+    room = 2101 + 10 * dead
+    out = d.run([ReqSpec("k1", room, 64, chunk=8, prefill_die_rank=dead)])
+    assert out["prefill"][dead] == {"died": -9}
+    # the others lost their peer in sglang's MIN all-reduce: that instance is gone
+    for rank, r in enumerate(out["prefill"]):
+        if rank != dead:
+            assert "raised" in r, (rank, {k: r[k] for k in r if k not in ("pages", "calls")})
+            [raised] = r["raised"]
+            assert "all_reduce" in raised and "gloo" in raised, (rank, raised)
     out["prefill"] = []
     _check_clean(d, out)
 
     def lost(o, text):
-        return text.startswith(f"room {room}: prefill rank 1 at 127.0.0.1:") and " lost: " in text
-    [(origin, text)] = _check_causes(out, "decode", "k1", room, "KVPeerLostError", lost)
-    assert origin == 0 and out["decode"][0]["held_max"] == 1, text
+        return o == origin and " lost: " in text and \
+            text.startswith(f"room {room}: prefill rank {dead} at 127.0.0.1:")
+    got = _check_causes(out, "decode", "k1", room, "KVPeerLostError", lost)
+    assert [o for o, _ in got] == [origin] * len(out["decode"]), got
+    assert all(r["held_max"] == 1 for r in out["decode"]), got
     d.call("start_prefill")
     out = d.run([ReqSpec("k2", room + 1, 30, chunk=8)])
     _check_clean(d, out)
     _ok(out, "k2")
-
 
 
 @pytest.mark.timeout(180)
@@ -133,14 +167,35 @@ def test_sglang_prefill_dp_groups_byte_exact(hetero, name):
     _all_ok(d, out, specs, lambda group, s: s.prefill_dp_group == group)
 
 
-def _all_ok(d, out, specs, serves):
-    """Every request succeeded byte for byte on every decode rank, and on
-    every prefill rank i that serves(i, spec); nothing failed anywhere."""
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("name", list(DECODE_DP_LAYOUTS))
+def test_sglang_decode_dp_groups_byte_exact(hetero, name):
+    """A decode of 2 DP attention groups (sglang's tp_size 2, dp_size 2,
+    enable_dp_attention; sglang's decode passes engine_rank tp_rank %
+    attn_tp_size): room r goes to decode group r % 2, whose rank reads it
+    from the prefill (its TP ranks, or the prefill DP group sglang's decode
+    picks) byte for byte; the other group never sees it."""
+    d = hetero(name)
+    lay = DECODE_DP_LAYOUTS[name]
+    specs = [ReqSpec(f"e{i}", 2500 + i, n, chunk=c)
+             for i, (n, c) in enumerate(((20, 0), (37, 8), (1, 0), (130, 13)))]
+    out = d.run(specs)
+    assert len(out["decode"]) == lay.decode_tp * lay.decode_dp
+    _all_ok(d, out, specs, lambda i, s: s.room % lay.prefill_dp == i // lay.prefill_tp,
+            lambda i, s: s.room % lay.decode_dp == i // lay.decode_tp)
+
+
+def _all_ok(d, out, specs, serves, reads=lambda rank, s: True):
+    """Every request succeeded byte for byte on every decode rank that
+    reads(rank, spec) and on every prefill rank i that serves(i, spec); no
+    other rank saw it; nothing failed anywhere."""
     _check_clean(d, out)
     for rank, r in enumerate(out["decode"]):
+        assert set(r["reqs"]) == {s.rid for s in specs if reads(rank, s)}, rank
         for s in specs:
-            assert r["reqs"][s.rid] == {"status": "ok", "output_ids": [7], "bytes_ok": True}, \
-                (rank, s.rid)
+            if reads(rank, s):
+                assert r["reqs"][s.rid] == {"status": "ok", "output_ids": [7],
+                                            "bytes_ok": True}, (rank, s.rid)
         assert r["failures"] == {}
     for i, r in enumerate(out["prefill"]):
         assert r["reqs"] == {s.rid: {"status": "ok", "message": None}
