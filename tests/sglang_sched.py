@@ -311,8 +311,7 @@ def _init_rank(mode: str, rank: int, tp: int, store_port: int, bootstrap_port: i
     world, timeout = tp * dp * pp, datetime.timedelta(seconds=SIDE_TIMEOUT_S)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{store_port}", rank=rank,
                             world_size=world, timeout=timeout)
-    # each group with that timeout too (a rank whose collective waits on a
-    # rank that left it fails instead of hanging)
+    # each group with that timeout (a collective waiting on a rank gone fails, never hangs)
     new_group = functools.partial(dist.new_group, backend="gloo", timeout=timeout)
     width = tp * dp  # sglang's tp_size: the ranks of one stage
     tp_groups = [new_group(list(range(s * width, s * width + width))) for s in range(pp)]
