@@ -4,11 +4,14 @@ thresholds, and NIXL, one round each in turn, on the points where large
 pieces lost to NIXL.
 
     python benchmarks/cma_ab.py [ROUNDS] [--read BYTES[,BYTES...]] [--only NAME] [--no-nixl]
+                                [--tls shm|tcp] [--default]
 
 Prints per point the median GB/s, the median CPU s/GB (both processes), the
 share of bytes that came as reads, and the round-by-round ratios (median,
 lowest, highest); writes benchmarks/results/cma_ab.json.  --only: the
-points whose name contains NAME.  Needs what run.py needs (NIXL optional)."""
+points whose name contains NAME.  --default: one more kvrecv arm with
+kvrecv's own default cross_memory_bytes ("default").  --tls tcp: the same
+over UCX_TLS=tcp (NIXL over tcp too), where the reads must not be taken.  Needs what run.py needs (NIXL optional)."""
 
 from __future__ import annotations
 
@@ -58,17 +61,22 @@ def main():
                     help="cross_memory_bytes of the read runs, comma-separated")
     ap.add_argument("--only", default="", help="points whose name contains this")
     ap.add_argument("--no-nixl", action="store_true")
+    ap.add_argument("--tls", choices=("shm", "tcp"), default="shm")
+    ap.add_argument("--default", action="store_true",
+                    help="also kvrecv with its default cross_memory_bytes")
     a = ap.parse_args()
     reads = [int(x) for x in a.read.split(",")]
     points = [p for p in POINTS if a.only in C.point_name(p)]
-    tls, tmp = C.TRANSPORTS["shm"], tempfile.mkdtemp()
+    tls, tmp = C.TRANSPORTS[a.tls], tempfile.mkdtemp()
     # KVConfig takes KVRECV_<FIELD> from the environment (both processes).
     srv = {"fifo": R.Server("kv_bench.py", tls, tmp, {"KVRECV_CROSS_MEMORY_BYTES": "0"})}
     for n in reads:
         srv[read_name(n)] = R.Server("kv_bench.py", tls, tmp,
                                      {"KVRECV_CROSS_MEMORY_BYTES": str(n)})
+    if a.default:
+        srv["default"] = R.Server("kv_bench.py", tls, tmp, {})
     if not a.no_nixl:
-        srv["nixl"] = R.Server("nixl_bench.py", C.NIXL_SHM_TLS, tmp,
+        srv["nixl"] = R.Server("nixl_bench.py", tls if a.tls == "tcp" else C.NIXL_SHM_TLS, tmp,
                                {"KVBENCH_NIXL_PROG_THREAD": "0"})
     out = {"rounds": a.rounds, "read_bytes": reads, "points": {}}
     try:
@@ -87,6 +95,7 @@ def main():
                           "verify": sorted({json.dumps(x["verify"]) for x in ok})}
             ratios = {}
             pairs = [(read_name(n), y) for n in reads for y in ("fifo", "nixl")] + [("fifo", "nixl")]
+            pairs += [("default", "fifo"), ("default", "nixl")]
             for x, y in pairs:
                 if x in got and y in got:
                     rs = [u["gbps"] / w["gbps"] for u, w in zip(got[x], got[y])
