@@ -30,6 +30,7 @@ import run as R  # noqa: E402
 KiB = 1024
 POINTS = [
     {"layout": "contig", "nbuf": 64, "item": 4 * KiB, "pages": 256, "rooms": 2},   # 1 MiB runs
+    {"layout": "contig", "nbuf": 32, "item": 4 * KiB, "pages": 1024, "rooms": 2},  # 4 MiB runs
     {"layout": "contig", "nbuf": 32, "item": 4 * KiB, "pages": 4096, "rooms": 1},  # 16 MiB runs
     {"layout": "contig", "nbuf": 64, "item": 64 * KiB, "pages": 16, "rooms": 2},   # 1 MiB runs of 64 KiB
     {"layout": "random", "nbuf": 64, "item": 64 * KiB, "pages": 16, "rooms": 2},   # 64 KiB pages
