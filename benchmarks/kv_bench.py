@@ -342,6 +342,7 @@ class Decode:
                    "ops_per_room": pre["ops"] / point["rooms"],
                    "send_call_us": [c / 1e3 for c in calls],
                    "decode_bytes": st1["bytes_moved"] - st0["bytes_moved"],
+                   "decode_cma_bytes": st1["cma_bytes"] - st0["cma_bytes"],
                    "failed_rooms": nfail}
             if nfail:
                 rec["failures"] = {k: v for k, v in st1["failures_by_code"].items() if v}

@@ -175,7 +175,10 @@ int kvr_cma_post_locked(kvr_engine_t *e, kvr_room_t *r, kvr_op_t *op, kvr_am_hea
                         uint32_t niov)
 {
     KVR_ASSERT_LOCKED(e);
-    if (!r->peer->cma || !kvr_cma_enabled(e) || niov > KVR_CMA_MAX_PIECES ||
+    /* Reads stand in for UCX's shared memory: where UCX_TLS leaves it out
+     * (the endpoint goes over tcp) the bytes go that way too. */
+    if (!r->peer->cma || !kvr_cma_enabled(e) || !kvr_tp_ep_is_shm(r->peer->ep) ||
+        niov > KVR_CMA_MAX_PIECES ||
         wire->kind != KVR_AM_KIND_KV || op->len < e->cfg.cross_memory_bytes ||
         (op->bounce = malloc(8 + 16 * (size_t)niov)) == NULL) {
         return 0; /* sent as bytes */

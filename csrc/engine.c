@@ -89,7 +89,7 @@ void kvr_config_default(kvr_config_t *cfg)
     cfg->staging_slots = 8;
     cfg->staging_slot_bytes = 4u << 20;
     cfg->force_staging = 0;
-    cfg->cross_memory_bytes = 0; /* off until both sides ask for it */
+    cfg->cross_memory_bytes = KVR_CMA_DEFAULT_BYTES; /* both sides must have it */
 }
 
 int kvr_err(char *err, size_t errlen, int code, const char *fmt, ...)

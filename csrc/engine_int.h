@@ -74,6 +74,11 @@
 #define KVR_BUSY_POLL_NS (100 * 1000) /* socket polls of a busy engine loop */
 #define KVR_TCP_RUN_BYTES (64u << 10)  /* auto coalesce_run_bytes over tcp */
 #define KVR_SHM_EAGER_ROOM_BYTES (512u << 10) /* rooms sent as eager messages over shm */
+/* Default cross_memory_bytes: messages of 1 MiB and more over shared memory
+ * go as cross-memory reads (cma.c), one kernel copy against two through the
+ * FIFO (1, 16 MiB runs: 1.32x, 1.77x the FIFO, 1.00x, 1.14x NIXL; a 4 MiB
+ * threshold left 1 MiB runs on the FIFO at 0.75x NIXL; benchmarks/README.md). */
+#define KVR_CMA_DEFAULT_BYTES (1u << 20)
 #define KVR_POLL_PROGRESS_NS (10 * 1000) /* poll(): at most one UCX progress per */
 #define KVR_STAGE_NAP_NS (10 * 1000)  /* between polls of staging copies */
 #define KVR_EP_ERR_GRACE_NS (100 * KVR_MS) /* an endpoint error waits for a BYE (peer.c) */

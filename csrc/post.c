@@ -120,7 +120,8 @@ static void kvr_post_limits(const kvr_engine_t *e, const kvr_room_t *r, kvr_plan
          * measured, README). */
         run_bytes = shm ? UINT64_MAX : KVR_TCP_RUN_BYTES;
     }
-    if (r->peer->cma && e->cfg.cross_memory_bytes > 0 && run_bytes > e->cfg.cross_memory_bytes) {
+    if (shm && r->peer->cma && e->cfg.cross_memory_bytes > 0 &&
+        run_bytes > e->cfg.cross_memory_bytes) {
         /* A run that long goes alone, whole, as one read (cma.c). */
         run_bytes = e->cfg.cross_memory_bytes;
     }

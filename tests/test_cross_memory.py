@@ -2,8 +2,9 @@
 sides of one host, contiguous pieces at least that long go as read
 descriptors, which the decode checks as data and reads from the prefill's
 pages itself.  Byte-exact rooms through the path (in one process and across
-two), the path off on either side, a prefill in another pid namespace (the
-offer's probe fails: the bytes come through UCX), and descriptors that break
+two), the path off on either side, a prefill in another pid namespace or
+whose memory the kernel refuses the decode (the offer's probe fails: the
+bytes come through UCX), and descriptors that break
 the rules: outside the room (PROTOCOL), from an unmapped source, with a
 lease that is not the room's (TRANSPORT); no byte outside the room's pages.
 The prefill killed mid-room is in test_peer_death.py."""
@@ -19,7 +20,7 @@ import sys
 import numpy as np
 import pytest
 
-from kvrecv import (KVPoll, KVProtocolError, KVReceiver, KVSender, KVTransportError)
+from kvrecv import (KVConfig, KVPoll, KVProtocolError, KVReceiver, KVSender, KVTransportError)
 from kvtest import (CANARY, TRANSPORTS, Expected, Layout, Side, describe_failure, terminal,
                     wait_all, wait_for)
 
@@ -101,6 +102,24 @@ def test_scattered_large_pages_are_read_byte_exact(res, shm):
     run_rooms(res, bs, prefill, decode, src, dst, [(21, sp, dp)])
     st = decode.stats()
     assert st["cma_bytes"] == st["bytes_moved"] == 40 * 4 * 65536, st
+
+
+@pytest.mark.parametrize("tls", ["shm", "tcp"])
+def test_default_reads_messages_of_a_mib_over_shared_memory_only(res, monkeypatch, tls):
+    """Both sides at the default cross_memory_bytes (1 MiB): over shared
+    memory a buffer's 2.5 MiB run of 64 KiB pages is one read; with
+    UCX_TLS=tcp (no shared memory for UCX) the same room comes as bytes over
+    tcp, though the run is one message there too.  Byte-exact either way."""
+    monkeypatch.setenv("UCX_TLS", TRANSPORTS[tls])
+    bs = res.server()
+    src, dst = Side(RANDOM, 0, seed=6), Side(RANDOM, 0)
+    prefill = res.manager(src, "prefill", bs.address)
+    decode = res.manager(dst, "decode")
+    assert KVConfig().cross_memory_bytes == 1 << 20
+    run_rooms(res, bs, prefill, decode, src, dst, [(22, np.arange(0, 40), np.arange(20, 60))])
+    st = decode.stats()
+    assert st["bytes_moved"] == 40 * 4 * 65536, st
+    assert st["cma_bytes"] == (st["bytes_moved"] if tls == "shm" else 0), st
 
 
 def test_large_runs_are_read_byte_exact(res, shm):
@@ -249,3 +268,50 @@ def test_bad_descriptor_fails_the_room(res, shm, mode):
     if mode not in ("not_the_lease", "sent_twice"):  # those land a read first
         assert all((buf == CANARY).all() for buf in dst.kv)
         assert decode.stats()["cma_reads"] == 0
+
+
+def test_decode_refused_the_prefills_memory_sends_bytes(res, shm, tmp_path):
+    """The decode runs without CAP_SYS_PTRACE, which the prefill holds, so
+    the kernel refuses it the prefill's memory (EPERM, as for a prefill of
+    another user or under Yama ptrace_scope 1): the probe fails, the decode
+    logs it once and says HELLO again without the offer, and the room comes
+    through UCX, byte-exact."""
+    setpriv = shutil.which("setpriv")
+    if setpriv is None or not _may_ptrace():
+        pytest.skip("needs setpriv and CAP_SYS_PTRACE to drop it")
+    from failtest import _prefill
+    from kvrecv import KVConfig
+    from peer_proc import PeerProcess, peer_mod
+    bs = res.server()
+    prefill, kv, _aux = _prefill(bs.address, 3, config=KVConfig(cross_memory_bytes=64))
+    res._managers.append(prefill)
+    path = str(tmp_path / "kv")  # the decode's KV buffers, mapped here too
+    child = PeerProcess("decode", bs.address, config={"cross_memory_bytes": 64}, kv_path=path,
+                        argv_prefix=[setpriv, "--bounding-set=-sys_ptrace",
+                                     "--inh-caps=-sys_ptrace"])
+    try:
+        pages = list(range(0, 8))
+        st = child.call("open_receiver", room=12, pages=pages)["state"]
+        assert st in (KVPoll.WaitingForInput, KVPoll.Transferring), (st, child.stderr())
+        s = KVSender(prefill, bs.address, 12)
+        s.init(len(pages))
+        assert wait_for(s, (KVPoll.WaitingForInput, KVPoll.Failed)) == KVPoll.WaitingForInput
+        s.send(np.array(pages, dtype=np.int32))
+        assert child.call("wait", room=12, states=[int(KVPoll.Success), int(KVPoll.Failed)],
+                          timeout=30)["state"] == KVPoll.Success, child.call("failure", room=12)
+        assert wait_for(s, terminal(), timeout=15) == KVPoll.Success
+        assert peer_mod.pages_equal(kv, peer_mod.kv_file(path), pages, pages)
+        assert child.call("canary", pages=[8, 9])["canary"] is True
+        assert child.stats()["cma_reads"] == 0
+        err = child.stderr()
+        assert err.count("cannot read the memory of prefill rank 0") == 1, err
+        assert "Operation not permitted; its data comes through UCX" in err, err
+    finally:
+        child.close()
+
+
+def _may_ptrace() -> bool:
+    """Whether this process holds CAP_SYS_PTRACE (bit 19)."""
+    with open("/proc/self/status") as f:
+        eff = next(line for line in f if line.startswith("CapEff:"))
+    return bool(int(eff.split()[1], 16) >> 19 & 1)

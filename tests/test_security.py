@@ -334,7 +334,9 @@ def test_data_from_a_prefill_the_room_is_not_bound_to_is_refused(res, bootstrap,
     # over tcp UCX sends up to about its fragment size, 256 KiB, eager).
     src, dst = Side(STD, 0, seed=9), Side(STD, 0)
     prefill = res.manager(src, "prefill", bootstrap.address)
-    decode = res.manager(dst, "decode")
+    # Data through UCX: no cross-memory offer (its probe would read the real
+    # prefill's epoch, not the relay's, and the decode would say HELLO again).
+    decode = res.manager(dst, "decode", cross_memory_bytes=0)
     assert wait_until(lambda: bootstrap.stats()["registrations"] == 1)
     relay_epoch = 0x7777
     relay = relay_for_rank0(res, bootstrap.address, relay_epoch)

@@ -11,7 +11,7 @@ import time
 import pytest
 
 from failtest import _decode, _open_receiver, _wait_state, _wait_until
-from kvrecv import BootstrapServer, KVPoll, KVReceiver, KVSender
+from kvrecv import BootstrapServer, KVConfig, KVPoll, KVReceiver, KVSender
 from kvtest import SMALL, Side, terminal, wait_for, wait_until
 from peer_proc import PeerProcess
 
@@ -73,7 +73,9 @@ def test_a_peer_killed_mid_transfer_leaves_no_ucx_warning(caplog, monkeypatch):
                 and m.levelno == level and "was not returned to mpool" in m.getMessage()]
 
     bs = BootstrapServer("127.0.0.1", 0)
-    d, dkv, _ = _decode(scale=scale)
+    # UCX's rendezvous, not the decode's cross-memory reads (which leave no
+    # UCX receive in flight): the decode does not offer them.
+    d, dkv, _ = _decode(config=KVConfig(cross_memory_bytes=0), scale=scale)
     try:
         for trial in range(4):
             child = PeerProcess("prefill", bs.address, seed=40 + trial, scale=scale)
