@@ -60,7 +60,9 @@ static int kvr_handle_pages_check(const kvr_engine_t *e, const int32_t *pages, s
 }
 
 /* A decode page or list slot named twice in a room would get two writes
- * landing in no defined order: refused (sorted outside the engine's lock). */
+ * landing in no defined order: refused.  The pages are checked before the
+ * engine's lock is taken; a window's list slots (few) after kvr_state_take,
+ * under it. */
 static int kvr_handle_repeat_check(const int32_t *v, size_t n, const char *what,
                                    const char *unit, char *err, size_t errlen)
 {
