@@ -355,7 +355,7 @@ class Decode:
 
     # ---- latency --------------------------------------------------------
 
-    def latency(self, point, samples, mode="spin"):
+    def latency(self, point, samples, mode="spin", windows=False):
         """One-page rooms, one at a time.  mode is how the decode polls
         while it waits: "spin" (poll() back to back), "yield" (poll() then
         os.sched_yield()) or "sleep" (poll() then time.sleep(50e-6), as a
@@ -366,8 +366,10 @@ class Decode:
 
         self.setup(point)
         lat = []
+        spans = []  # (t0, t1) of each measured room, with windows=True
         fails = []
         pool = C.pool_pages(point)
+        progressed0 = self.mgr.stats()["poll_progressed"]
         for i in range(samples + 10):
             rid = self.rooms(1)[0]
             r = KVReceiver(self.mgr, self.addr, rid)
@@ -395,11 +397,16 @@ class Decode:
                 fails.append(_reason(r) if st == KVPoll.Failed else f"state {int(st)}")
             elif i >= 10:
                 lat.append((t1 - t0) / 1e3)
+                spans.append((t0, t1))
             r.clear()
+        # UCX events the polling thread handled itself (poll_progress)
+        progressed = self.mgr.stats()["poll_progressed"] - progressed0
         return {"point": point, "mode": mode, "samples": len(lat), "failed": len(fails),
                 "failures": fails[:3],
                 "p50_us": C.pct(lat, 50), "p90_us": C.pct(lat, 90), "p99_us": C.pct(lat, 99),
                 "min_us": min(lat) if lat else None, "max_us": max(lat) if lat else None,
+                "poll_progressed_per_room": progressed / (samples + 10),
+                **({"windows": spans, "pids": [os.getpid(), self.child.pid]} if windows else {}),
                 "clock": "CLOCK_MONOTONIC (system-wide); t0 right before KVSender.send() in the "
                          "prefill process, t1 when KVReceiver.poll() first returns Success in "
                          "the decode process"}
@@ -565,7 +572,8 @@ def serve():
                     r = d.throughput_point(req["point"], req["rounds"], req.get("warmup", 1),
                                            req.get("reuse", False))
                 elif cmd == "latency":
-                    r = d.latency(req["point"], req["samples"], req.get("mode", "spin"))
+                    r = d.latency(req["point"], req["samples"], req.get("mode", "spin"),
+                                  req.get("windows", False))
                 elif cmd == "poll":
                     r = d.poll_cost(req["point"], req["receivers"], req["reps"])
                 else:

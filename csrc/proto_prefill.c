@@ -674,6 +674,18 @@ void kvr_on_peer_msg_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
     case KVR_MSG_BYE:
         kvr_peer_fail_locked(e, p, KVR_PEER_LOST, "closed its manager");
         break;
+    case KVR_MSG_PATH_LOST: {
+        /* It failed our rooms and closed its side of the data path: so do
+         * we, now, rather than when the dead connection errors out (which
+         * would fail a room opened meanwhile). */
+        char what[160];
+        snprintf(what, sizeof(what),
+                 "lost: it found its data path to this %s stalled while the control channel "
+                 "still answered, and dropped it",
+                 kvr_side(e));
+        kvr_peer_fail_locked(e, p, KVR_PEER_LOST, what);
+        break;
+    }
     default:
         e->stats.ctrl_dropped++;
     }

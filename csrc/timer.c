@@ -177,6 +177,10 @@ static void kvr_timer_drains_locked(kvr_engine_t *e, uint64_t now)
                  "lost: its data path stalled (no data operation completed for %" PRIu64
                  " ms) while its control channel still answered",
                  stalled_ms);
+        /* Told over the control channel, which still answers: the peer
+         * drops its side too, before a new room is sent down it. */
+        kvr_msg_t lost = kvr_msg_rank(KVR_MSG_PATH_LOST, (uint32_t)e->rank);
+        kvr_send_ctrl_to_peer(e, stalled, &lost);
         kvr_peer_fail_locked(e, stalled, KVR_PEER_LOST, what);
     }
 }

@@ -193,6 +193,7 @@ int kvr_wire_encode(kvr_wbuf_t *b, const kvr_msg_t *m)
     case KVR_MSG_PING:
     case KVR_MSG_PONG:
     case KVR_MSG_BYE:
+    case KVR_MSG_PATH_LOST:
         kvr_put_u32(b, m->rank);
         break;
     case KVR_MSG_BS_QUERY_REPLY:
@@ -450,6 +451,7 @@ int kvr_wire_decode(const void *buf, size_t len, kvr_msg_t *m, const char **why)
     case KVR_MSG_PING:
     case KVR_MSG_PONG:
     case KVR_MSG_BYE:
+    case KVR_MSG_PATH_LOST:
         m->rank = (uint32_t)kvr_rd_int(&r, 4, "truncated rank");
         break;
     case KVR_MSG_BS_QUERY_REPLY:
@@ -620,7 +622,8 @@ const char *kvr_msg_type_name(int type)
     static const char *const names[] = {
         "?", "BS_REGISTER", "BS_REGISTER_OK", "BS_QUERY", "BS_QUERY_REPLY", "HELLO",
         "HELLO_OK", "HELLO_REJECT", "ROOM_REQ", "ROOM_DONE", "ROOM_FAIL", "PING",
-        "PONG", "BYE", "SIB_FAIL", "AUTH_REJECT"};
+        "PONG", "BYE", "SIB_FAIL", "AUTH_REJECT", "PATH_LOST"};
+    _Static_assert(sizeof(names) / sizeof(names[0]) == KVR_MSG_LAST, "a name per message type");
     if (type <= 0 || type >= KVR_MSG_LAST) {
         return "?";
     }

@@ -48,6 +48,8 @@ typedef enum {
     KVR_MSG_SIB_FAIL,         /* rank -> sibling ranks of one instance: as ROOM_FAIL */
     KVR_MSG_AUTH_REJECT,      /* any receiver -> a sender it could not authenticate: reason.
                                * Never sealed (the two sides share no key). */
+    KVR_MSG_PATH_LOST,        /* either way: rank; the sender found its data path to the
+                               * receiver stalled and dropped that connection */
     KVR_MSG_LAST
 } kvr_msg_type_t;
 

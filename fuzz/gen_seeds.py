@@ -13,7 +13,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 MAGIC = 0x5752564B
 (BS_REGISTER, BS_REGISTER_OK, BS_QUERY, BS_QUERY_REPLY, HELLO, HELLO_OK,
  HELLO_REJECT, ROOM_REQ, ROOM_DONE, ROOM_FAIL, PING, PONG, BYE, SIB_FAIL,
- AUTH_REJECT) = range(1, 16)
+ AUTH_REJECT, PATH_LOST) = range(1, 17)
 
 
 def header(t, epoch=0x0123456789ABCDEF):
@@ -80,6 +80,7 @@ def wire_seeds():
     out["ping"] = header(PING) + struct.pack("<I", 0)
     out["pong"] = header(PONG) + struct.pack("<I", 0)
     out["bye"] = header(BYE) + struct.pack("<I", 5)
+    out["path_lost"] = header(PATH_LOST) + struct.pack("<I", 5)
     out["sib_fail"] = (header(SIB_FAIL) + struct.pack("<QQHi", 42, 7, 5, 2) + s(b"sibling saw timeout")
                        + s(b""))
     out["auth_reject"] = header(AUTH_REJECT) + s(b"authentication failed at the bootstrap server")

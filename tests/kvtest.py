@@ -480,7 +480,7 @@ VERSION = 1
 SECRET = b"kvrecv-test-secret"
 (MSG_BS_REGISTER, MSG_BS_REGISTER_OK, MSG_BS_QUERY, MSG_BS_QUERY_REPLY, MSG_HELLO, MSG_HELLO_OK,
  MSG_HELLO_REJECT, MSG_ROOM_REQ, MSG_ROOM_DONE, MSG_ROOM_FAIL, MSG_PING, MSG_PONG,
- MSG_BYE, MSG_SIB_FAIL, MSG_AUTH_REJECT) = range(1, 16)
+ MSG_BYE, MSG_SIB_FAIL, MSG_AUTH_REJECT, MSG_PATH_LOST) = range(1, 17)
 AUTH_FLAG = 0x8000
 
 
@@ -554,7 +554,7 @@ def bs_query(rank: int, **hk) -> bytes:
     return header(MSG_BS_QUERY, **hk) + struct.pack("<I", rank)
 
 
-def hello(rank: int, layout: Layout, worker_addr: bytes, tcp_rx_seg: int = 512 << 10,
+def hello(rank: int, layout: Layout, worker_addr: bytes, tcp_rx_seg: int = 4 << 20,
           **hk) -> bytes:
     """HELLO as a decode sends it; tcp_rx_seg (the decode's UCX tcp receive
     buffer size) is on the wire only when > 0, as the optional fields'

@@ -15,6 +15,7 @@ import pytest
 
 from kvrecv import (
     BootstrapServer,
+    KVPeerLostError,
     KVPoll,
     KVProtocolError,
     KVReceiver,
@@ -24,8 +25,10 @@ from kvrecv import (
 from kvtest import (
     MSG_HELLO,
     MSG_HELLO_OK,
+    MSG_PATH_LOST,
     MSG_PONG,
     MSG_ROOM_DONE,
+    MSG_ROOM_REQ,
     SECRET,
     SMALL,
     FakeSibling,
@@ -102,6 +105,47 @@ def test_room_done_before_the_data_was_sent_is_protocol(res, given):
     room, tag, code, reason = fail_reason(d.recv())
     assert (room, tag, code, reason) == (42, 111, 9, want)
     assert prefill.stats()["rooms_succeeded"] == 0
+
+
+def test_prefill_that_dropped_its_data_path_fails_the_decode_room_at_once(res):
+    """A prefill that found its data path to a decode stalled while the
+    control channel still answered fails its rooms with that decode, closes
+    its side of the data path and says so (PATH_LOST).  The decode fails
+    its room with that prefill at once, PEER_LOST with that cause -- not
+    when the dead connection errors out, which failed a room opened after
+    the path came back (tests/test_netns.py, data path blackholed).  Here
+    the decode's room is bound to a relay that passes its HELLO to a real
+    prefill and then says PATH_LOST."""
+    bs = res.server()
+    prefill = res.manager(Side(SMALL, 0, seed=1), "prefill", bs.address)
+    # No cross-memory offer: its probe would read the real prefill's epoch,
+    # not the relay's (test_security.py, the same relay).
+    decode = res.manager(Side(SMALL, 0), "decode", heartbeat_timeout_ms=30000,
+                         cross_memory_bytes=0)
+    assert wait_until(lambda: bs.stats()["registrations"] == 1)
+    relay_epoch = 0x7777
+    relay = relay_for_rank0(res, bs.address, relay_epoch)
+    r = KVReceiver(decode, bs.address, 41)
+    r.init()
+    to_prefill = res.dealer(prefill.endpoint)
+    to_prefill.send(recv_type(relay, MSG_HELLO))
+    relay.send(with_epoch(recv_type(to_prefill, MSG_HELLO_OK), relay_epoch))
+    assert wait_for(r, (KVPoll.WaitingForInput, KVPoll.Failed)) == KVPoll.WaitingForInput, \
+        describe_failure(r)
+    r.send_metadata([1, 2])
+    recv_type(relay, MSG_ROOM_REQ)
+    t0 = time.monotonic()
+    relay.send(header(MSG_PATH_LOST, epoch=relay_epoch) + struct.pack("<I", 0))
+    assert wait_for(r, terminal()) == KVPoll.Failed, describe_failure(r)
+    assert time.monotonic() - t0 < 1.0
+    with pytest.raises(KVPeerLostError) as ei:
+        r.failure_exception()
+    port = relay.endpoint.rsplit(":", 1)[1]
+    assert ei.value.failure_reason == (
+        f"room 41: prefill rank 0 at 127.0.0.1:{port} lost: it found its data path to this "
+        "decode stalled while the control channel still answered, and dropped it"), \
+        ei.value.failure_reason
+    assert ei.value.is_from_another_rank is False
 
 
 def decode_ident(mgr) -> bytes:

@@ -464,7 +464,7 @@ def test_decode_frozen_then_resumed_takes_no_byte(fail_bs, fail_closer, fail_spa
 
 
 LARGE_SCALE = 262144  # a page is 2.5 MiB: the 32-page room is 80 MiB
-RX_SEG = 512 << 10  # the UCX_TCP_RX_SEG_SIZE kvrecv sets (csrc/transport.c)
+RX_SEG = 4 << 20  # the UCX_TCP_RX_SEG_SIZE kvrecv sets (csrc/ucxtune.c)
 
 
 def test_decode_frozen_mid_transfer_of_a_large_room_takes_no_late_byte(

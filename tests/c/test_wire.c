@@ -37,6 +37,7 @@ static kvr_msg_t sample(int type)
     case KVR_MSG_PING:
     case KVR_MSG_PONG:
     case KVR_MSG_BYE:
+    case KVR_MSG_PATH_LOST:
         m.rank = 0xfffffffeu;
         break;
     case KVR_MSG_BS_QUERY_REPLY:
@@ -578,7 +579,7 @@ TEST_IMPL(wire_type_names)
     const char *want[] = {
         "?",        "BS_REGISTER",  "BS_REGISTER_OK", "BS_QUERY",   "BS_QUERY_REPLY", "HELLO",
         "HELLO_OK", "HELLO_REJECT", "ROOM_REQ",       "ROOM_DONE",  "ROOM_FAIL",      "PING",
-        "PONG",     "BYE",          "SIB_FAIL",       "AUTH_REJECT"};
+        "PONG",     "BYE",          "SIB_FAIL",       "AUTH_REJECT", "PATH_LOST"};
     ASSERT_EQ(sizeof(want) / sizeof(want[0]), KVR_MSG_LAST);
     for (int t = 1; t < KVR_MSG_LAST; t++) {
         ASSERT(strcmp(kvr_msg_type_name(t), want[t]) == 0);
