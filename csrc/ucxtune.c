@@ -18,12 +18,12 @@
  * and receiver-side handling.  256 KiB fragments into 512 KiB receive
  * buffers moved 16 MiB messages 1.3-1.7x faster here (ucx_perftest tag_bw
  * -e; kvrecv's 16 MiB rooms 3.4-3.6 -> 5.1-5.4 GB/s); 2 MiB fragments into
- * 4 MiB buffers moved contiguous 1-16 MiB runs 1.1-1.4x faster again, with
- * 15-25 % less CPU per byte (UCX sends a message of up to one fragment
- * eagerly: a 1 MiB run is one send call, no rendezvous round trip), and
- * random 4-64 KiB pages at par or better (benchmarks/README.md, tcp
- * fragments); 4 MiB fragments did no better.  A worker's resident memory
- * grew by 1-3 MiB.
+ * 4 MiB buffers moved contiguous 1-16 MiB runs 1.05-1.5x faster again,
+ * with 15-35 % less CPU per byte (UCX sends a message of up to one
+ * fragment eagerly: a 1 MiB run is one send call, no rendezvous round
+ * trip), and random 4-64 KiB pages at par or better (benchmarks/README.md,
+ * tcp fragments); 4 MiB fragments did no better.  A worker's resident
+ * memory grew by 1-3 MiB.
  *
  * tcp zero-copy sends: UCX 1.13 aborts the sending process (uct_iface.h
  * "Assertion `comp->count > 0' failed", status ENDPOINT_TIMEOUT) when a

@@ -148,6 +148,31 @@ def test_prefill_that_dropped_its_data_path_fails_the_decode_room_at_once(res):
     assert ei.value.is_from_another_rank is False
 
 
+def test_decode_that_dropped_its_data_path_fails_the_prefill_room_at_once(res):
+    """The other way: a decode says PATH_LOST (it found the data path
+    stalled and dropped it); the prefill fails its room with that decode at
+    once, PEER_LOST with that cause."""
+    bs = res.server()
+    prefill = res.manager(Side(SMALL, 0, seed=1), "prefill", bs.address)
+    hello_msg, _ = real_decode_hello(res)
+    d = decode_at(res, prefill, hello_msg, 5)
+    d.send(room_req(42, 111, -1, [1, 2], epoch=5))
+    assert wait_until(lambda: prefill.stats()["pending_requests"] == 1)
+    s = KVSender(prefill, bs.address, 42)
+    s.init(2)
+    assert wait_for(s, (KVPoll.WaitingForInput, KVPoll.Failed)) == KVPoll.WaitingForInput
+    t0 = time.monotonic()
+    d.send(header(MSG_PATH_LOST, epoch=5) + struct.pack("<I", 0))
+    assert wait_for(s, terminal()) == KVPoll.Failed, describe_failure(s)
+    assert time.monotonic() - t0 < 1.0
+    with pytest.raises(KVPeerLostError) as ei:
+        s.failure_exception()
+    assert ei.value.failure_reason == (
+        "room 42: decode rank 0 (epoch 0000000000000005) lost: it found its data path to this "
+        "prefill stalled while the control channel still answered, and dropped it"), \
+        ei.value.failure_reason
+
+
 def decode_ident(mgr) -> bytes:
     """A decode manager's routing id on the prefills' ROUTERs: epoch, rank."""
     return struct.pack("<QI", mgr._core.epoch, 0)
