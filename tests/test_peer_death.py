@@ -521,8 +521,9 @@ def test_decode_frozen_mid_transfer_of_a_large_room_takes_no_late_byte(
               f"{late} bytes landed after the resume")
         # A process frozen in the middle of one of UCX's progress calls
         # finishes that call when it resumes: what it had read into its
-        # receive buffers (up to two of kvrecv's UCX_TCP_RX_SEG_SIZE were
-        # seen, 0-522 KB) still lands; nothing after it (7.8-8.9 MB before).
+        # receive buffers (at most two of kvrecv's UCX_TCP_RX_SEG_SIZE; seen:
+        # 0-522 KB with 256 KiB fragments, 0.4-2.1 MB with 2 MiB ones) still
+        # lands; nothing after it (7.8-8.9 MB before).
         assert late <= 2 * RX_SEG, (
             f"{late} bytes landed in the failed room's pages after the decode resumed")
         child.kill()
