@@ -116,9 +116,7 @@ def main():
     finally:
         for s in srv.values():
             s.close()
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "cma_ab.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    C.save_result("cma_ab.json", out)
 
 
 if __name__ == "__main__":

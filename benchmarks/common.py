@@ -348,6 +348,12 @@ def serve_points(bench, extra) -> None:
         bench.close()
 
 
+def save_result(name: str, obj) -> None:
+    """benchmarks/results/<name>, written whole (a script's latest run)."""
+    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
+    dump(os.path.join(HERE, "results", name), obj)
+
+
 def dump(path: str, obj) -> None:
     tmp = path + ".tmp"
     with open(tmp, "w") as f:

@@ -213,9 +213,7 @@ def main():
                 print(json.dumps(s), flush=True)
         finally:
             srv.close()
-    os.makedirs(os.path.join(HERE, "results"), exist_ok=True)
-    with open(os.path.join(HERE, "results", "handoffs.json"), "w") as f:
-        json.dump(out, f, indent=1)
+    C.save_result("handoffs.json", out)
 
 
 if __name__ == "__main__":

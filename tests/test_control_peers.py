@@ -78,11 +78,10 @@ def decode_at(res, prefill, hello_msg: bytes, epoch: int, **kw):
     return d
 
 
-@pytest.mark.parametrize("given", [0, 1])
-def test_room_done_before_the_data_was_sent_is_protocol(res, given):
-    """A decode that reports every byte landed while the prefill has sent
-    none (or part) of the room: the prefill's room fails with PROTOCOL, it
-    never becomes Success, and the decode is told why."""
+def room_with_fake_decode(res):
+    """A prefill, a DEALER it accepted as decode rank 0 (epoch 5, a real
+    decode's HELLO), and the prefill's sender of room 42 (2 pages) that
+    DEALER requested (tag 111, pages 1 and 2)."""
     bs = res.server()
     prefill = res.manager(Side(SMALL, 0, seed=1), "prefill", bs.address)
     hello_msg, _ = real_decode_hello(res)
@@ -91,6 +90,15 @@ def test_room_done_before_the_data_was_sent_is_protocol(res, given):
     assert wait_until(lambda: prefill.stats()["pending_requests"] == 1)
     s = KVSender(prefill, bs.address, 42)
     s.init(2)
+    return prefill, d, s
+
+
+@pytest.mark.parametrize("given", [0, 1])
+def test_room_done_before_the_data_was_sent_is_protocol(res, given):
+    """A decode that reports every byte landed while the prefill has sent
+    none (or part) of the room: the prefill's room fails with PROTOCOL, it
+    never becomes Success, and the decode is told why."""
+    prefill, d, s = room_with_fake_decode(res)
     if given:
         # Half of the room is handed over; the other page never is.
         s.send([3])
@@ -152,14 +160,7 @@ def test_decode_that_dropped_its_data_path_fails_the_prefill_room_at_once(res):
     """The other way: a decode says PATH_LOST (it found the data path
     stalled and dropped it); the prefill fails its room with that decode at
     once, PEER_LOST with that cause."""
-    bs = res.server()
-    prefill = res.manager(Side(SMALL, 0, seed=1), "prefill", bs.address)
-    hello_msg, _ = real_decode_hello(res)
-    d = decode_at(res, prefill, hello_msg, 5)
-    d.send(room_req(42, 111, -1, [1, 2], epoch=5))
-    assert wait_until(lambda: prefill.stats()["pending_requests"] == 1)
-    s = KVSender(prefill, bs.address, 42)
-    s.init(2)
+    prefill, d, s = room_with_fake_decode(res)
     assert wait_for(s, (KVPoll.WaitingForInput, KVPoll.Failed)) == KVPoll.WaitingForInput
     t0 = time.monotonic()
     d.send(header(MSG_PATH_LOST, epoch=5) + struct.pack("<I", 0))
