@@ -51,6 +51,30 @@ def one_round(srv, kind, point, i):
                            if rr.get("decode_bytes") and "decode_cma_bytes" in rr else None)}
 
 
+def rounds_in_turn(srv, point, rounds):
+    """{arm: [round result or None]}: every arm one round, in turn, rounds
+    times over (the first round of each arm warms up)."""
+    got = {k: [] for k in srv}
+    for i in range(rounds):
+        for k, s in srv.items():
+            got[k].append(one_round(s, k, point, i))
+    return got
+
+
+def arm_rows(got, point):
+    """Per arm, the figures of its rounds that moved data: GB/s, CPU s/GB
+    of both processes, share read across memory, the byte checks."""
+    gb = C.round_bytes(point) / 1e9
+    row = {}
+    for k, v in got.items():
+        ok = [x for x in v if x and x["gbps"]]
+        row[k] = {"gbps": [x["gbps"] for x in ok],
+                  "cpu_s_per_gb": [x["cpu"] / gb for x in ok],
+                  "read_share": [x["read_share"] for x in ok],
+                  "verify": sorted({json.dumps(x["verify"]) for x in ok})}
+    return row
+
+
 def read_name(n: int) -> str:
     return f"read{n >> 20}M" if n % (1 << 20) == 0 else f"read{n >> 10}K"
 
@@ -82,18 +106,8 @@ def main():
     out = {"rounds": a.rounds, "read_bytes": reads, "points": {}}
     try:
         for p in points:
-            got = {k: [one_round(s, k, p, i) for i in range(1)] for k, s in srv.items()}
-            for i in range(1, a.rounds):
-                for k, s in srv.items():
-                    got[k].append(one_round(s, k, p, i))
-            gb = C.round_bytes(p) / 1e9
-            row = {}
-            for k, v in got.items():
-                ok = [x for x in v if x and x["gbps"]]
-                row[k] = {"gbps": [x["gbps"] for x in ok],
-                          "cpu_s_per_gb": [x["cpu"] / gb for x in ok],
-                          "read_share": [x["read_share"] for x in ok],
-                          "verify": sorted({json.dumps(x["verify"]) for x in ok})}
+            got = rounds_in_turn(srv, p, a.rounds)
+            row = arm_rows(got, p)
             ratios = {}
             pairs = [(read_name(n), y) for n in reads for y in ("fifo", "nixl")] + [("fifo", "nixl")]
             pairs += [("default", "fifo"), ("default", "nixl")]

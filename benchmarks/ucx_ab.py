@@ -17,7 +17,6 @@ what run.py needs (NIXL optional)."""
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -27,7 +26,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 import common as C  # noqa: E402
 import run as R  # noqa: E402
-from cma_ab import one_round  # noqa: E402
+from cma_ab import arm_rows, rounds_in_turn  # noqa: E402
 
 DEFAULT_ARMS = {"before": {"UCX_TCP_TX_SEG_SIZE": "256K", "UCX_TCP_RX_SEG_SIZE": "512K"},
                 "after": {}}
@@ -58,17 +57,9 @@ def main():
     out = {"tls": a.tls, "rounds": a.rounds, "arms": arms, "points": {}}
     try:
         for p in points:
-            got = {k: [] for k in srv}
-            for i in range(a.rounds):
-                for k, s in srv.items():
-                    got[k].append(one_round(s, k, p, i))
-            gb = C.round_bytes(p) / 1e9
-            row = {}
+            got = rounds_in_turn(srv, p, a.rounds)
+            row = arm_rows(got, p)
             for k, v in got.items():
-                ok = [x for x in v if x and x["gbps"]]
-                row[k] = {"gbps": [x["gbps"] for x in ok],
-                          "cpu_s_per_gb": [x["cpu"] / gb for x in ok],
-                          "verify": sorted({json.dumps(x["verify"]) for x in ok})}
                 if "nixl" in got and k != "nixl":
                     rs = [u["gbps"] / w["gbps"] for u, w in zip(v, got["nixl"])
                           if u and w and u["gbps"] and w["gbps"]]
