@@ -554,7 +554,7 @@ def bs_query(rank: int, **hk) -> bytes:
     return header(MSG_BS_QUERY, **hk) + struct.pack("<I", rank)
 
 
-def hello(rank: int, layout: Layout, worker_addr: bytes, tcp_rx_seg: int = 4 << 20,
+def hello(rank: int, layout: Layout, worker_addr: bytes, tcp_rx_seg: int = 512 << 10,
           **hk) -> bytes:
     """HELLO as a decode sends it; tcp_rx_seg (the decode's UCX tcp receive
     buffer size) is on the wire only when > 0, as the optional fields'

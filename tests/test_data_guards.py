@@ -53,12 +53,8 @@ def written_outside(dst: Side, pages) -> list:
 
 
 @pytest.mark.parametrize("mode", sorted(CORRUPT))
-def test_bad_data_header_fails_the_room_with_protocol(res, mode, monkeypatch):
+def test_bad_data_header_fails_the_room_with_protocol(res, mode):
     hook, why = CORRUPT[mode]
-    if mode == "duplicate_rendezvous":
-        # 256 KiB tcp fragments: the 256 KiB messages go by rendezvous (UCX
-        # sends up to one fragment eagerly; kvrecv's fragments are 2 MiB)
-        monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "256K")
     bs = res.server()
     src, dst = Side(BIG, 0, seed=11), Side(BIG, 0)
     prefill = res.manager(src, "prefill", bs.address)
@@ -113,16 +109,13 @@ def test_the_hook_is_off_by_default(res):
         prefill._core._test_corrupt_data(11)
 
 
-def test_data_for_a_room_from_another_prefills_connection_is_foreign(res, caplog, monkeypatch):
+def test_data_for_a_room_from_another_prefills_connection_is_foreign(res, caplog):
     """Prefill B sends its room's data under room A's tag and prefill A's
     epoch (as a peer that learnt them could): it reaches the decode on the
     UCX worker of B's connection, not A's, and is refused as foreign --
     counted, logged, nothing written, room A neither failed (a stranger
     cannot fail it) nor fed.  Room A then completes with A's own data."""
     caplog.set_level(logging.WARNING, logger="kvrecv")
-    # 256 KiB tcp fragments: B's 256 KiB messages go by rendezvous, whose
-    # refusal B sees (a refused eager message is dropped without a word)
-    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "256K")
     bs_a, bs_b = res.server(), res.server()
     src_a, src_b, dst = Side(BIG, 0, seed=11), Side(BIG, 0, seed=12), Side(BIG, 0)
     pa = res.manager(src_a, "prefill", bs_a.address)

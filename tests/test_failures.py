@@ -284,20 +284,20 @@ def test_tcp_fragments_larger_than_the_decode_receives_are_refused(fail_bs, fail
     a decode whose settings fit."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     scale = 16384  # items of 16..64 KiB: 8 pages are a 512 KiB message
-    p, pkv, paux = _prefill(fail_bs.address, seed=23, scale=scale)  # 2 MiB fragments
+    p, pkv, paux = _prefill(fail_bs.address, seed=23, scale=scale)  # 256 KiB fragments
     fail_closer(p)
-    assert "kvrecv sets UCX_TCP_TX_SEG_SIZE=2M" in p.transport, p.transport
+    assert "kvrecv sets UCX_TCP_TX_SEG_SIZE=256K" in p.transport, p.transport
     monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "8K")  # UCX's own defaults
     monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "64K")
     child = fail_spawn("decode", fail_bs.address, scale=scale)
     s, f = _room_refused_to_decode(p, child, fail_bs.address, 61)
-    for part in ("UCX tcp fragments of prefill rank 0", "up to 2097152 bytes (UCX_TCP_TX_SEG_SIZE)",
+    for part in ("UCX tcp fragments of prefill rank 0", "up to 262144 bytes (UCX_TCP_TX_SEG_SIZE)",
                  "receives into 65536-byte buffers (UCX_TCP_RX_SEG_SIZE)",
                  "UCX would abort the decode"):
         assert part in f["reason"], f["reason"]
 
     monkeypatch.delenv("UCX_TCP_TX_SEG_SIZE")
-    monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "2M")  # fits: fragments of at most 2 MiB
+    monkeypatch.setenv("UCX_TCP_RX_SEG_SIZE", "256K")  # fits: fragments of at most 256 KiB
     d2, dkv2, daux2 = _decode(scale=scale)
     fail_closer(d2)
     _check_new_room_in_process(p, pkv, paux, d2, dkv2, daux2, fail_bs.address, 62, [8, 9, 10, 11], 1)
@@ -631,8 +631,7 @@ def test_abort_in_flight_no_late_writes(fail_bs, fail_closer, monkeypatch):
     _assert_no_rooms(p, d)
 
 
-def test_decode_abort_racing_its_data_reaches_prefill_as_aborted(fail_bs, fail_closer,
-                                                                 monkeypatch):
+def test_decode_abort_racing_its_data_reaches_prefill_as_aborted(fail_bs, fail_closer):
     """The decode aborts rooms whose data is being posted.  Rendezvous
     messages that reach it afterwards are refused, and the prefill sees each
     refusal on the data path, often before the decode's ROOM_FAIL arrives
@@ -641,8 +640,6 @@ def test_decode_abort_racing_its_data_reaches_prefill_as_aborted(fail_bs, fail_c
     room ends on both sides."""
     items = [BIG_ITEM] * BIG_NBUF
     npages = 16
-    # 256 KiB tcp fragments, so that the 1 MiB runs below go by rendezvous
-    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "256K")
     rng = np.random.default_rng(93)
     pkv = [rng.integers(0, 256, npages * BIG_ITEM, dtype=np.uint8) for _ in range(BIG_NBUF)]
     dkv = [np.full(npages * BIG_ITEM, CANARY, dtype=np.uint8) for _ in range(BIG_NBUF)]
@@ -652,7 +649,7 @@ def test_decode_abort_racing_its_data_reaches_prefill_as_aborted(fail_bs, fail_c
     fail_closer(d)
     assert "UCX_TLS=tcp" in d.transport, d.transport
     # One 1 MiB run per buffer: rendezvous messages, whose refusal the
-    # prefill sees (UCX sends up to one tcp fragment eager, and a
+    # prefill sees (UCX sends up to its 256 KiB tcp fragment eager, and a
     # refused eager message is dropped without a word to the sender).
     dst = np.arange(npages, dtype=np.int32)
     src = np.arange(npages, dtype=np.int32)

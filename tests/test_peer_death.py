@@ -464,7 +464,7 @@ def test_decode_frozen_then_resumed_takes_no_byte(fail_bs, fail_closer, fail_spa
 
 
 LARGE_SCALE = 262144  # a page is 2.5 MiB: the 32-page room is 80 MiB
-RX_SEG = 4 << 20  # the UCX_TCP_RX_SEG_SIZE kvrecv sets (csrc/ucxtune.c)
+RX_SEG = 512 << 10  # the UCX_TCP_RX_SEG_SIZE kvrecv sets (csrc/ucxtune.c)
 
 
 def test_decode_frozen_mid_transfer_of_a_large_room_takes_no_late_byte(
@@ -486,7 +486,7 @@ def test_decode_frozen_mid_transfer_of_a_large_room_takes_no_late_byte(
     room_bytes = len(pages) * peer_mod.page_bytes(scale=LARGE_SCALE)
     trials = 0
     # Up to 6 tries for 2 freezes mid-transfer: on a loaded host a whole
-    # room may be in the decode's socket before the freeze lands.
+    # room may be sent before the freeze lands.
     for trial in range(6):
         if trials == 2:
             break
@@ -525,9 +525,8 @@ def test_decode_frozen_mid_transfer_of_a_large_room_takes_no_late_byte(
               f"{late} bytes landed after the resume")
         # A process frozen in the middle of one of UCX's progress calls
         # finishes that call when it resumes: what it had read into its
-        # receive buffers (at most two of kvrecv's UCX_TCP_RX_SEG_SIZE; seen:
-        # 0-522 KB with 256 KiB fragments, 0.4-2.1 MB with 2 MiB ones) still
-        # lands; nothing after it (7.8-8.9 MB before).
+        # receive buffers (up to two of kvrecv's UCX_TCP_RX_SEG_SIZE were
+        # seen, 0-522 KB) still lands; nothing after it (7.8-8.9 MB before).
         assert late <= 2 * RX_SEG, (
             f"{late} bytes landed in the failed room's pages after the decode resumed")
         child.kill()

@@ -322,8 +322,7 @@ def recv_type(dealer, mtype, tries=50):
     raise AssertionError(f"no message of type {mtype} in {tries}")
 
 
-def test_data_from_a_prefill_the_room_is_not_bound_to_is_refused(res, bootstrap, caplog,
-                                                                 monkeypatch):
+def test_data_from_a_prefill_the_room_is_not_bound_to_is_refused(res, bootstrap, caplog):
     """A relay registers itself for rank 0 under its own epoch, so the decode
     binds its room to the relay; it hands the decode's HELLO and request to
     the real prefill, which then sends the room's data with its own epoch.
@@ -332,9 +331,7 @@ def test_data_from_a_prefill_the_room_is_not_bound_to_is_refused(res, bootstrap,
     caplog.set_level(logging.WARNING, logger="kvrecv")
     # 128 STD pages (1 MiB): the data goes in rendezvous messages, whose
     # refusal the sender sees (a refused eager message is dropped silently;
-    # over tcp UCX sends up to about its fragment size eager: 256 KiB here,
-    # not kvrecv's 2 MiB).
-    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "256K")
+    # over tcp UCX sends up to about its fragment size, 256 KiB, eager).
     src, dst = Side(STD, 0, seed=9), Side(STD, 0)
     prefill = res.manager(src, "prefill", bootstrap.address)
     # Data through UCX: no cross-memory offer (its probe would read the real

@@ -258,7 +258,7 @@ def test_prefill_ranks_in_child_processes(transport, res, bootstrap):
 # Items up to 64 KiB: the long run is messages of about 1.3 MiB per buffer
 # (several 256 KiB fragments), random 64 KiB pages go alone, the others packed.
 SEG = Layout((4096, 65536), 160, (24,), 64)
-TUNED = "kvrecv sets UCX_TCP_TX_SEG_SIZE=2M UCX_TCP_RX_SEG_SIZE=4M UCX_ZCOPY_THRESH=inf"
+TUNED = "kvrecv sets UCX_TCP_TX_SEG_SIZE=256K UCX_TCP_RX_SEG_SIZE=512K UCX_ZCOPY_THRESH=inf"
 # UCX's own defaults for what kvrecv sets over tcp
 UCX_DEFAULT_TCP = {"UCX_TCP_TX_SEG_SIZE": "8K", "UCX_TCP_RX_SEG_SIZE": "64K",
                    "UCX_ZCOPY_THRESH": "auto"}
@@ -266,7 +266,7 @@ UCX_DEFAULT_TCP = {"UCX_TCP_TX_SEG_SIZE": "8K", "UCX_TCP_RX_SEG_SIZE": "64K",
 
 @pytest.mark.timeout(90)
 def test_tcp_fragment_sizes_a_decode_at_ucx_defaults_receives_from(res, bootstrap, monkeypatch):
-    """kvrecv sets UCX's tcp fragment sizes (2 MiB sends into 4 MiB
+    """kvrecv sets UCX's tcp fragment sizes (256 KiB sends into 512 KiB
     receive buffers) where the environment does not: its transport
     description says so, and a variable set in the environment wins.  A
     tuned decode receives every byte from a prefill left at UCX's defaults
@@ -280,7 +280,7 @@ def test_tcp_fragment_sizes_a_decode_at_ucx_defaults_receives_from(res, bootstra
     assert "kvrecv sets" not in child.transport, child.transport
     monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "16K")
     third = res.manager(Side(SEG, rank=1), "decode")
-    assert third.transport.endswith(", kvrecv sets UCX_TCP_RX_SEG_SIZE=4M UCX_ZCOPY_THRESH=inf"), \
+    assert third.transport.endswith(", kvrecv sets UCX_TCP_RX_SEG_SIZE=512K UCX_ZCOPY_THRESH=inf"), \
         third.transport
     plans = make_plans(np.random.default_rng(17), SEG, room0=90)
     _transfer_from_children([child], [decode], [dst], addr, SEG, plans)
@@ -290,7 +290,7 @@ def test_tcp_fragment_sizes_a_decode_at_ucx_defaults_receives_from(res, bootstra
 def test_tcp_fragment_sizes_only_where_ucx_may_use_tcp(res, bootstrap, monkeypatch, capfd):
     """Where UCX_TLS leaves tcp out, kvrecv sets no tcp setting (UCX would
     warn about settings no transport uses), and such a decode receives from
-    a prefill that has tcp and its 2 MiB fragments (over shared memory)."""
+    a prefill that has tcp and its 256 KiB fragments (over shared memory)."""
     addr = bootstrap.address
     child = res.child_prefill(SEG, 0, 902, addr, env={"UCX_TLS": "posix,sysv,cma,self,tcp"})
     assert TUNED in child.transport, child.transport

@@ -254,18 +254,18 @@ def test_hello_with_a_different_layout_is_rejected_with_the_reason(res, pair):
     transfer_works(pair.prefill, pair.decode, pair.addr, pair.src, pair.dst, 33)
 
 
-@pytest.mark.parametrize("rx, refused", [(0, True), (64 << 10, True), ((2 << 20) - 1, True),
-                                         (2 << 20, False), (0xFFFFFFFF, False)],
+@pytest.mark.parametrize("rx, refused", [(0, True), (64 << 10, True), ((256 << 10) - 1, True),
+                                         (256 << 10, False), (0xFFFFFFFF, False)],
                          ids=["not_said", "ucx_default", "one_byte_short", "equal", "no_tcp"])
 def test_hello_tcp_receive_size_against_the_prefill_fragments(res, bootstrap, monkeypatch, rx,
                                                              refused):
-    """A prefill sending 2 MiB tcp fragments refuses, with TRANSPORT and a
+    """A prefill sending 256 KiB tcp fragments refuses, with TRANSPORT and a
     reason naming both sizes, a decode whose HELLO says it receives into
     smaller buffers, or says nothing (an older build: UCX's default, 64
     KiB); it accepts one that receives at least as much, or has no tcp."""
     monkeypatch.setenv("UCX_TLS", "tcp")
     prefill = res.manager(Side(STD, 0, seed=2), "prefill", bootstrap.address)
-    assert "UCX_TCP_TX_SEG_SIZE=2M" in prefill.transport, prefill.transport
+    assert "UCX_TCP_TX_SEG_SIZE=256K" in prefill.transport, prefill.transport
     d = res.dealer(prefill.endpoint)
     d.send(hello(0, STD, b"\x01" * 32, tcp_rx_seg=rx))
     reply = d.recv()
@@ -277,7 +277,7 @@ def test_hello_tcp_receive_size_against_the_prefill_fragments(res, bootstrap, mo
     if not refused:  # past the size check, refused for the made-up worker address
         assert "UCX_TCP" not in reason and "worker address" in reason, reason
         return
-    assert "up to 2097152 bytes (UCX_TCP_TX_SEG_SIZE)" in reason, reason
+    assert "up to 262144 bytes (UCX_TCP_TX_SEG_SIZE)" in reason, reason
     assert f"receives into {rx or 65536}-byte buffers (UCX_TCP_RX_SEG_SIZE)" in reason, reason
     ping_pong(d)
 
