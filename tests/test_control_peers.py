@@ -121,7 +121,8 @@ def test_prefill_that_dropped_its_data_path_fails_the_decode_room_at_once(res):
     its side of the data path and says so (PATH_LOST).  The decode fails
     its room with that prefill at once, PEER_LOST with that cause -- not
     when the dead connection errors out, which failed a room opened after
-    the path came back (tests/test_netns.py, data path blackholed).  Here
+    the path came back (tests/test_netns.py's blackholed data path, with
+    2 MiB tcp fragments: nothing was in flight on the decode).  Here
     the decode's room is bound to a relay that passes its HELLO to a real
     prefill and then says PATH_LOST."""
     bs = res.server()
