@@ -75,6 +75,14 @@ def arm_rows(got, point):
     return row
 
 
+def round_ratio(got, x, y):
+    """[median, lowest, highest] of arm x's GB/s over arm y's, round by
+    round (rounds taken in turn); None if no pair of rounds moved data."""
+    rs = [u["gbps"] / w["gbps"] for u, w in zip(got[x], got[y])
+          if u and w and u["gbps"] and w["gbps"]]
+    return [statistics.median(rs), min(rs), max(rs)] if rs else None
+
+
 def read_name(n: int) -> str:
     return f"read{n >> 20}M" if n % (1 << 20) == 0 else f"read{n >> 10}K"
 
@@ -112,11 +120,8 @@ def main():
             pairs = [(read_name(n), y) for n in reads for y in ("fifo", "nixl")] + [("fifo", "nixl")]
             pairs += [("default", "fifo"), ("default", "nixl")]
             for x, y in pairs:
-                if x in got and y in got:
-                    rs = [u["gbps"] / w["gbps"] for u, w in zip(got[x], got[y])
-                          if u and w and u["gbps"] and w["gbps"]]
-                    if rs:
-                        ratios[f"{x}/{y}"] = [statistics.median(rs), min(rs), max(rs)]
+                if x in got and y in got and round_ratio(got, x, y):
+                    ratios[f"{x}/{y}"] = round_ratio(got, x, y)
             out["points"][C.point_name(p)] = {"runs": row, "ratios": ratios}
             med = {k: round(statistics.median(v["gbps"]), 3) for k, v in row.items() if v["gbps"]}
             cpu = {k: round(statistics.median(v["cpu_s_per_gb"]), 3)
