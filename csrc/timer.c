@@ -104,6 +104,13 @@ void kvr_timer_silences_locked(kvr_engine_t *e)
  * declare the room drained.  A dead peer sends nothing more; a live one
  * (an abort) is always waited for.
  */
+/* Time from t to now, 0 if t is later: rooms failed in this pass (their
+ * deadline) were stamped after the pass took its `now`. */
+static uint64_t kvr_timer_since(uint64_t now, uint64_t t)
+{
+    return now > t ? now - t : 0;
+}
+
 static void kvr_timer_drains_locked(kvr_engine_t *e, uint64_t now)
 {
     KVR_ASSERT_LOCKED(e);
@@ -147,8 +154,8 @@ static void kvr_timer_drains_locked(kvr_engine_t *e, uint64_t now)
                 bytes += op->len;
             }
             uint64_t grace = e->cfg.heartbeat_timeout_ms * KVR_MS + kvr_floor_ns(e, bytes);
-            if (stalled == NULL && now - r->failing_since_ns > grace &&
-                now - r->peer->last_data_ns > grace) {
+            if (stalled == NULL && kvr_timer_since(now, r->failing_since_ns) > grace &&
+                kvr_timer_since(now, r->peer->last_data_ns) > grace) {
                 stalled = r->peer;
                 stalled_ms = (now - (r->peer->last_data_ns > r->started_ns ? r->peer->last_data_ns
                                                                             : r->started_ns)) /
@@ -166,7 +173,8 @@ static void kvr_timer_drains_locked(kvr_engine_t *e, uint64_t now)
                 op = next;
             }
             kvr_room_unref_locked(e, r);
-        } else if (now - r->failing_since_ns > 2 * e->cfg.heartbeat_interval_ms * KVR_MS) {
+        } else if (kvr_timer_since(now, r->failing_since_ns) >
+                   2 * e->cfg.heartbeat_interval_ms * KVR_MS) {
             e->stats.rooms_force_drained++;
             kvr_room_force_drain(r);
         }

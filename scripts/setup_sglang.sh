@@ -20,7 +20,7 @@ PINS=(
   filelock==4.3.2 truststore==0.10.5 h11==0.16.0 safetensors==0.8.0 tokenizers==0.23.3
   regex==2026.5.9 torchvision==0.29.1 dill==0.4.1 apache-tvm-ffi==0.1.15.post2
   sentencepiece==0.2.3 compressed-tensors==0.20.1 loguru==0.7.3 gguf==0.19.0
-  openai==3.60.0 partial-json-parser==0.2.1.1.post7 einops==0.8.2 fsspec==2026.9.0
+  openai==3.60.0 partial-json-parser==0.2.1.1.post7 einops==0.8.2 fsspec==2026.9.0 pillow==13.0.0
   requests
 )
 missing=()
