@@ -83,6 +83,7 @@ struct kvr_tp_ep {
     void *ep_ctx;
     int failed;
     int no_peer_errors; /* created without peer-failure handling */
+    size_t tcp_eager;   /* kvr_tp_ep_tcp_eager() */
 };
 
 /* ---- bounce buffers (packed scattered messages) ---- */
@@ -758,6 +759,11 @@ int kvr_tp_ep_create(kvr_tp_worker_t *w, const void *addr, size_t len, void *ep_
         free(e);
         return -1;
     }
+    size_t tx_seg = tp->tuned_bytes[KVR_TUNE_TCP_TX_SEG];
+    if (!e->no_peer_errors && tx_seg > 2 * KVR_TP_TCP_EAGER_HEADROOM &&
+        kvr_ucxlog_ep_tcp_only(e->ep)) {
+        e->tcp_eager = tx_seg - KVR_TP_TCP_EAGER_HEADROOM;
+    }
     /* Once per transport and kind of endpoint. */
     if (!tp->said_lanes[!e->no_peer_errors]) {
         tp->said_lanes[!e->no_peer_errors] = 1;
@@ -770,6 +776,11 @@ int kvr_tp_ep_create(kvr_tp_worker_t *w, const void *addr, size_t len, void *ep_
 int kvr_tp_ep_is_shm(const kvr_tp_ep_t *e)
 {
     return e->no_peer_errors;
+}
+
+size_t kvr_tp_ep_tcp_eager(const kvr_tp_ep_t *e)
+{
+    return e->tcp_eager;
 }
 
 void kvr_tp_ep_close(kvr_tp_ep_t *e, int force)
@@ -828,10 +839,13 @@ int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *e, const void *hdr, size_t hdr
     for (size_t i = 0; i < iovcnt; i++) {
         total += iov[i].len;
     }
-    if (host && e->no_peer_errors && total <= KVR_TP_SHM_EAGER_BYTES) {
+    /* One fragment: no rendezvous round trip, and UCX copies the pieces
+     * into the fragment itself (a bounce copy would be one more). */
+    int eager = host && total <= (e->no_peer_errors ? KVR_TP_SHM_EAGER_BYTES : e->tcp_eager);
+    if (eager) {
         p.flags |= UCP_AM_SEND_FLAG_EAGER;
     }
-    if (iovcnt > 1 && host && !e->no_peer_errors &&
+    if (iovcnt > 1 && host && !e->no_peer_errors && !eager &&
         tp->pack_inflight + total <= tp->pack_max &&
         (op->bounce = kvr_tp_bounce_get(tp, total, &op->bounce_cap)) != NULL) {
         char *b = op->bounce;

@@ -143,6 +143,13 @@ int kvr_tp_ep_create(kvr_tp_worker_t *w, const void *addr, size_t len, void *ep_
  * transport an endpoint uses; an endpoint that had to be created without
  * peer-failure handling is one over shared memory (tcp offers it). */
 int kvr_tp_ep_is_shm(const kvr_tp_ep_t *ep);
+/* The largest message the endpoint sends in one UCX fragment, eagerly
+ * (its tcp fragment, UCX_TCP_TX_SEG_SIZE, less KVR_TP_TCP_EAGER_HEADROOM),
+ * if every lane of it is tcp; 0 otherwise. */
+size_t kvr_tp_ep_tcp_eager(const kvr_tp_ep_t *ep);
+/* Room left in a tcp fragment for UCX's and kvrecv's headers (under 100
+ * bytes together). */
+#define KVR_TP_TCP_EAGER_HEADROOM 1024u
 /* Closes (force: cancels outstanding operations with an error).  The
  * endpoint must not be used afterwards. */
 void kvr_tp_ep_close(kvr_tp_ep_t *ep, int force);
@@ -161,8 +168,10 @@ void kvr_tp_ep_close(kvr_tp_ep_t *ep, int force);
  * that is sent as a one-piece scattered message, which UCX copies through
  * the shared segment with both processes working in a pipeline, instead of
  * one cross-memory read by the receiver (1.3-1.7x faster at 1 MiB on a
- * 2-core host; see benchmarks/README.md).  Several pieces of host memory
- * over any other endpoint (tcp) are packed into one contiguous bounce
+ * 2-core host; see benchmarks/README.md).  A host message of up to
+ * kvr_tp_ep_tcp_eager() bytes goes eagerly as one tcp fragment, its pieces
+ * copied into it by UCX.  Several pieces of host memory in a larger message
+ * over any other endpoint are packed into one contiguous bounce
  * buffer first, within pack_max bytes in flight: UCX moves a
  * contiguous message over tcp 1.4-1.8x faster than its scattered form, the
  * copy included.  Returns KVR_TP_OK if it completed at once (no callback),

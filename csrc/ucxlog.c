@@ -111,6 +111,25 @@ static void kvr_ucxlog_lanes(ucp_ep_h ep, char *out, size_t len)
     free(text);
 }
 
+int kvr_ucxlog_ep_tcp_only(void *ep)
+{
+    char lanes[256];
+    kvr_ucxlog_lanes(ep, lanes, sizeof(lanes));
+    const char *p = lanes;
+    if (*p == '\0') {
+        return 0;
+    }
+    while (*p != '\0') {
+        /* "tcp/eth0, tcp/lo" */
+        if (strncmp(p, "tcp/", 4) != 0) {
+            return 0;
+        }
+        p += strcspn(p, ",");
+        p += strspn(p, ", ");
+    }
+    return 1;
+}
+
 void kvr_ucxlog_say_endpoint(void *ep, int peer_errors)
 {
     char lanes[256];

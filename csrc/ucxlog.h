@@ -39,4 +39,7 @@ void kvr_ucxlog_expect_unreturned(int on);
  */
 void kvr_ucxlog_say_endpoint(void *ep, int peer_errors);
 
+/* 1 if every lane of UCX endpoint ep (a ucp_ep_h) goes over tcp. */
+int kvr_ucxlog_ep_tcp_only(void *ep);
+
 #endif

@@ -179,10 +179,22 @@ SHM_EAGER_BYTES = 8 << 10  # eager message size over shared memory (KVR_TP_SHM_E
 SHM_EAGER_ROOM_BYTES = 512 << 10  # rooms sent as such messages (KVR_SHM_EAGER_ROOM_BYTES)
 
 
-def auto_run_bytes(transport: str) -> int:
+# A message of at most this many bytes goes as one tcp fragment: the tcp
+# fragment kvrecv sets (ucxtune.c, 256 KiB) less KVR_TP_TCP_EAGER_HEADROOM.
+TCP_EAGER_BYTES = (256 << 10) - 1024
+# A UCX_TCP_TX_SEG_SIZE too small for those one-fragment messages: a test of
+# what a refused rendezvous tells the sender sets it (a refused eager message
+# is dropped without an answer).
+TCP_NO_EAGER_FRAGMENT = "2K"
+
+
+def auto_run_bytes(transport: str, item_max: int = 0) -> int:
     """KVConfig.coalesce_run_bytes=0 (auto): every run over shared memory,
-    runs under 64 KiB over tcp (KVR_TCP_RUN_BYTES)."""
-    return 1 << 62 if transport == "shm" else 64 << 10
+    over tcp runs under one fragment (TCP_EAGER_BYTES) if an item fits one,
+    else runs under 64 KiB (KVR_TCP_RUN_BYTES)."""
+    if transport == "shm":
+        return 1 << 62
+    return TCP_EAGER_BYTES if item_max <= TCP_EAGER_BYTES else 64 << 10
 
 
 def shm_eager_room(kv_items, aux_items, npages: int) -> bool:
@@ -250,15 +262,19 @@ def buffer_groups(items, npages: int, pieces: int, merge: int) -> int:
 
 
 def room_messages(src, dst, kv_items, aux_items, run_bytes: int, cap: int = COALESCE_BYTES,
-                  shm: bool = False) -> int:
+                  transport: str = "") -> int:
     """All data messages of a room of host buffers handed over at once
     (aux_items: the aux buffers' item lengths if the room has an aux row,
     else empty).  cap 0: no coalescing, one message per run and buffer.
-    shm: over shared memory (small rooms go as eager messages)."""
+    transport "shm": small rooms go as eager messages; "tcp": messages of KV
+    pages are cut to one fragment; "": neither limit."""
     max_pages = 1 << 62
-    if shm and shm_eager_room(kv_items, aux_items, len(src)):
+    if transport == "shm" and shm_eager_room(kv_items, aux_items, len(src)):
         max_pages = SHM_EAGER_BYTES // max(kv_items)
         cap = min(cap, SHM_EAGER_BYTES)
+    elif transport == "tcp" and max(kv_items) <= TCP_EAGER_BYTES:
+        max_pages = TCP_EAGER_BYTES // max(kv_items)
+        cap = min(cap, TCP_EAGER_BYTES)
     merge = min(run_bytes, cap)
     total = sum(buffer_groups(kv_items, pages, pieces, merge)
                 for pages, pieces in position_groups(src, dst, max(kv_items), run_bytes, cap,

@@ -15,14 +15,16 @@ import logging
 import numpy as np
 import pytest
 
-from kvrecv import KVPoll, KVProtocolError, KVReceiver, KVSender
-from kvtest import (CANARY, Expected, Layout, Side, describe_failure, terminal, wait_for,
+from kvrecv import (KVPoll, KVProtocolError, KVReceiver, KVSender, KVTimeoutError,
+                    KVTransportError)
+from kvtest import (CANARY, TCP_NO_EAGER_FRAGMENT, Expected, Layout, Side, describe_failure, terminal, wait_for,
                     wait_until)
 
 pytestmark = pytest.mark.timeout(60)
 
 # 64 KiB items: a message of 4 pages of one buffer is 256 KiB, which UCX
-# moves by rendezvous over tcp (the stats say so).
+# moves by rendezvous over tcp (the stats say so) with fragments too small
+# for kvrecv's one-fragment eager messages (TCP_NO_EAGER_FRAGMENT).
 BIG = Layout((65536, 65536), 32, (16,), 8)
 
 CORRUPT = {  # mode -> (hook value, what the decode says)
@@ -53,8 +55,9 @@ def written_outside(dst: Side, pages) -> list:
 
 
 @pytest.mark.parametrize("mode", sorted(CORRUPT))
-def test_bad_data_header_fails_the_room_with_protocol(res, mode):
+def test_bad_data_header_fails_the_room_with_protocol(res, mode, monkeypatch):
     hook, why = CORRUPT[mode]
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", TCP_NO_EAGER_FRAGMENT)
     bs = res.server()
     src, dst = Side(BIG, 0, seed=11), Side(BIG, 0)
     prefill = res.manager(src, "prefill", bs.address)
@@ -109,17 +112,24 @@ def test_the_hook_is_off_by_default(res):
         prefill._core._test_corrupt_data(11)
 
 
-def test_data_for_a_room_from_another_prefills_connection_is_foreign(res, caplog):
+@pytest.mark.parametrize("how", ["rendezvous", "eager"])
+def test_data_for_a_room_from_another_prefills_connection_is_foreign(res, caplog, how,
+                                                                      monkeypatch):
     """Prefill B sends its room's data under room A's tag and prefill A's
     epoch (as a peer that learnt them could): it reaches the decode on the
     UCX worker of B's connection, not A's, and is refused as foreign --
     counted, logged, nothing written, room A neither failed (a stranger
-    cannot fail it) nor fed.  Room A then completes with A's own data."""
+    cannot fail it) nor fed.  Room A then completes with A's own data.
+    B's room fails: at once where its message came by rendezvous (the
+    refusal is its answer), at its deadline where it came eagerly (one
+    fragment: nothing answers it, and the decode does not tell a stranger)."""
     caplog.set_level(logging.WARNING, logger="kvrecv")
+    if how == "rendezvous":
+        monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", TCP_NO_EAGER_FRAGMENT)
     bs_a, bs_b = res.server(), res.server()
     src_a, src_b, dst = Side(BIG, 0, seed=11), Side(BIG, 0, seed=12), Side(BIG, 0)
     pa = res.manager(src_a, "prefill", bs_a.address)
-    pb = res.manager(src_b, "prefill", bs_b.address)
+    pb = res.manager(src_b, "prefill", bs_b.address, deadline_base_ms=3000)
     decode = res.manager(dst, "decode")
     dst_b = [8, 9, 10, 11]
     ra, rb = KVReceiver(decode, bs_a.address, 5), KVReceiver(decode, bs_b.address, 6)
@@ -137,6 +147,11 @@ def test_data_for_a_room_from_another_prefills_connection_is_foreign(res, caplog
     sb.send(SRC_PAGES)
     assert wait_until(lambda: decode.stats()["data_foreign"] >= 1, 10), decode.stats()
     assert wait_for(sb, terminal(), timeout=15) == KVPoll.Failed  # refused, then no ROOM_DONE
+    cls, why = ((KVTimeoutError, "no completion within its deadline") if how == "eager" else
+                (KVTransportError, "Operation rejected by remote peer"))
+    with pytest.raises(cls) as ei:
+        sb.failure_exception()
+    assert why in ei.value.failure_reason, repr(ei.value)
     assert ra.poll() in (KVPoll.WaitingForInput, KVPoll.Transferring), describe_failure(ra)
     assert all((buf == CANARY).all() for buf in dst.kv), "a foreign message was written"
     assert wait_until(lambda: any(

@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import kvrecv
-from kvtest import refusing_port
+from kvtest import TCP_NO_EAGER_FRAGMENT, refusing_port
 from peer_proc import peer_mod
 from kvrecv import (
     KVAbortedError,
@@ -631,13 +631,15 @@ def test_abort_in_flight_no_late_writes(fail_bs, fail_closer, monkeypatch):
     _assert_no_rooms(p, d)
 
 
-def test_decode_abort_racing_its_data_reaches_prefill_as_aborted(fail_bs, fail_closer):
+def test_decode_abort_racing_its_data_reaches_prefill_as_aborted(fail_bs, fail_closer,
+                                                                 monkeypatch):
     """The decode aborts rooms whose data is being posted.  Rendezvous
     messages that reach it afterwards are refused, and the prefill sees each
     refusal on the data path, often before the decode's ROOM_FAIL arrives
     on the control channel.  The prefill still reports the root cause
     (ABORTED, from the decode), never TRANSPORT for the refused data; every
     room ends on both sides."""
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", TCP_NO_EAGER_FRAGMENT)  # see below
     items = [BIG_ITEM] * BIG_NBUF
     npages = 16
     rng = np.random.default_rng(93)
@@ -648,9 +650,9 @@ def test_decode_abort_racing_its_data_reaches_prefill_as_aborted(fail_bs, fail_c
     d = KVManager(KVArgs.from_buffers(0, dkv, items), "decode")
     fail_closer(d)
     assert "UCX_TLS=tcp" in d.transport, d.transport
-    # One 1 MiB run per buffer: rendezvous messages, whose refusal the
-    # prefill sees (UCX sends up to its 256 KiB tcp fragment eager, and a
-    # refused eager message is dropped without a word to the sender).
+    # One 1 MiB run per buffer: with tcp fragments too small for kvrecv's
+    # one-fragment messages, rendezvous messages, whose refusal the prefill
+    # sees (a refused eager message is dropped without a word to the sender).
     dst = np.arange(npages, dtype=np.int32)
     src = np.arange(npages, dtype=np.int32)
     outcomes = {}

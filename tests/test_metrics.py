@@ -92,11 +92,11 @@ def test_histograms_in_stats(pair):
     # room B: 3 runs, no aux; the prefill holds its send() 300 ms
     src_b, dst_b = [5, 6, 40, 7], [30, 31, 32, 33]
     assert count_runs(src_b, dst_b) == 3
-    # data messages (tcp, auto: runs and buffers share messages up to 64 KiB)
+    # data messages (tcp, auto: runs and buffers share messages up to one fragment)
     tcp = auto_run_bytes("tcp")
     ops_a = room_messages([10, 11, 12, 13], [20, 21, 22, 23], STD.kv_item_lens,
-                          STD.aux_item_lens, tcp)
-    ops_b = room_messages(src_b, dst_b, STD.kv_item_lens, (), tcp)
+                          STD.aux_item_lens, tcp, transport="tcp")
+    ops_b = room_messages(src_b, dst_b, STD.kv_item_lens, (), tcp, transport="tcp")
     assert ops_a == 2 and ops_b == 1  # all 8 buffers' pages in one message (+ aux)
     hold = 0.3
     transfer(pair, 2, src_b, dst_b, hold_s=hold)
@@ -181,7 +181,7 @@ def test_prometheus_text_matches_stats(pair):
     assert samples[("kvrecv_failures_total", (("code", "ABORTED"), ("mode", "decode"), ("rank", "0")))] >= 1
     # [9, 8, 7, 6] -> [0, 1, 2, 3] is 4 runs of one page, coalesced (tcp, auto)
     ops = room_messages([9, 8, 7, 6], [0, 1, 2, 3], STD.kv_item_lens, STD.aux_item_lens,
-                        auto_run_bytes("tcp"))
+                        auto_run_bytes("tcp"), transport="tcp")
     assert ops == 2  # the 8 buffers' 4 pages in one message, and the aux row
     assert samples[("kvrecv_rma_ops_per_room_sum", (("mode", "prefill"), ("rank", "0")))] == ops
     # a closed manager is left out
@@ -252,7 +252,7 @@ def test_prometheus_client_collector(pair):
             assert value(fam, fam + "_sum", mode) == pytest.approx(h["sum"])
     assert value("kvrecv_failures", "kvrecv_failures_total", "decode", code="ABORTED") >= 1
     ops = room_messages([1, 2, 3], [4, 5, 6], STD.kv_item_lens, STD.aux_item_lens,
-                        auto_run_bytes("tcp"))
+                        auto_run_bytes("tcp"), transport="tcp")
     assert ops == 2  # one run of 3 pages: the 8 buffers in one message | aux (tcp, auto)
     assert value("kvrecv_rma_ops_per_room", "kvrecv_rma_ops_per_room_sum", "prefill") == ops
 

@@ -32,6 +32,7 @@ from kvtest import (
     SECRET,
     SMALL,
     STD,
+    TCP_NO_EAGER_FRAGMENT,
     Side,
     assert_all_canary,
     auth_reject_reason,
@@ -322,16 +323,18 @@ def recv_type(dealer, mtype, tries=50):
     raise AssertionError(f"no message of type {mtype} in {tries}")
 
 
-def test_data_from_a_prefill_the_room_is_not_bound_to_is_refused(res, bootstrap, caplog):
+def test_data_from_a_prefill_the_room_is_not_bound_to_is_refused(res, bootstrap, caplog,
+                                                                  monkeypatch):
     """A relay registers itself for rank 0 under its own epoch, so the decode
     binds its room to the relay; it hands the decode's HELLO and request to
     the real prefill, which then sends the room's data with its own epoch.
     The decode refuses every byte and fails the room with PROTOCOL: the
     sender is not the room's peer."""
     caplog.set_level(logging.WARNING, logger="kvrecv")
-    # 128 STD pages (1 MiB): the data goes in rendezvous messages, whose
-    # refusal the sender sees (a refused eager message is dropped silently;
-    # over tcp UCX sends up to about its fragment size, 256 KiB, eager).
+    # 128 STD pages (1 MiB): with tcp fragments too small for kvrecv's
+    # one-fragment messages the data goes in rendezvous messages, whose
+    # refusal the sender sees (a refused eager message is dropped silently).
+    monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", TCP_NO_EAGER_FRAGMENT)
     src, dst = Side(STD, 0, seed=9), Side(STD, 0)
     prefill = res.manager(src, "prefill", bootstrap.address)
     # Data through UCX: no cross-memory offer (its probe would read the real

@@ -16,6 +16,7 @@ from kvrecv import KVPoll, KVReceiver, KVSender
 from kvtest import (
     SMALL,
     STD,
+    TCP_EAGER_BYTES,
     Layout,
     TRANSPORTS,
     WIDE,
@@ -413,7 +414,7 @@ def coalesce_model(name, transport):
 def expect_messages(src, dst, name, transport, with_aux):
     run_bytes, cap = coalesce_model(name, transport)
     aux = STD.aux_item_lens if with_aux else ()
-    return room_messages(src, dst, STD.kv_item_lens, aux, run_bytes, cap, shm=transport == "shm")
+    return room_messages(src, dst, STD.kv_item_lens, aux, run_bytes, cap, transport=transport)
 
 
 def coalesce_pair(res, bootstrap, name):
@@ -452,7 +453,7 @@ def test_message_model_counts():
     # 2-page run in 3 (buffers of 64..1024 B | 2048 B | 4096 B), aux in 1
     assert shm_eager_room(STD.kv_item_lens, STD.aux_item_lens, 2)
     assert room_messages([1, 2], [5, 6], STD.kv_item_lens, STD.aux_item_lens, 1 << 62,
-                         shm=True) == 4
+                         transport="shm") == 4
     assert not shm_eager_room([16 << 10], (), 1)  # an item over 8 KiB
     assert not shm_eager_room([4096], (), 129)    # over 512 KiB
 
@@ -498,7 +499,7 @@ def test_small_rooms_over_shared_memory_go_as_eager_messages(transport, res, boo
         ops = prefill.stats()["rma_ops_posted"] - ops0
         rndv = decode.stats()["data_rendezvous"] - rndv0
         assert ops == room_messages(plan.src, plan.dst, STD.kv_item_lens, STD.aux_item_lens,
-                                    auto_run_bytes(transport), shm=transport == "shm")
+                                    auto_run_bytes(transport), transport=transport)
         if transport == "shm" and npages == 63:
             # 31 ranges of 2 pages in 3 messages (buffers of 64..1024 B,
             # 2048 B, 4096 B), one of 1 page in 2, the aux row in 1.
@@ -507,6 +508,36 @@ def test_small_rooms_over_shared_memory_go_as_eager_messages(transport, res, boo
             assert ops == 2 and rndv == 1, (ops, rndv)  # every page in one message
     expected.check(side_dst)
     assert zero_failures(prefill.stats()) and zero_failures(decode.stats())
+
+
+@pytest.mark.parametrize("fragment", ["default", "2K"])
+def test_tcp_messages_fit_one_fragment(transport, res, bootstrap, fragment, monkeypatch):
+    """Over tcp every message of KV pages fits one of UCX's fragments, sent
+    eagerly: a 1.2 MiB run of 4 KiB pages goes as 5 messages of at most 63
+    pages, none by rendezvous.  With fragments too small for a page
+    (UCX_TCP_TX_SEG_SIZE=2K) the run goes whole, by rendezvous; over shared
+    memory whole, whatever the tcp fragment."""
+    if fragment != "default":
+        monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", fragment)
+    layout = Layout((4096,) * 4, 400)
+    side_src, side_dst = Side(layout, rank=0, seed=9), Side(layout, rank=0)
+    prefill = res.manager(side_src, "prefill", bootstrap.address)
+    decode = res.manager(side_dst, "decode")
+    expected = side_dst.snapshot()
+    plan = Plan(1, np.arange(50, 350), np.arange(0, 300, dtype=np.int32), [np.arange(50, 350)],
+                None, None)
+    run_in_process(prefill, decode, bootstrap.address, [plan])
+    expected.apply(side_src, plan.src, plan.dst, plan.src_aux, plan.dst_aux)
+    expected.check(side_dst)
+    ops, rndv = prefill.stats()["rma_ops_posted"], decode.stats()["data_rendezvous"]
+    eager = transport == "tcp" and fragment == "default"
+    assert TCP_EAGER_BYTES // 4096 == 63
+    # (Over shared memory the decode reads each run whole: no rendezvous.)
+    whole = (4, 4 if transport == "tcp" else 0)
+    assert (ops, rndv) == ((4 * 5, 0) if eager else whole), (ops, rndv)
+    assert ops == room_messages(plan.src, plan.dst, layout.kv_item_lens, (),
+                                auto_run_bytes(transport, 4096),
+                                transport=transport if fragment == "default" else "")
 
 
 def test_eager_pieces_of_odd_lengths_at_odd_addresses(transport, res, bootstrap):
@@ -550,9 +581,14 @@ def test_packed_and_scattered_messages_are_byte_exact(transport, res, bootstrap,
     scattered message is packed into a contiguous copy while fewer than
     pack_bytes of copies are in flight, and sent scattered otherwise; with
     kvrecv's setting (zero-copy off) and over shared memory never.  Every
-    mix lands the same bytes."""
+    mix lands the same bytes.  (tcp fragments of 2 KiB here, too small for
+    kvrecv's eager messages: a message that fits one fragment goes eagerly,
+    unpacked, and with the default fragment every message of these rooms
+    would.)"""
     if zcopy is not None:
         monkeypatch.setenv("UCX_ZCOPY_THRESH", zcopy)
+    if transport == "tcp":
+        monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "2K")
     rng = np.random.default_rng(11)
     plans = make_plans(rng, STD)
     src = Side(STD, rank=0, seed=77)
