@@ -6,10 +6,13 @@ apart on a shared host.
     python benchmarks/ucx_ab.py [--rounds N] [--tls tcp|shm] [--only NAME] [--no-nixl]
                                 [--arm NAME=VAR=VALUE,VAR=VALUE ...]
 
-Without --arm: "before", kvrecv with its default tcp fragment sizes
-(UCX_TCP_TX_SEG_SIZE=256K, UCX_TCP_RX_SEG_SIZE=512K), and "after", the
-2 MiB fragments into 4 MiB buffers measured as an opt-in (README).  A variable an arm sets
-wins over kvrecv's own setting of it (ucxtune.c).  Prints per point each
+Without --arm: "default", kvrecv with its default tcp fragment sizes
+(UCX_TCP_TX_SEG_SIZE=256K, UCX_TCP_RX_SEG_SIZE=512K), and "512k", the
+512 KiB fragments into 1 MiB buffers measured as an opt-in (README).  A
+variable an arm sets wins over kvrecv's own setting of it (ucxtune.c); an
+arm that sets PYTHONPATH to another source tree with its own in-place build
+runs that build (README, tcp messages: the build before a change against
+the one after).  Prints per point each
 arm's median GB/s, median CPU s/GB of both processes and its round-by-round
 ratio to NIXL (median), and writes benchmarks/results/ucx_ab.json.  Needs
 what run.py needs (NIXL optional)."""
@@ -28,8 +31,8 @@ import common as C  # noqa: E402
 import run as R  # noqa: E402
 from cma_ab import arm_rows, round_ratio, rounds_in_turn  # noqa: E402
 
-DEFAULT_ARMS = {"before": {"UCX_TCP_TX_SEG_SIZE": "256K", "UCX_TCP_RX_SEG_SIZE": "512K"},
-                "after": {"UCX_TCP_TX_SEG_SIZE": "2M", "UCX_TCP_RX_SEG_SIZE": "4M"}}
+DEFAULT_ARMS = {"default": {"UCX_TCP_TX_SEG_SIZE": "256K", "UCX_TCP_RX_SEG_SIZE": "512K"},
+                "512k": {"UCX_TCP_TX_SEG_SIZE": "512K", "UCX_TCP_RX_SEG_SIZE": "1M"}}
 
 
 def parse_arm(text):

@@ -118,16 +118,17 @@ static void kvr_post_limits(const kvr_engine_t *e, const kvr_room_t *r, kvr_plan
     } else {
         /* Over tcp every message of KV pages fits one fragment: it goes
          * eagerly, with no rendezvous round trip, each side copying it once
-         * into or out of UCX's fragment (contiguous 1 MiB runs 1.4x faster,
-         * random 64 KiB pages 1.9x; measured, README). */
+         * into or out of UCX's fragment (contiguous runs 1.2-1.6x faster,
+         * random 64 KiB pages 2x; measured, benchmarks/README.md). */
         uint64_t n = eager / e->kv_item_max;
         max_pages = n < max_pages ? (uint32_t)n : max_pages;
         cap = cap < eager ? cap : eager;
     }
     if (run_bytes == 0) {
         /* auto: over shared memory UCX moves a scattered message at memory
-         * speed, so every run is coalesced; so is every run over tcp, into
-         * messages of one fragment.  Otherwise a scattered message is
+         * speed, so every run is coalesced; so is every run over tcp
+         * shorter than a fragment, into messages of one fragment.  Without
+         * the fragment (an item larger, another lane) a scattered message is
          * packed into one copy first, which beats a message per run for
          * 16 KiB runs and loses from 64 KiB (with 256 KiB tcp fragments;
          * measured, README). */

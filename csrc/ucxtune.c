@@ -17,17 +17,17 @@
  * UCX_TCP_TX_SEG_SIZE (default 8 KiB), each with its own header, send call
  * and receiver-side handling.  256 KiB fragments into 512 KiB receive
  * buffers moved 16 MiB messages 1.3-1.7x faster here (ucx_perftest tag_bw
- * -e; kvrecv's 16 MiB rooms 3.4-3.6 -> 5.1-5.4 GB/s).  2 MiB fragments into
- * 4 MiB buffers moved contiguous 1-16 MiB runs 1.05-1.5x faster again,
- * with 15-35 % less CPU per byte (UCX sends a message of up to one
- * fragment eagerly: a 1 MiB run is one send call, no rendezvous round
- * trip; benchmarks/README.md, tcp fragments), but are not the default:
- * UCX grows its tcp buffer pools 8 fragments at a time per worker, and
- * with 40 peers in one process built with AddressSanitizer
- * (tests/test_peer_death.py, 40 decodes) the first transfers failed in
- * 2-3 of 5 runs (none with 256 KiB): in the run looked into, the decodes
- * declared the prefill silent; a 5 s heartbeat timeout did not stop it.
- * Not explained further.
+ * -e; kvrecv's 16 MiB rooms 3.4-3.6 -> 5.1-5.4 GB/s).  kvrecv's messages
+ * of KV pages each fit one fragment and go eagerly (post.c), so the
+ * fragment is also the most a message holds: 512 KiB fragments moved
+ * random 64 KiB pages 1.1x faster and other points within noise
+ * (benchmarks/README.md, tcp messages), for twice the buffer memory per
+ * worker; 2 MiB ones no faster, and with 40 peers in one process built
+ * with AddressSanitizer (tests/test_peer_death.py, 40 decodes) the first
+ * transfers failed in 1 of 5 runs (UCX grows its tcp buffer pools 8
+ * fragments at a time per worker; in a run looked into, the decodes
+ * declared the prefill silent and a 5 s heartbeat timeout did not stop
+ * it; none of 15 with 512 KiB).  Not explained further.
  *
  * tcp zero-copy sends: UCX 1.13 aborts the sending process (uct_iface.h
  * "Assertion `comp->count > 0' failed", status ENDPOINT_TIMEOUT) when a
