@@ -559,6 +559,10 @@ void kvr_bind_request_locked(kvr_engine_t *e, kvr_room_t *r, kvr_peer_t *p, uint
                              int64_t aux_index, const int64_t *states,
                              kvr_slot_lists_t *lists, uint32_t npages, int32_t *pages);
 void kvr_pending_free(kvr_engine_t *e, kvr_pending_t *pd);
+/* Prefill: decode p failed with code: the rooms it asked for whose sender
+ * is not created yet fail with that cause when it is (kvr_handle_open). */
+void kvr_pending_peer_failed_locked(kvr_engine_t *e, const kvr_peer_t *p, int code,
+                                    const char *what);
 /* A message from peer p (a decode on our ROUTER, or the prefill on our
  * connection) that either side may get: ROOM_FAIL, BYE; anything else is
  * counted as dropped.  The dispatchers of both sides end here. */

@@ -117,9 +117,9 @@ int kvr_handle_open(kvr_engine_t *e, uint64_t room, const char *bootstrap_addr,
     r->refs = 2; /* table + handle */
     kvr_failure_t prior;
     if (kvr_registry_pop_early(&e->registry, room, &prior) &&
-        (prior.from_sibling || prior.from_remote) &&
         kvr_now_ns() - prior.time_ns < e->cfg.bootstrap_timeout_ms * KVR_MS) {
-        /* A sibling or the peer failed this room before this rank opened it. */
+        /* A sibling or the peer failed this room before this rank opened
+         * it, or the decode that asked for it failed (a prefill). */
         kvr_room_fail_locked(e, r, &prior, 0);
     }
     if (e->mode == KVR_MODE_PREFILL) {

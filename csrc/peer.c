@@ -398,6 +398,9 @@ void kvr_peer_fail_locked(kvr_engine_t *e, kvr_peer_t *p, int code, const char *
     kvr_log_write(&e->log, failed ? KVR_LOG_WARNING : KVR_LOG_INFO,
                   "%s rank %d: %s: %s %s (%d room(s) failed)", kvr_side(e), e->rank,
                   kvr_status_name(code), p->name, what, failed);
+    if (e->mode == KVR_MODE_PREFILL) {
+        kvr_pending_peer_failed_locked(e, p, code, what);
+    }
     kvr_peer_set_state(p, KVR_PEER_FAILED);
     kvr_peer_disconnect(e, p);
     if (waiting) {

@@ -193,6 +193,28 @@ static kvr_pending_t *kvr_pending_of(kvr_pending_t *pd, const kvr_peer_t *p)
     return pd;
 }
 
+void kvr_pending_peer_failed_locked(kvr_engine_t *e, const kvr_peer_t *p, int code,
+                                    const char *what)
+{
+    KVR_ASSERT_LOCKED(e);
+    kvr_pending_t *pd;
+    uint64_t room;
+    for (kvr_table_iter_t it = {0}; (pd = kvr_table_next(&e->pending, &it, &room)) != NULL;) {
+        if (kvr_pending_of(pd, p) == NULL) {
+            continue;
+        }
+        /* Its request is gone with it (the timers drop it): without this
+         * record the sender would wait out the bootstrap timeout for a
+         * request that does not come again. */
+        kvr_failure_t f;
+        kvr_failure_fill(&f, code, e->rank, p->name,
+                         "room %" PRIu64 ": %s %s (after it asked for the room, before this "
+                         "prefill's sender for it was created)",
+                         room, p->name, what);
+        kvr_registry_record_early(&e->registry, room, &f);
+    }
+}
+
 /*
  * Head layouts (group.c): request pd of a decode rank joins the requests
  * old of other decode ranks for the same room, each to become a leg; it

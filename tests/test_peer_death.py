@@ -194,6 +194,42 @@ def test_decode_killed(fail_bs, fail_closer, fail_spawn, monkeypatch, tls):
     _assert_no_rooms(p, d2)
 
 
+@pytest.mark.parametrize("tls", sorted(FAIL_TLS))
+def test_decode_killed_after_asking_before_the_sender_exists(fail_bs, fail_closer, fail_spawn,
+                                                             monkeypatch, tls):
+    """The decode asked for a room (its request waits on the prefill) before
+    the prefill's scheduler created the room's sender, then died.  The
+    sender created after that fails at once with PEER_LOST naming the
+    decode, not with BOOTSTRAP when the bootstrap timeout ends: the request
+    went with the peer, and no other will come.  A room the decode never
+    asked for still waits for its decode."""
+    monkeypatch.setenv("UCX_TLS", FAIL_TLS[tls])
+    p, _pkv, _paux = _prefill(fail_bs.address, seed=14)
+    fail_closer(p)
+    child = fail_spawn("decode", fail_bs.address)
+    st = child.call("open_receiver", room=601, pages=[0, 1, 2, 3], aux=0)["state"]
+    assert st in (KVPoll.WaitingForInput, KVPoll.Transferring), st  # its request sent
+    _wait_until(lambda: p.stats()["pending_requests"] == 1, 10, "the decode's request pending")
+    t_kill = child.kill()
+    _wait_until(lambda: p.stats()["pending_requests"] == 0, 10, "the dead decode's request dropped")
+    print(f"decode SIGKILL: its pending request dropped after {time.monotonic() - t_kill:.3f} s")
+    s = KVSender(p, fail_bs.address, 601)
+    s.init(4, aux_index=0)
+    unasked = KVSender(p, fail_bs.address, 602)
+    unasked.init(4)
+    st, el = _wait_state(s, TERMINAL, 2)
+    assert st == KVPoll.Failed, f"room 601: {st} {el:.3f} s after its sender was created"
+    e = _exc(s)
+    assert type(e) is KVPeerLostError and e.code == "PEER_LOST", (type(e), e.code, e.failure_reason)
+    assert e.bootstrap_room == 601
+    assert e.failure_reason.startswith("room 601: decode rank 0"), e.failure_reason
+    assert e.failure_reason.endswith("(after it asked for the room, before this prefill's sender "
+                                     "for it was created)"), e.failure_reason
+    assert unasked.poll() == KVPoll.Bootstrapping
+    s.clear()
+    unasked.clear()
+
+
 # --------------------------------------------------------------------------
 # 4b/5b. A peer dies while big rooms are in flight
 # --------------------------------------------------------------------------
