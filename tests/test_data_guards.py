@@ -17,8 +17,8 @@ import pytest
 
 from kvrecv import (KVPoll, KVProtocolError, KVReceiver, KVSender, KVTimeoutError,
                     KVTransportError)
-from kvtest import (CANARY, TCP_NO_EAGER_FRAGMENT, Expected, Layout, Side, describe_failure, terminal, wait_for,
-                    wait_until)
+from kvtest import (CANARY, TCP_NO_EAGER_FRAGMENT, Expected, Layout, Side, describe_failure,
+                    terminal, wait_for, wait_until)
 
 pytestmark = pytest.mark.timeout(60)
 
