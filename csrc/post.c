@@ -117,8 +117,8 @@ static void kvr_post_limits(const kvr_engine_t *e, const kvr_room_t *r, kvr_plan
         eager = 0;
     } else {
         /* Over tcp every message of KV pages fits one fragment: it goes
-         * eagerly, with no rendezvous round trip, each side copying it once
-         * into or out of UCX's fragment (contiguous runs 1.2-1.6x faster,
+         * eagerly, with no rendezvous round trip, the decode copying it
+         * once out of UCX's fragment (contiguous runs 1.2-1.6x faster,
          * random 64 KiB pages 2x; measured, benchmarks/README.md). */
         uint64_t n = eager / e->kv_item_max;
         max_pages = n < max_pages ? (uint32_t)n : max_pages;
