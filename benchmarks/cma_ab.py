@@ -120,8 +120,9 @@ def main():
             pairs = [(read_name(n), y) for n in reads for y in ("fifo", "nixl")] + [("fifo", "nixl")]
             pairs += [("default", "fifo"), ("default", "nixl")]
             for x, y in pairs:
-                if x in got and y in got and round_ratio(got, x, y):
-                    ratios[f"{x}/{y}"] = round_ratio(got, x, y)
+                r = round_ratio(got, x, y) if x in got and y in got else None
+                if r:
+                    ratios[f"{x}/{y}"] = r
             out["points"][C.point_name(p)] = {"runs": row, "ratios": ratios}
             med = {k: round(statistics.median(v["gbps"]), 3) for k, v in row.items() if v["gbps"]}
             cpu = {k: round(statistics.median(v["cpu_s_per_gb"]), 3)

@@ -96,6 +96,13 @@ void kvr_timer_silences_locked(kvr_engine_t *e)
     }
 }
 
+/* Time from t to now, 0 if t is later: rooms failed in this pass (their
+ * deadline) were stamped after the pass took its `now`. */
+static uint64_t kvr_timer_since(uint64_t now, uint64_t t)
+{
+    return now > t ? now - t : 0;
+}
+
 /*
  * Failing rooms whose peer was declared dead (heartbeat silence, endpoint
  * error) but whose operations never completed: UCX endpoints without
@@ -104,13 +111,6 @@ void kvr_timer_silences_locked(kvr_engine_t *e)
  * declare the room drained.  A dead peer sends nothing more; a live one
  * (an abort) is always waited for.
  */
-/* Time from t to now, 0 if t is later: rooms failed in this pass (their
- * deadline) were stamped after the pass took its `now`. */
-static uint64_t kvr_timer_since(uint64_t now, uint64_t t)
-{
-    return now > t ? now - t : 0;
-}
-
 static void kvr_timer_drains_locked(kvr_engine_t *e, uint64_t now)
 {
     KVR_ASSERT_LOCKED(e);

@@ -17,6 +17,7 @@ from kvtest import (
     SMALL,
     STD,
     TCP_EAGER_BYTES,
+    TCP_NO_EAGER_FRAGMENT,
     Layout,
     TRANSPORTS,
     WIDE,
@@ -510,13 +511,13 @@ def test_small_rooms_over_shared_memory_go_as_eager_messages(transport, res, boo
     assert zero_failures(prefill.stats()) and zero_failures(decode.stats())
 
 
-@pytest.mark.parametrize("fragment", ["default", "2K"])
+@pytest.mark.parametrize("fragment", ["default", TCP_NO_EAGER_FRAGMENT])
 def test_tcp_messages_fit_one_fragment(transport, res, bootstrap, fragment, monkeypatch):
     """Over tcp every message of KV pages fits one of UCX's fragments, sent
     eagerly: a 1.2 MiB run of 4 KiB pages goes as 5 messages of at most 63
     pages, none by rendezvous.  With fragments too small for a page
-    (UCX_TCP_TX_SEG_SIZE=2K) the run goes whole, by rendezvous; over shared
-    memory whole, whatever the tcp fragment."""
+    (UCX_TCP_TX_SEG_SIZE=TCP_NO_EAGER_FRAGMENT) the run goes whole, by
+    rendezvous; over shared memory whole, whatever the tcp fragment."""
     if fragment != "default":
         monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", fragment)
     layout = Layout((4096,) * 4, 400)
@@ -581,14 +582,14 @@ def test_packed_and_scattered_messages_are_byte_exact(transport, res, bootstrap,
     scattered message is packed into a contiguous copy while fewer than
     pack_bytes of copies are in flight, and sent scattered otherwise; with
     kvrecv's setting (zero-copy off) and over shared memory never.  Every
-    mix lands the same bytes.  (tcp fragments of 2 KiB here, too small for
-    kvrecv's eager messages: a message that fits one fragment goes eagerly,
-    unpacked, and with the default fragment every message of these rooms
-    would.)"""
+    mix lands the same bytes.  (tcp fragments of TCP_NO_EAGER_FRAGMENT here,
+    too small for kvrecv's eager messages: a message that fits one fragment
+    goes eagerly, unpacked, and with the default fragment every message of
+    these rooms would.)"""
     if zcopy is not None:
         monkeypatch.setenv("UCX_ZCOPY_THRESH", zcopy)
     if transport == "tcp":
-        monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", "2K")
+        monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", TCP_NO_EAGER_FRAGMENT)
     rng = np.random.default_rng(11)
     plans = make_plans(rng, STD)
     src = Side(STD, rank=0, seed=77)
