@@ -49,7 +49,7 @@ if os.environ.get("KVRECV_SANITIZE"):
     libs = libs + [f"-fsanitize={san}"]
 
 core_sources = ["status.c", "table.c", "registry.c", "log.c", "wire.c", "auth.c", "room.c", "hist.c", "ucxaddr.c", "heap.c", "peerstate.c", "pagecopy.c",
-                "ucxlog.c", "ucxtune.c", "transport.c", "control.c", "cuda.c", "testhook.c", "engine.c", "work.c", "peer.c",
+                "ucxlog.c", "ucxtune.c", "transport.c", "tplane.c", "lane.c", "lanelisten.c", "control.c", "cuda.c", "testhook.c", "engine.c", "work.c", "peer.c",
                 "sibling.c", "op.c", "stage.c", "plan.c", "stateslice.c", "group.c", "post.c", "cma.c", "proto_prefill.c", "proto_decode.c",
                 "timer.c", "handle.c", "state.c"]
 py_sources = ["module.c", "manager.c", "room.c", "bootstrap.c"]

@@ -4,7 +4,7 @@ run.py's grid, so that the arms are compared rounds a fraction of a second
 apart on a shared host.
 
     python benchmarks/ucx_ab.py [--rounds N] [--tls tcp|shm] [--only NAME] [--no-nixl]
-                                [--arm NAME=VAR=VALUE,VAR=VALUE ...]
+                                [--arm NAME=VAR=VALUE,VAR=VALUE ...] [--out FILE]
 
 Without --arm: "default", kvrecv with its default tcp fragment sizes
 (UCX_TCP_TX_SEG_SIZE=256K, UCX_TCP_RX_SEG_SIZE=512K), and "512k", the
@@ -14,7 +14,8 @@ arm that sets PYTHONPATH to another source tree with its own in-place build
 runs that build (README, tcp messages: the build before a change against
 the one after).  Prints per point each
 arm's median GB/s, median CPU s/GB of both processes and its round-by-round
-ratio to NIXL (median), and writes benchmarks/results/ucx_ab.json.  Needs
+ratio to NIXL (median), and writes benchmarks/results/ucx_ab.json (or
+--out, a name in that folder).  Needs
 what run.py needs (NIXL optional)."""
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ def main():
     ap.add_argument("--tls", choices=("tcp", "shm"), default="tcp")
     ap.add_argument("--only", default="", help="points whose name contains this")
     ap.add_argument("--no-nixl", action="store_true")
+    ap.add_argument("--out", default="ucx_ab.json", help="results file (benchmarks/results/)")
     ap.add_argument("--arm", action="append", default=[],
                     help="NAME=VAR=VALUE,VAR=VALUE (repeatable); replaces the default arms")
     a = ap.parse_args()
@@ -73,7 +75,7 @@ def main():
     finally:
         for s in srv.values():
             s.close()
-    C.save_result("ucx_ab.json", out)
+    C.save_result(a.out, out)
 
 
 if __name__ == "__main__":

@@ -7,6 +7,7 @@
  */
 #define _GNU_SOURCE /* pthread_setname_np */
 #include "engine_int.h"
+#include "testhook.h"
 
 #include <errno.h>
 #include <inttypes.h>
@@ -90,6 +91,7 @@ void kvr_config_default(kvr_config_t *cfg)
     cfg->staging_slot_bytes = 4u << 20;
     cfg->force_staging = 0;
     cfg->cross_memory_bytes = KVR_CMA_DEFAULT_BYTES; /* both sides must have it */
+    cfg->tcp_lane = 1;                               /* both sides must have it */
 }
 
 int kvr_err(char *err, size_t errlen, int code, const char *fmt, ...)
@@ -484,6 +486,16 @@ static int kvr_engine_open_ctl(kvr_engine_t *e, char *err, size_t errlen)
                        e->cfg.ctrl_queue_bytes, &ccb, &e->ctl, err, errlen) != 0) {
         return KVR_ESYSTEM;
     }
+    if (e->mode == KVR_MODE_PREFILL && e->cfg.tcp_lane && e->ndev == 0) {
+        /* Where decodes connect their tcp lanes (lane.h); without it their
+         * data goes through UCX. */
+        char lerr[256];
+        if (kvr_tp_lane_listen(e->tp, e->host, lerr, sizeof(lerr)) != 0) {
+            kvr_log_write(&e->log, KVR_LOG_WARNING,
+                          "prefill rank %d: no tcp lanes (%s); data goes through UCX", e->rank,
+                          lerr);
+        }
+    }
     if (e->mode == KVR_MODE_PREFILL) {
         char ep[192];
         if (e->bootstrap_addr[0] == '\0') {
@@ -807,6 +819,8 @@ void kvr_engine_stats(kvr_engine_t *e, kvr_stats_t *s)
     s->pending_requests = e->pending.count;
     if (e->tp != NULL) {
         s->data_packed = kvr_tp_packed(e->tp);
+        s->lane_messages = kvr_tp_lane_frames(e->tp);
+        s->lane_port = kvr_tp_lane_port(e->tp);
         s->pack_cached_bytes = kvr_tp_pack_cached(e->tp);
         s->ucx_workers = kvr_tp_nworkers(e->tp, &s->ucx_workers_created);
     }
@@ -818,6 +832,7 @@ void kvr_engine_test_corrupt(kvr_engine_t *e, int mode)
 {
     kvr_engine_lock(e);
     e->test_corrupt = mode;
+    kvr_tp_test_bad_frames(e->tp, mode == KVR_TEST_CORRUPT_FRAME);
     kvr_engine_unlock(e);
 }
 

@@ -58,6 +58,7 @@ typedef struct {
     int force_staging;              /* stage device memory even where UCX could move it */
     int poll_progress;              /* decode: poll() may progress UCX (kvr_handle_poll) */
     uint32_t cross_memory_bytes;    /* same-host pieces this long go as cross-memory reads (cma.c); 0: never */
+    int tcp_lane;                   /* data over kvrecv's own tcp connection where UCX uses tcp (lane.h) */
 } kvr_config_t;
 
 /* The defaults.  The binding hands them to Python (config_defaults), and a
@@ -158,6 +159,9 @@ typedef struct {
     uint64_t cma_reads;           /* decode: data pieces read from the prefill's memory (cma.c) */
     uint64_t cma_bytes;           /* decode: bytes those reads moved */
     uint64_t staging_waits;       /* prefill: times a room waited for a free slot */
+    uint64_t lane_messages;       /* data messages sent (prefill) or accepted (decode) over
+                                     kvrecv's tcp lanes (lane.h) */
+    uint64_t lane_port;           /* prefill: the port decodes connect lanes to (0: none) */
 } kvr_stats_t;
 
 /* Creates the manager and starts its thread.  Blocks only for local set-up. */

@@ -73,6 +73,9 @@
 #define KVR_SCAN_NS (5 * KVR_MS) /* period of the timer scans over all rooms */
 #define KVR_BUSY_POLL_NS (100 * 1000) /* socket polls of a busy engine loop */
 #define KVR_TCP_RUN_BYTES (64u << 10)  /* auto coalesce_run_bytes over tcp */
+/* Decode: the longest its rooms wait for a tcp lane's handshake before the
+ * data goes through UCX instead (lane.h). */
+#define KVR_LANE_WAIT_MS 1000u
 #define KVR_SHM_EAGER_ROOM_BYTES (512u << 10) /* rooms sent as eager messages over shm */
 /* Default cross_memory_bytes: messages of 1 MiB and more over shared memory
  * go as cross-memory reads (cma.c), one kernel copy against two through the
@@ -133,6 +136,10 @@ typedef struct kvr_peer {
      * offer no more. */
     int cma, cma_refused;
     uint32_t cma_pid;
+    /* Decode: connecting, its tcp lane (lane.h) in its handshake until
+     * lane_wait_until_ns: the rooms wait, so that the first goes over it. */
+    int lane_wait;
+    uint64_t lane_wait_until_ns;
     struct kvr_peer *next;      /* e->peers */
     struct kvr_peer *hnext;     /* same hash of (kind, key) in e->peer_index */
 } kvr_peer_t;
@@ -589,6 +596,9 @@ void kvr_decode_send_req_locked(kvr_engine_t *e, kvr_room_t *r);
  * HELLO; a HELLO unanswered for heartbeat_timeout_ms is said again on a
  * fresh connection (timer.c). */
 void kvr_decode_hello_locked(kvr_engine_t *e, kvr_peer_t *p);
+/* Decode: p's tcp lane came up, failed, or was waited for long enough
+ * (timer.c): the peer is ready, with or without it. */
+void kvr_decode_lane_settled_locked(kvr_engine_t *e, kvr_peer_t *p, uint64_t now);
 void kvr_on_conn_msg(void *arg, kvr_ctl_conn_t *conn, void *conn_ctx, const void *data,
                      size_t len);
 

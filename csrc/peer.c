@@ -303,6 +303,7 @@ void kvr_peer_disconnect(kvr_engine_t *e, kvr_peer_t *p)
         p->ep = NULL;
     }
     p->ep_err = 0; /* an error of the endpoint just retired */
+    p->lane_wait = 0;
     if (p->worker) {
         /* A connection to a peer never reuses a worker (a dead peer may
          * have left its shared-memory FIFO stopped).  From now on it is
@@ -509,6 +510,7 @@ void kvr_peer_hello(kvr_engine_t *e, kvr_peer_t *p)
     kvr_tp_shm_sizes(e->tp, &m.shm_seg, &m.shm_fifo);
     m.has_shm = 1;
     kvr_cma_offer(e, p, &m);
+    m.has_lane = e->cfg.tcp_lane && e->ndev == 0; /* lane.h */
     kvr_send_ctrl_to_peer(e, p, &m);
 }
 

@@ -112,7 +112,8 @@ static void kvr_post_limits(const kvr_engine_t *e, const kvr_room_t *r, kvr_plan
             cap = KVR_TP_SHM_EAGER_BYTES;
         }
     }
-    uint64_t eager = kvr_tp_ep_tcp_eager(r->peer->ep);
+    int lane = e->ndev == 0 && kvr_tp_ep_lane(r->peer->ep);
+    uint64_t eager = lane ? 0 : kvr_tp_ep_tcp_eager(r->peer->ep);
     if (e->ndev > 0 || eager < e->kv_item_max) {
         eager = 0;
     } else {
@@ -131,8 +132,10 @@ static void kvr_post_limits(const kvr_engine_t *e, const kvr_room_t *r, kvr_plan
          * the fragment (an item larger, another lane) a scattered message is
          * packed into one copy first, which beats a message per run for
          * 16 KiB runs and loses from 64 KiB (with 256 KiB tcp fragments;
-         * measured, README). */
-        run_bytes = shm ? UINT64_MAX : eager ? eager : KVR_TCP_RUN_BYTES;
+         * measured, README).  Over a tcp lane (lane.h) a message of any
+         * length or number of pieces goes from the pages into the pages:
+         * every run is coalesced, as over shared memory. */
+        run_bytes = shm || lane ? UINT64_MAX : eager ? eager : KVR_TCP_RUN_BYTES;
     }
     if (shm && r->peer->cma && e->cfg.cross_memory_bytes > 0 &&
         run_bytes > e->cfg.cross_memory_bytes) {

@@ -177,7 +177,7 @@ void kvr_on_data(void *arg, kvr_tp_worker_t *w, const void *hdr, size_t hdr_len,
     kvr_msg_pieces(e, &h, r->pages, r->aux_index, r->states, &r->lists, s, sl, op->iov, &want);
     kvr_room_advance(r, KVR_POLL_TRANSFERRING); /* first byte */
     r->peer->last_data_ns = kvr_now_ns();
-    e->stats.data_rendezvous += rndv != 0;
+    e->stats.data_rendezvous += rndv == 1;
     int dev = 0;
     for (uint32_t b = h.buf; b < (uint32_t)h.buf + h.nbuf; b++) {
         dev |= h.kind == KVR_AM_KIND_KV ? e->kv_dev[b] : e->aux_dev[b];
@@ -383,6 +383,64 @@ void kvr_decode_hello_locked(kvr_engine_t *e, kvr_peer_t *p)
     p->next_try_ns = kvr_now_ns() + e->cfg.heartbeat_timeout_ms * KVR_MS;
 }
 
+/* Decode: p's handshake is done (and its lane settled): rooms may go. */
+static void kvr_decode_peer_ready_locked(kvr_engine_t *e, kvr_peer_t *p)
+{
+    KVR_ASSERT_LOCKED(e);
+    kvr_peer_set_state(p, KVR_PEER_READY);
+    p->verified_ns = kvr_now_ns();
+    kvr_log_write(&e->log, KVR_LOG_INFO, "decode rank %d connected to %s%s", e->rank, p->name,
+                  kvr_tp_ep_lane_state(p->ep) == 1 ? " (data over a tcp lane)" : "");
+    p->next_ping_ns = kvr_now_ns() + e->cfg.heartbeat_interval_ms * KVR_MS;
+    kvr_service_peer_rooms_locked(e, p);
+}
+
+void kvr_decode_lane_settled_locked(kvr_engine_t *e, kvr_peer_t *p, uint64_t now)
+{
+    KVR_ASSERT_LOCKED(e);
+    int st = kvr_tp_ep_lane_state(p->ep);
+    if (st == 0 && now < p->lane_wait_until_ns) {
+        return;
+    }
+    p->lane_wait = 0;
+    if (st != 1) {
+        kvr_tp_lane_abandon(p->ep);
+        kvr_log_write(&e->log, KVR_LOG_WARNING,
+                      "decode rank %d: the tcp lane to %s %s; its data comes through UCX",
+                      e->rank, p->name,
+                      st == 0 ? "did not answer its handshake in time" : "was refused or closed");
+    }
+    kvr_decode_peer_ready_locked(e, p);
+}
+
+/* Decode: connects the tcp lane prefill p offered (lane.h), if our UCX
+ * endpoint to it runs over tcp; 1 if its handshake is under way (without
+ * one the data comes through UCX). */
+static int kvr_decode_lane_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
+{
+    KVR_ASSERT_LOCKED(e);
+    if (!m->has_lane || !e->cfg.tcp_lane || e->ndev > 0 || kvr_tp_ep_tcp_eager(p->ep) == 0) {
+        return 0;
+    }
+    /* Its host is the one its control endpoint has: tcp://host:port. */
+    char host[KVR_WIRE_MAX_STR + 1], err[256];
+    const char *h = strncmp(p->conn_ep, "tcp://", 6) == 0 ? p->conn_ep + 6 : p->conn_ep;
+    const char *colon = strrchr(h, ':');
+    size_t n = colon != NULL ? (size_t)(colon - h) : strlen(h);
+    if (n >= 2 && h[0] == '[' && h[n - 1] == ']') {
+        h++;
+        n -= 2;
+    }
+    snprintf(host, sizeof(host), "%.*s", (int)n, h);
+    if (kvr_tp_lane_connect(p->ep, host, m->lane_port, m->lane_token, err, sizeof(err)) != 0) {
+        kvr_log_write(&e->log, KVR_LOG_WARNING,
+                      "decode rank %d: no tcp lane to %s (%s); its data comes through UCX",
+                      e->rank, p->name, err);
+        return 0;
+    }
+    return 1;
+}
+
 /* Decode: the prefill accepted our HELLO: check its layout, connect our
  * endpoint to its worker, and the peer is ready. */
 static void kvr_on_hello_ok_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
@@ -418,11 +476,12 @@ static void kvr_on_hello_ok_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
         kvr_peer_fail_locked(e, p, KVR_TRANSPORT, what);
         return;
     }
-    kvr_peer_set_state(p, KVR_PEER_READY);
-    p->verified_ns = kvr_now_ns();
-    kvr_log_write(&e->log, KVR_LOG_INFO, "decode rank %d connected to %s", e->rank, p->name);
-    p->next_ping_ns = kvr_now_ns() + e->cfg.heartbeat_interval_ms * KVR_MS;
-    kvr_service_peer_rooms_locked(e, p);
+    if (kvr_decode_lane_locked(e, p, m)) {
+        p->lane_wait = 1;
+        p->lane_wait_until_ns = kvr_now_ns() + KVR_LANE_WAIT_MS * KVR_MS;
+        return; /* kvr_decode_lane_settled_locked, from the timers */
+    }
+    kvr_decode_peer_ready_locked(e, p);
 }
 
 /* Decode: the prefill refused our HELLO: every room bound to it fails with

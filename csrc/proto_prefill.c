@@ -484,6 +484,13 @@ static void kvr_on_hello_locked(kvr_engine_t *e, const void *ident, size_t ident
     kvr_msg_t reply = kvr_msg_hello(KVR_MSG_HELLO_OK, (uint32_t)e->rank, &layout, own,
                                     (uint32_t)own_len);
     kvr_cma_accept(e, p, m, &reply);
+    int port = m->has_lane && e->cfg.tcp_lane && e->ndev == 0
+                   ? kvr_tp_lane_offer(p->worker, reply.lane_token)
+                   : 0;
+    if (port > 0) {
+        reply.has_lane = 1;
+        reply.lane_port = (uint16_t)port;
+    }
     kvr_send_ctrl_to_peer(e, p, &reply);
 }
 

@@ -28,6 +28,7 @@ enum {
     KVR_TEST_CORRUPT_FLAG = 9,  /* data (not a descriptor) flagged as a read descriptor */
     KVR_TEST_CORRUPT_STAGE = 10, /* KV messages name the decode's buffers after their own
                                   * (a PP stage's: those of the next layers) */
+    KVR_TEST_CORRUPT_FRAME = 11, /* frames on a tcp lane with a wrong magic (lane.c) */
     KVR_TEST_CORRUPT_LAST
 };
 

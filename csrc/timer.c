@@ -50,6 +50,8 @@ static void kvr_timer_prefill_peer_locked(kvr_engine_t *e, kvr_peer_t *p, uint64
         } else if (p->state == KVR_PEER_RESOLVING && now >= p->next_try_ns) {
             kvr_bs_query(e, p, p->bs_conn);
             p->next_try_ns = now + 200 * KVR_MS;
+        } else if (p->state == KVR_PEER_CONNECTING && p->lane_wait) {
+            kvr_decode_lane_settled_locked(e, p, now);
         } else if (p->state == KVR_PEER_CONNECTING && now >= p->next_try_ns) {
             kvr_decode_hello_locked(e, p);
         }

@@ -13,78 +13,16 @@
 #include <ucs/sys/string.h>
 
 #include "pagecopy.h"
-#include "ucxaddr.h"
-#include "ucxtune.h"
+#include "transport_int.h"
 #include "ucxlog.h"
 
 #define KVR_AM_ID_DATA 7
-/* Freed bounce buffers kept for reuse (at most pack_max bytes of them, so
- * never more than packing already holds in flight): a fresh buffer costs a
- * page fault per 4 KiB at its first copy, which made packed sends of 1 MiB
- * 1.5-2x slower when most buffers were fresh.  The cache is freed when no
- * packed message was in flight for KVR_TP_PACK_IDLE_NS. */
-#define KVR_TP_PACK_CACHE 512
-#define KVR_TP_PACK_IDLE_NS (1000ull * 1000 * 1000)
 
 /* kvr_tp_iov_t arrays are handed to UCX as they are. */
 _Static_assert(sizeof(kvr_tp_iov_t) == sizeof(ucp_dt_iov_t) &&
                    offsetof(kvr_tp_iov_t, buf) == offsetof(ucp_dt_iov_t, buffer) &&
                    offsetof(kvr_tp_iov_t, len) == offsetof(ucp_dt_iov_t, length),
                "kvr_tp_iov_t must match ucp_dt_iov_t");
-
-typedef struct {
-    void *addr;
-    size_t len;
-    ucp_mem_h memh;
-} kvr_tp_region_t;
-
-struct kvr_tp_worker {
-    kvr_transport_t *tp;
-    uint64_t id;              /* unique in tp (operations name their worker by it) */
-    ucp_worker_h worker;
-    ucp_address_t *address;
-    size_t address_len;
-    int efd;
-    int retired;              /* its peer is gone: never progressed again */
-    struct kvr_tp_worker *prev, *next;
-};
-
-struct kvr_transport {
-    ucp_context_h context;
-    kvr_tp_worker_t *workers; /* every worker alive */
-    unsigned nworkers;
-    uint64_t workers_created; /* for peers */
-    kvr_tp_worker_t *spare;   /* made by kvr_tp_create, for the first peer */
-    int epfd;                 /* epoll set of the workers' event fds */
-    kvr_ucxaddr_ref_t addr_ref; /* this UCX's address version and transports */
-    kvr_tp_callbacks_t cb;
-    kvr_tp_region_t *regions;
-    size_t nregions;
-    unsigned eps_without_peer_errors;
-    int said_lanes[2];        /* the INFO line on endpoints [without, with] peer errors was logged */
-    char describe[256];
-    char tuned[192];                   /* UCX settings kvrecv changed (ucxtune.c) */
-    size_t tuned_bytes[KVR_TUNE_N];    /* their values in effect (0: not known) */
-    size_t pack_max;                   /* most bytes of bounce buffers in flight */
-    size_t pack_inflight;              /* bytes of bounce buffers in flight */
-    uint64_t packed;                   /* messages sent packed */
-    void *pack_cache[KVR_TP_PACK_CACHE]; /* freed bounce buffers, for reuse */
-    size_t pack_cache_cap[KVR_TP_PACK_CACHE];
-    int npack_cache;
-    size_t pack_cached;                /* bytes in pack_cache */
-    uint64_t pack_busy_ns;             /* last time a packed message was in flight */
-    int pack_used;                     /* a buffer was taken since the last trim */
-};
-
-struct kvr_tp_ep {
-    kvr_transport_t *tp;
-    kvr_tp_worker_t *w;
-    ucp_ep_h ep;
-    void *ep_ctx;
-    int failed;
-    int no_peer_errors; /* created without peer-failure handling */
-    size_t tcp_eager;   /* kvr_tp_ep_tcp_eager() */
-};
 
 /* ---- bounce buffers (packed scattered messages) ---- */
 
@@ -434,6 +372,7 @@ err_free:
 
 static void kvr_tp_worker_free(kvr_tp_worker_t *w)
 {
+    kvr_lane_free(w->lane);
     ucp_worker_release_address(w->worker, w->address);
     ucp_worker_destroy(w->worker);
     free(w);
@@ -471,6 +410,7 @@ int kvr_tp_worker_create(kvr_transport_t *tp, kvr_tp_worker_t **w_p, char *err, 
 void kvr_tp_worker_retire(kvr_tp_worker_t *w)
 {
     if (!w->retired) {
+        kvr_tp_lane_retire(w);
         w->retired = 1;
         epoll_ctl(w->tp->epfd, EPOLL_CTL_DEL, w->efd, NULL);
     }
@@ -522,6 +462,7 @@ void kvr_tp_destroy(kvr_transport_t *tp)
     }
     free(tp->regions);
     kvr_tp_pack_free_cache(tp); /* after the workers: nothing refers to them */
+    kvr_lane_listener_free(tp->lanes);
     ucp_cleanup(tp->context);
     close(tp->epfd);
     free(tp);
@@ -557,7 +498,7 @@ unsigned kvr_tp_progress(kvr_transport_t *tp)
     /* Bounded, so the engine lock is released between rounds even under a
      * flood of completions (API calls wait for that lock).  Callbacks may
      * retire workers but never destroy one (the engine's reaper does). */
-    unsigned total = 0, n;
+    unsigned total = kvr_tp_lanes_progress(tp), n;
     uint64_t last = kvr_tp_now_ns();
     for (kvr_tp_worker_t *w = tp->workers; w != NULL; w = w->next) {
         if (w->retired) {
@@ -802,6 +743,7 @@ void kvr_tp_ep_close(kvr_tp_ep_t *e, int force)
         }
         ucp_request_free(req);
     }
+    kvr_tp_lane_drop(e->w, e);
     free(e);
 }
 
@@ -826,6 +768,15 @@ int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *e, const void *hdr, size_t hdr
     op->tp = tp;
     op->worker_id = e->w->id;
     op->bounce = NULL;
+    op->req = NULL;
+    kvr_lane_t *lane = host ? kvr_tp_lane_for(e) : NULL;
+    if (lane != NULL) {
+        int rc = kvr_lane_send(lane, hdr, hdr_len, iov, iovcnt, tp->test_bad_frames, op,
+                               status_text);
+        tp->lane_frames += rc == KVR_TP_OK || rc == KVR_TP_PENDING;
+        kvr_tp_lane_sync(e->w);
+        return rc;
+    }
     ucp_request_param_t p;
     memset(&p, 0, sizeof(p));
     p.op_attr_mask = UCP_OP_ATTR_FIELD_CALLBACK | UCP_OP_ATTR_FIELD_USER_DATA |

@@ -55,6 +55,9 @@ enum {
     KVR_TP_PENDING = 4,   /* kvr_tp_send: in flight, on_send_done will say */
 };
 
+/* on_data's rndv for a message on a lane (lane.h). */
+#define KVR_TP_LANE 2
+
 /* One piece of a scattered buffer (laid out like UCX's ucp_dt_iov_t). */
 typedef struct {
     void *buf;
@@ -74,7 +77,8 @@ typedef struct {
 typedef struct {
     void *arg;
     /* A data message arrived: fill *acc.  rndv: the payload is still at the
-     * sender (a rendezvous receive into acc's pieces follows); otherwise it
+     * sender (a rendezvous receive into acc's pieces follows; KVR_TP_LANE:
+     * it follows on kvrecv's tcp lane, read into the pieces); otherwise it
      * is here and is copied into the pieces with memcpy (host memory only).
      * w: the worker it arrived on (only the room's peer's is the room's).
      * Called on the engine thread. */
@@ -237,6 +241,35 @@ void kvr_tp_shm_sizes(const kvr_transport_t *tp, uint32_t *seg, uint32_t *fifo);
  * uses. */
 #define KVR_TP_SHM_SEG_UCX_DEFAULT 8256u
 #define KVR_TP_SHM_FIFO_UCX_DEFAULT 64u
+
+/*
+ * kvrecv's tcp lanes (lane.h): a prefill's host data messages to a decode
+ * whose UCX endpoint runs over tcp go over the lane that decode connected,
+ * once it is up.  Prefill: kvr_tp_lane_listen once (0, or -1 with err: no
+ * lanes), then per decode kvr_tp_lane_offer on its worker: a token to hand
+ * it with the port (0 if none or no lanes; -1 when no random token could
+ * be drawn).  Decode: kvr_tp_lane_connect on its endpoint to the prefill
+ * with what the prefill offered (-1 with err: no lane, data through UCX).
+ */
+#define KVR_TP_LANE_TOKEN_LEN 16
+int kvr_tp_lane_listen(kvr_transport_t *tp, const char *host, char *err, size_t errlen);
+uint16_t kvr_tp_lane_port(const kvr_transport_t *tp);
+int kvr_tp_lane_offer(kvr_tp_worker_t *w, unsigned char token[KVR_TP_LANE_TOKEN_LEN]);
+int kvr_tp_lane_connect(kvr_tp_ep_t *ep, const char *host, uint16_t port,
+                        const unsigned char token[KVR_TP_LANE_TOKEN_LEN], char *err,
+                        size_t errlen);
+/* 1 if host data messages to ep go over a lane now (of any length: a
+ * frame is not a UCX fragment). */
+int kvr_tp_ep_lane(const kvr_tp_ep_t *ep);
+/* Decode: ep's lane is up (1), in its handshake (0), or failed or never
+ * connected (-1); kvr_tp_lane_abandon drops one still in its handshake. */
+int kvr_tp_ep_lane_state(const kvr_tp_ep_t *ep);
+void kvr_tp_lane_abandon(kvr_tp_ep_t *ep);
+/* Data messages sent (prefill) or accepted (decode) over lanes so far. */
+uint64_t kvr_tp_lane_frames(const kvr_transport_t *tp);
+/* Test suite only (testhook.h): frames sent from now on carry a wrong
+ * magic while on is set. */
+void kvr_tp_test_bad_frames(kvr_transport_t *tp, int on);
 
 /* Transports in use, comma separated (for stats and logs). */
 const char *kvr_tp_describe(kvr_transport_t *tp);

@@ -104,6 +104,7 @@ enum {
     KVR_HELLO_LAYERS = 16,
     KVR_HELLO_STATE_RULES = 32,
     KVR_HELLO_STATE_LISTS = 64,
+    KVR_HELLO_LANE = 128,
 };
 
 static void kvr_put_hello_fields(kvr_wbuf_t *b, const kvr_msg_t *m)
@@ -114,7 +115,8 @@ static void kvr_put_hello_fields(kvr_wbuf_t *b, const kvr_msg_t *m)
                  (m->layout.heads ? KVR_HELLO_HEADS : 0) | (m->has_cma ? KVR_HELLO_CMA : 0) |
                  (m->layout.layers ? KVR_HELLO_LAYERS : 0) |
                  (m->layout.nrules ? KVR_HELLO_STATE_RULES : 0) |
-                 (m->layout.state_lists ? KVR_HELLO_STATE_LISTS : 0);
+                 (m->layout.state_lists ? KVR_HELLO_STATE_LISTS : 0) |
+                 (m->has_lane ? KVR_HELLO_LANE : 0);
     if (x == 0) {
         return;
     }
@@ -151,6 +153,10 @@ static void kvr_put_hello_fields(kvr_wbuf_t *b, const kvr_msg_t *m)
     }
     if (x & KVR_HELLO_STATE_LISTS) {
         kvr_put_u8(b, (uint8_t)m->layout.state_lists);
+    }
+    if ((x & KVR_HELLO_LANE) && !hello) {
+        kvr_put_u16(b, m->lane_port);
+        kvr_wbuf_put(b, m->lane_token, sizeof(m->lane_token));
     }
 }
 
@@ -334,7 +340,7 @@ static void kvr_rd_hello_fields(kvr_rd_t *r, kvr_msg_t *m)
     }
     unsigned x = (unsigned)kvr_rd_int(r, 1, "truncated HELLO fields");
     unsigned known = KVR_HELLO_HEADS | KVR_HELLO_CMA | KVR_HELLO_LAYERS | KVR_HELLO_STATE_RULES |
-                     KVR_HELLO_STATE_LISTS |
+                     KVR_HELLO_STATE_LISTS | KVR_HELLO_LANE |
                      (m->type == KVR_MSG_HELLO ? KVR_HELLO_TCP_RX | KVR_HELLO_SHM : 0);
     if (x == 0 || (x & ~known)) {
         r->why = x == 0 ? "explicit empty HELLO fields" : "unknown HELLO fields";
@@ -395,6 +401,20 @@ static void kvr_rd_hello_fields(kvr_rd_t *r, kvr_msg_t *m)
         m->layout.state_lists = (uint32_t)kvr_rd_int(r, 1, "truncated state lists");
         if (!r->why && m->layout.state_lists == 0) {
             r->why = "explicit empty state lists";
+        }
+    }
+    if (x & KVR_HELLO_LANE) {
+        m->has_lane = 1;
+        if (m->type == KVR_MSG_HELLO_OK) {
+            uint64_t port = kvr_rd_int(r, 2, "truncated lane offer");
+            const unsigned char *t = NULL;
+            if (kvr_rd_take(r, sizeof(m->lane_token), &t, "truncated lane offer") == 0) {
+                memcpy(m->lane_token, t, sizeof(m->lane_token));
+            }
+            if (!r->why && port == 0) {
+                r->why = "explicit zero lane port";
+            }
+            m->lane_port = (uint16_t)port;
         }
     }
 }

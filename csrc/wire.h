@@ -64,7 +64,8 @@ typedef enum {
  * layers (only when layers > 0: 4 u32 pp_size, pp_rank, start_layer,
  * layers); state slicing rules (when nrules > 0: u32 nrules, then nrules
  * u32); the list components (when state_lists > 0: one byte, bit c for
- * component c).
+ * component c); the tcp lane (when has_lane: nothing in a HELLO; a
+ * HELLO_OK's port u16 and 16-byte token).
  * None: no flags byte. */
 typedef struct {
     uint32_t page_size;
@@ -134,6 +135,11 @@ typedef struct {
     unsigned char boot_id[16];
     uint32_t pid;
     uint64_t probe_addr;
+    /* HELLO: the decode takes a tcp lane (lane.h); HELLO_OK: the prefill
+     * offers one: its port and the token the decode says on it. */
+    uint8_t has_lane;
+    uint16_t lane_port;
+    unsigned char lane_token[16];
     uint8_t found;
     uint64_t peer_epoch;
     uint16_t code;

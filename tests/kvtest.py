@@ -189,10 +189,12 @@ TCP_NO_EAGER_FRAGMENT = "2K"
 
 
 def auto_run_bytes(transport: str, item_max: int = 0) -> int:
-    """KVConfig.coalesce_run_bytes=0 (auto): every run over shared memory,
-    over tcp runs under one fragment (TCP_EAGER_BYTES) if an item fits one,
-    else runs under 64 KiB (KVR_TCP_RUN_BYTES)."""
-    if transport == "shm":
+    """KVConfig.coalesce_run_bytes=0 (auto): every run over shared memory
+    and over tcp with kvrecv's tcp lane (transport "tcp", the default);
+    through UCX's tcp (transport "tcp-ucx": tcp_lane off, or fragments too
+    small for a lane) runs under one fragment (TCP_EAGER_BYTES) if an item
+    fits one, else runs under 64 KiB (KVR_TCP_RUN_BYTES)."""
+    if transport in ("shm", "tcp"):
         return 1 << 62
     return TCP_EAGER_BYTES if item_max <= TCP_EAGER_BYTES else 64 << 10
 
@@ -266,13 +268,14 @@ def room_messages(src, dst, kv_items, aux_items, run_bytes: int, cap: int = COAL
     """All data messages of a room of host buffers handed over at once
     (aux_items: the aux buffers' item lengths if the room has an aux row,
     else empty).  cap 0: no coalescing, one message per run and buffer.
-    transport "shm": small rooms go as eager messages; "tcp": messages of KV
-    pages are cut to one fragment; "": neither limit."""
+    transport "shm": small rooms go as eager messages; "tcp-ucx": messages of
+    KV pages are cut to one UCX fragment; "tcp" (a tcp lane) or "": neither
+    limit."""
     max_pages = 1 << 62
     if transport == "shm" and shm_eager_room(kv_items, aux_items, len(src)):
         max_pages = SHM_EAGER_BYTES // max(kv_items)
         cap = min(cap, SHM_EAGER_BYTES)
-    elif transport == "tcp" and max(kv_items) <= TCP_EAGER_BYTES:
+    elif transport == "tcp-ucx" and max(kv_items) <= TCP_EAGER_BYTES:
         max_pages = TCP_EAGER_BYTES // max(kv_items)
         cap = min(cap, TCP_EAGER_BYTES)
     merge = min(run_bytes, cap)

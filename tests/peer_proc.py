@@ -64,9 +64,27 @@ class PeerProcess(JsonLineChild):
 
     def freeze(self):
         """SIGSTOP: the process keeps its sockets and memory but stops
-        making progress, so whatever it had in flight stays in flight."""
+        making progress, so whatever it had in flight stays in flight.
+        Returns once every thread stopped (the signal is delivered
+        asynchronously: a thread running on another core goes on for a
+        moment after kill() returns)."""
         os.kill(self.proc.pid, signal.SIGSTOP)
         self._frozen = True
+        deadline = time.monotonic() + 5
+        while not self._all_stopped():
+            assert time.monotonic() < deadline, "the process did not stop within 5 s of SIGSTOP"
+            time.sleep(0.0002)
+
+    def _all_stopped(self) -> bool:
+        task = f"/proc/{self.proc.pid}/task"
+        try:
+            for tid in os.listdir(task):
+                with open(f"{task}/{tid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] not in ("T", "t"):
+                        return False
+        except FileNotFoundError:  # a thread (or the process) went meanwhile
+            return False
+        return True
 
     def thaw(self):
         """SIGCONT: a frozen process resumes where it stopped."""

@@ -108,8 +108,8 @@ def test_the_hook_is_off_by_default(res):
         assert wait_for(r, terminal()) == KVPoll.Success, describe_failure(r)
         r.clear()
         s.clear()
-    with pytest.raises(ValueError, match="no corruption mode 11"):
-        prefill._core._test_corrupt_data(11)
+    with pytest.raises(ValueError, match="no corruption mode 12"):
+        prefill._core._test_corrupt_data(12)
 
 
 @pytest.mark.parametrize("how", ["rendezvous", "eager"])

@@ -89,6 +89,8 @@ def test_prefill_killed(fail_bs, fail_closer, fail_spawn, monkeypatch, tls):
     assert _pages_equal(pkv, dkv, src[:2], [4, 5]), "room 402: the first half is wrong"
     for rid in (402, 403, 404, 405):
         assert rooms[rid].poll() == KVPoll.Transferring, (rid, rooms[rid].poll())
+    # Over tcp the data came over the tcp lane, which the kill cuts too.
+    assert (d.stats()["lane_messages"] > 0) == (tls == "tcp"), d.stats()["lane_messages"]
 
     failing = {rid: rooms[rid] for rid in (402, 403, 404, 405)}
     t_kill = child.kill()
@@ -166,6 +168,7 @@ def test_decode_killed(fail_bs, fail_closer, fail_spawn, monkeypatch, tls):
     assert st == KVPoll.Success, f"room 501: {st} after {el:.3f} s"
     want = len(src) * PAGE_BYTES + AUX_ITEM + 2 * PAGE_BYTES
     _wait_until(lambda: p.stats()["bytes_moved"] == want, 20, f"{want} bytes sent")
+    assert (p.stats()["lane_messages"] > 0) == (tls == "tcp"), p.stats()["lane_messages"]
 
     failing = {rid: senders[rid] for rid in (502, 503, 504)}
     t_kill = child.kill()

@@ -511,19 +511,21 @@ def test_small_rooms_over_shared_memory_go_as_eager_messages(transport, res, boo
     assert zero_failures(prefill.stats()) and zero_failures(decode.stats())
 
 
-@pytest.mark.parametrize("fragment", ["default", TCP_NO_EAGER_FRAGMENT])
+@pytest.mark.parametrize("fragment", ["lane", "default", TCP_NO_EAGER_FRAGMENT])
 def test_tcp_messages_fit_one_fragment(transport, res, bootstrap, fragment, monkeypatch):
-    """Over tcp every message of KV pages fits one of UCX's fragments, sent
-    eagerly: a 1.2 MiB run of 4 KiB pages goes as 5 messages of at most 63
-    pages, none by rendezvous.  With fragments too small for a page
-    (UCX_TCP_TX_SEG_SIZE=TCP_NO_EAGER_FRAGMENT) the run goes whole, by
-    rendezvous; over shared memory whole, whatever the tcp fragment."""
-    if fragment != "default":
+    """Over tcp through UCX (tcp_lane off) every message of KV pages fits one
+    of UCX's fragments, sent eagerly: a 1.2 MiB run of 4 KiB pages goes as 5
+    messages of at most 63 pages, none by rendezvous.  With fragments too
+    small for a page (UCX_TCP_TX_SEG_SIZE=TCP_NO_EAGER_FRAGMENT; no lane
+    then either) the run goes whole, by rendezvous; over kvrecv's tcp lane
+    (the default) whole, as a frame; over shared memory whole, whatever the
+    tcp fragment."""
+    if fragment == TCP_NO_EAGER_FRAGMENT:
         monkeypatch.setenv("UCX_TCP_TX_SEG_SIZE", fragment)
     layout = Layout((4096,) * 4, 400)
     side_src, side_dst = Side(layout, rank=0, seed=9), Side(layout, rank=0)
     prefill = res.manager(side_src, "prefill", bootstrap.address)
-    decode = res.manager(side_dst, "decode")
+    decode = res.manager(side_dst, "decode", tcp_lane=fragment == "lane")
     expected = side_dst.snapshot()
     plan = Plan(1, np.arange(50, 350), np.arange(0, 300, dtype=np.int32), [np.arange(50, 350)],
                 None, None)
@@ -531,14 +533,17 @@ def test_tcp_messages_fit_one_fragment(transport, res, bootstrap, fragment, monk
     expected.apply(side_src, plan.src, plan.dst, plan.src_aux, plan.dst_aux)
     expected.check(side_dst)
     ops, rndv = prefill.stats()["rma_ops_posted"], decode.stats()["data_rendezvous"]
+    lane = transport == "tcp" and fragment == "lane"
     eager = transport == "tcp" and fragment == "default"
     assert TCP_EAGER_BYTES // 4096 == 63
     # (Over shared memory the decode reads each run whole: no rendezvous.)
-    whole = (4, 4 if transport == "tcp" else 0)
+    whole = (4, 4 if transport == "tcp" and not lane else 0)
     assert (ops, rndv) == ((4 * 5, 0) if eager else whole), (ops, rndv)
+    assert decode.stats()["lane_messages"] == (4 if lane else 0)
+    model = ("tcp-ucx" if eager else "tcp") if transport == "tcp" else transport
     assert ops == room_messages(plan.src, plan.dst, layout.kv_item_lens, (),
-                                auto_run_bytes(transport, 4096),
-                                transport=transport if fragment == "default" else "")
+                                auto_run_bytes(model, 4096),
+                                transport=model if fragment != TCP_NO_EAGER_FRAGMENT else "")
 
 
 def test_eager_pieces_of_odd_lengths_at_odd_addresses(transport, res, bootstrap):

@@ -1,0 +1,182 @@
+"""kvrecv's tcp lanes (docs/design.md, tcp lanes): where UCX reaches the
+prefill over tcp, the data goes over a tcp connection of kvrecv's own,
+written from the prefill's pages and read into the decode's.  Real managers
+over loopback tcp: the lane is used and byte exact, either side can turn it
+off, strangers on the lane port get nothing, a full handshake queue leaves
+the data to UCX, and a malformed frame loses the prefill.  (The deaths of
+either process with data on the lane: test_peer_death.py, over tcp.)"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from kvrecv import KVPeerLostError, KVPoll, KVReceiver, KVSender
+from kvtest import CANARY, Layout, Side, describe_failure, terminal, wait_for, wait_until
+
+pytestmark = pytest.mark.timeout(60)
+
+# Contiguous and scattered pages of three buffers, 1.5 MiB a room.
+LAYOUT = Layout((4096, 4096, 16384), 256, (16,), 8)
+ROOM_PAGES = 64
+HANDSHAKE = b"KVRLANE1"
+PENDING_MAX = 32  # KVR_LANE_PENDING_MAX (lanelisten.h)
+
+
+def managers(res, bs, prefill_cfg=None, decode_cfg=None, seed=5):
+    src, dst = Side(LAYOUT, 0, seed=seed), Side(LAYOUT, 0)
+    prefill = res.manager(src, "prefill", bs.address, **(prefill_cfg or {}))
+    decode = res.manager(dst, "decode", **(decode_cfg or {}))
+    return src, dst, prefill, decode
+
+
+def move_room(bs, prefill, decode, src, dst, room, dst_pages, src_pages):
+    """One room, checked byte for byte; returns (receiver, sender)."""
+    expected = dst.snapshot()
+    r = KVReceiver(decode, bs.address, room)
+    r.init()
+    assert wait_for(r, (KVPoll.WaitingForInput, KVPoll.Failed), 20) == KVPoll.WaitingForInput, (
+        describe_failure(r))
+    r.send_metadata(np.asarray(dst_pages, dtype=np.int32), aux_index=room % LAYOUT.aux_rows)
+    s = KVSender(prefill, bs.address, room)
+    s.init(len(src_pages), room % LAYOUT.aux_rows)
+    s.send(np.asarray(src_pages))
+    assert wait_for(r, terminal(), 20) == KVPoll.Success, describe_failure(r)
+    assert wait_for(s, terminal(), 20) == KVPoll.Success, describe_failure(s)
+    expected.apply(src, src_pages, dst_pages, room % LAYOUT.aux_rows, room % LAYOUT.aux_rows)
+    expected.check(dst)
+    return r, s
+
+
+def two_rooms(bs, prefill, decode, src, dst, room0=1):
+    rng = np.random.default_rng(room0)
+    move_room(bs, prefill, decode, src, dst, room0, range(0, ROOM_PAGES),
+              range(100, 100 + ROOM_PAGES))
+    move_room(bs, prefill, decode, src, dst, room0 + 1,
+              rng.permutation(np.arange(ROOM_PAGES, 2 * ROOM_PAGES)),
+              rng.permutation(np.arange(ROOM_PAGES)))
+
+
+def test_tcp_data_goes_over_the_lane(res):
+    """Both sides on (the default): every data message of both rooms goes
+    over the lane, and the lane carries any length: the contiguous room is
+    one message per buffer (a UCX fragment holds 63 pages of 4 KiB)."""
+    bs = res.server()
+    src, dst, prefill, decode = managers(res, bs)
+    assert prefill.stats()["lane_port"] > 0
+    move_room(bs, prefill, decode, src, dst, 1, range(0, ROOM_PAGES), range(100, 100 + ROOM_PAGES))
+    ps, ds = prefill.stats(), decode.stats()
+    # one run per buffer: the two 4 KiB buffers' (256 KiB each) in one
+    # message, the 16 KiB buffer's (1 MiB, more than a UCX tcp fragment) in
+    # one, and the aux row
+    assert ps["rma_ops_posted"] == 3, ps["rma_ops_posted"]
+    assert ps["lane_messages"] == 3 and ds["lane_messages"] == 3, (ps["lane_messages"],
+                                                                  ds["lane_messages"])
+    assert ds["data_rendezvous"] == 0
+    rng = np.random.default_rng(2)
+    move_room(bs, prefill, decode, src, dst, 2, rng.permutation(np.arange(64, 128)),
+              rng.permutation(np.arange(64)))
+    ps, ds = prefill.stats(), decode.stats()
+    assert ps["lane_messages"] == ps["rma_ops_posted"] == ds["lane_messages"], (ps, ds)
+
+
+@pytest.mark.parametrize("off", ["prefill", "decode"])
+def test_either_side_off_keeps_the_data_on_ucx(res, off):
+    bs = res.server()
+    cfg = {"tcp_lane": False}
+    src, dst, prefill, decode = managers(res, bs, cfg if off == "prefill" else None,
+                                         cfg if off == "decode" else None)
+    assert (prefill.stats()["lane_port"] == 0) == (off == "prefill")
+    two_rooms(bs, prefill, decode, src, dst)
+    assert prefill.stats()["lane_messages"] == decode.stats()["lane_messages"] == 0
+    assert prefill.stats()["rma_ops_posted"] > 3  # cut into UCX fragments
+
+
+def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
+    """True if the other end closes sock within timeout (EOF or reset)."""
+    sock.settimeout(timeout)
+    try:
+        return sock.recv(64) == b""
+    except ConnectionResetError:
+        return True
+    except socket.timeout:
+        return False
+
+
+def test_strangers_on_the_lane_port_get_nothing(res):
+    """A connection that says something else than the handshake, one with a
+    token nobody was offered, and one that says nothing for 5 s are closed
+    without an answer; the decode's own lane works meanwhile."""
+    bs = res.server()
+    src, dst, prefill, decode = managers(res, bs)
+    port = prefill.stats()["lane_port"]
+    garbage = socket.create_connection(("127.0.0.1", port))
+    garbage.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    forged = socket.create_connection(("127.0.0.1", port))
+    forged.sendall(HANDSHAKE + bytes(16))
+    silent = socket.create_connection(("127.0.0.1", port))
+    t0 = time.monotonic()
+    try:
+        assert _closed_by_peer(garbage, 5), "a connection saying garbage was kept"
+        assert _closed_by_peer(forged, 5), "a connection with a forged token was kept"
+        two_rooms(bs, prefill, decode, src, dst)
+        assert decode.stats()["lane_messages"] > 0
+        assert _closed_by_peer(silent, 10), "a silent connection was kept"
+        waited = time.monotonic() - t0
+        assert 4.5 < waited < 10, f"the silent connection was closed after {waited:.1f} s"
+    finally:
+        for s in (garbage, forged, silent):
+            s.close()
+
+
+def test_a_full_handshake_queue_leaves_the_data_to_ucx(res, caplog):
+    """32 connections wait in their handshake: the decode's lane is closed
+    unanswered, it says so, and its rooms go through UCX."""
+    caplog.set_level(logging.WARNING, logger="kvrecv")
+    bs = res.server()
+    src, dst, prefill, decode = managers(res, bs)
+    port = prefill.stats()["lane_port"]
+    squatters = [socket.create_connection(("127.0.0.1", port)) for _ in range(PENDING_MAX)]
+    try:
+        for s in squatters:
+            s.sendall(HANDSHAKE[:3])  # taken in, never finished
+        two_rooms(bs, prefill, decode, src, dst)
+        assert decode.stats()["lane_messages"] == prefill.stats()["lane_messages"] == 0
+        assert wait_until(lambda: "the tcp lane to prefill rank 0" in caplog.text
+                          and "was refused or closed; its data comes through UCX" in caplog.text,
+                          5), caplog.text
+    finally:
+        for s in squatters:
+            s.close()
+
+
+def test_a_malformed_frame_loses_the_prefill(res):
+    """A frame whose prefix is not kvrecv's (the test hook): the decode
+    drops the lane and the prefill with it, naming the frame; the prefill's
+    room fails too (its decode closed the lane)."""
+    bs = res.server()
+    src, dst, prefill, decode = managers(res, bs)
+    move_room(bs, prefill, decode, src, dst, 1, range(0, 8), range(100, 108))  # lane up
+    prefill._core._test_corrupt_data(11)
+    r = KVReceiver(decode, bs.address, 2)
+    r.init()
+    assert wait_for(r, (KVPoll.WaitingForInput, KVPoll.Failed), 20) == KVPoll.WaitingForInput
+    r.send_metadata(np.arange(8, 16, dtype=np.int32))
+    s = KVSender(prefill, bs.address, 2)
+    s.init(8)
+    s.send(np.arange(110, 118))
+    assert wait_for(r, terminal(), 20) == KVPoll.Failed, describe_failure(r)
+    with pytest.raises(KVPeerLostError) as ei:
+        r.failure_exception()
+    name = "prefill rank 0 at " + prefill.endpoint[len("tcp://"):]
+    assert ei.value.failure_reason == (f"room 2: {name} lost: tcp data connection: "
+                                       "a malformed frame"), ei.value.failure_reason
+    assert wait_for(s, terminal(), 20) == KVPoll.Failed
+    with pytest.raises(KVPeerLostError):
+        s.failure_exception()
+    # The first malformed prefix dropped the lane: nothing of room 2 landed.
+    assert all((dst.pages(b)[8:16] == CANARY).all() for b in range(len(LAYOUT.kv_item_lens)))
