@@ -287,10 +287,8 @@ static unsigned kvr_lane_flush(kvr_lane_t *l)
             }
             if (errno != EAGAIN && errno != EWOULDBLOCK) {
                 kvr_lane_fail(l, strerror(errno));
-            } else if (errno == EAGAIN && l->state == KVR_LANE_CONNECTING) {
-                break; /* not connected yet */
             }
-            break;
+            break; /* full, or (the decode's) not connected yet */
         }
         if (l->state == KVR_LANE_CONNECTING) {
             l->state = KVR_LANE_WAIT_ACK;
@@ -367,7 +365,7 @@ int kvr_lane_send(kvr_lane_t *l, const void *hdr, size_t hdr_len, const kvr_tp_i
         *text = l->why;
         return KVR_TP_PEER_GONE;
     }
-    if (l->tx_head != tx) {
+    if (l->tx_head == NULL) { /* it was alone: written whole */
         return KVR_TP_OK;
     }
     tx->op = op;
@@ -410,7 +408,22 @@ static void kvr_lane_frame_head(kvr_lane_t *l)
     l->rx = l->acc.iovcnt > 0 ? KVR_RX_BODY : KVR_RX_DISCARD;
 }
 
-/* The payload into the accepted pieces: bytes read, or -1 (failed). */
+/* What a read of a payload returned: k bytes (taken off body_left), 0
+ * (nothing there now), or -1 (the lane failed: closed, or an error). */
+static ssize_t kvr_lane_read_done(kvr_lane_t *l, ssize_t k)
+{
+    if (k > 0) {
+        l->body_left -= (uint64_t)k;
+        return k;
+    }
+    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
+        return 0;
+    }
+    kvr_lane_fail(l, k == 0 ? "closed by the peer" : strerror(errno));
+    return -1;
+}
+
+/* The payload into the accepted pieces: bytes read, 0, or -1 (failed). */
 static ssize_t kvr_lane_read_body(kvr_lane_t *l)
 {
     struct iovec v[KVR_LANE_IOV];
@@ -445,14 +458,8 @@ static ssize_t kvr_lane_read_body(kvr_lane_t *l)
                 l->iov_off = 0;
             }
         }
-        l->body_left -= (uint64_t)k;
-        return k;
     }
-    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-        return 0;
-    }
-    kvr_lane_fail(l, k == 0 ? "closed by the peer" : strerror(errno));
-    return -1;
+    return kvr_lane_read_done(l, k);
 }
 
 /* A refused frame's payload, read and dropped: bytes read, or -1. */
@@ -463,16 +470,7 @@ static ssize_t kvr_lane_read_discard(kvr_lane_t *l)
         return -1;
     }
     size_t want = l->body_left < KVR_LANE_SCRATCH ? (size_t)l->body_left : KVR_LANE_SCRATCH;
-    ssize_t k = recv(l->fd, l->scratch, want, MSG_DONTWAIT);
-    if (k > 0) {
-        l->body_left -= (uint64_t)k;
-        return k;
-    }
-    if (k < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-        return 0;
-    }
-    kvr_lane_fail(l, k == 0 ? "closed by the peer" : strerror(errno));
-    return -1;
+    return kvr_lane_read_done(l, recv(l->fd, l->scratch, want, MSG_DONTWAIT));
 }
 
 /* Checks a frame's prefix; 0, or -1 (the lane failed). */

@@ -446,8 +446,8 @@ static int kvr_decode_lane_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_
 static void kvr_on_hello_ok_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *m)
 {
     KVR_ASSERT_LOCKED(e);
-    if (p->state != KVR_PEER_CONNECTING) {
-        return;
+    if (p->state != KVR_PEER_CONNECTING || p->lane_wait) {
+        return; /* (a second answer, to a HELLO said again) */
     }
     char diff[320];
     if (kvr_layout_diff(e, &m->layout, diff, sizeof(diff)) != 0 ||
