@@ -117,6 +117,16 @@ uint16_t kvr_lane_listener_port(const kvr_lane_listener_t *ll)
     return ll->port;
 }
 
+int kvr_lane_listener_waiting(const kvr_lane_listener_t *ll)
+{
+    for (int i = 0; i < KVR_LANE_PENDING_MAX; i++) {
+        if (ll->pending[i].fd >= 0) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
 /* Takes the connections waiting to be accepted into free slots (closing
  * what does not fit). */
 static unsigned kvr_lane_accept_all(kvr_lane_listener_t *ll, uint64_t now_ns)

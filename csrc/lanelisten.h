@@ -29,6 +29,8 @@ void kvr_lane_listener_free(kvr_lane_listener_t *ll);
 /* An fd readable when something is to be done (an epoll set of its own). */
 int kvr_lane_listener_fd(const kvr_lane_listener_t *ll);
 uint16_t kvr_lane_listener_port(const kvr_lane_listener_t *ll);
+/* 1 while connections wait in their handshake (their time runs). */
+int kvr_lane_listener_waiting(const kvr_lane_listener_t *ll);
 /*
  * Accepts connections and reads their handshakes; for each complete one
  * calls take(arg, token, fd): 1 if it took fd, 0 (then it is closed).

@@ -15,6 +15,14 @@
 #include <sys/random.h>
 #include <time.h>
 
+/* What a lane's or the listener's event in the transport's epoll set
+ * carries: the worker's or the transport's address with a tag in its low
+ * bits (both are 8-byte aligned; a worker's own UCX fd carries the bare
+ * worker address). */
+#define KVR_TPLANE_EV_LANE 1u
+#define KVR_TPLANE_EV_LISTENER 2u
+#define KVR_TPLANE_EV_MAX 64
+
 static void kvr_tplane_on_frame(void *arg, const void *hdr, size_t hdr_len, size_t len,
                                 kvr_tp_accept_t *acc)
 {
@@ -73,7 +81,7 @@ void kvr_tp_lane_sync(kvr_tp_worker_t *w)
     struct epoll_event ev;
     memset(&ev, 0, sizeof(ev));
     ev.events = want;
-    ev.data.ptr = w;
+    ev.data.u64 = (uint64_t)(uintptr_t)w | KVR_TPLANE_EV_LANE;
     if (epoll_ctl(w->tp->epfd, w->lane_events ? EPOLL_CTL_MOD : EPOLL_CTL_ADD,
                   kvr_lane_fd(w->lane), &ev) == 0) {
         w->lane_events = want;
@@ -148,20 +156,39 @@ static int kvr_tplane_take(void *arg, const unsigned char *token, int fd)
     return 0;
 }
 
+/* The lanes (and the listener) the epoll set says are ready are progressed
+ * (one epoll_wait, not a read per lane); the listener also whenever it has
+ * connections in their handshake, for their time limit. */
 unsigned kvr_tp_lanes_progress(kvr_transport_t *tp)
 {
     unsigned n = 0;
-    if (tp->lanes != NULL) {
+    int any = tp->lanes != NULL;
+    for (kvr_tp_worker_t *w = tp->workers; w != NULL && !any; w = w->next) {
+        any = w->lane != NULL && !w->retired;
+    }
+    if (!any) {
+        return 0;
+    }
+    struct epoll_event ev[KVR_TPLANE_EV_MAX];
+    int k = epoll_wait(tp->epfd, ev, KVR_TPLANE_EV_MAX, 0);
+    int listener = tp->lanes != NULL && kvr_lane_listener_waiting(tp->lanes);
+    for (int i = 0; i < k; i++) {
+        uint64_t tag = ev[i].data.u64 & 7u;
+        if (tag == KVR_TPLANE_EV_LISTENER) {
+            listener = tp->lanes != NULL;
+        } else if (tag == KVR_TPLANE_EV_LANE) {
+            kvr_tp_worker_t *w = (kvr_tp_worker_t *)(uintptr_t)(ev[i].data.u64 & ~(uint64_t)7u);
+            if (w->lane != NULL && !w->retired) {
+                n += kvr_lane_progress(w->lane);
+                kvr_tp_lane_sync(w);
+            }
+        }
+    }
+    if (listener) {
         struct timespec ts;
         clock_gettime(CLOCK_MONOTONIC, &ts);
         uint64_t now = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
         n += kvr_lane_listener_progress(tp->lanes, kvr_tplane_take, tp, now);
-    }
-    for (kvr_tp_worker_t *w = tp->workers; w != NULL; w = w->next) {
-        if (w->lane != NULL && !w->retired) {
-            n += kvr_lane_progress(w->lane);
-            kvr_tp_lane_sync(w);
-        }
     }
     return n;
 }
@@ -178,7 +205,7 @@ int kvr_tp_lane_listen(kvr_transport_t *tp, const char *host, char *err, size_t 
     struct epoll_event ev;
     memset(&ev, 0, sizeof(ev));
     ev.events = EPOLLIN;
-    ev.data.ptr = tp;
+    ev.data.u64 = (uint64_t)(uintptr_t)tp | KVR_TPLANE_EV_LISTENER;
     if (epoll_ctl(tp->epfd, EPOLL_CTL_ADD, kvr_lane_listener_fd(tp->lanes), &ev) != 0) {
         snprintf(err, errlen, "epoll_ctl: %s", strerror(errno));
         kvr_lane_listener_free(tp->lanes);
