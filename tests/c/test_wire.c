@@ -878,9 +878,10 @@ TEST_IMPL(wire_bs_dp_pp)
 
 /* The optional fields after a HELLO's worker address: a flags byte, then
  * each field present, in flag order (tcp receive size, shared-memory sizes,
- * head layout, cross-memory offer, layers); none: no byte.  A HELLO_OK
- * carries only the head layout, the offer (with its pid and probe address)
- * and the layers. */
+ * head layout, cross-memory offer, layers, state rules, state lists, the
+ * tcp lane: nothing in a HELLO); none: no byte.  A HELLO_OK carries only
+ * the head layout, the offer (with its pid and probe address), the layers,
+ * the state fields and the lane (with its port and token). */
 static void hello_fields(kvr_msg_t *m, unsigned x)
 {
     if (x & 1) {
@@ -919,6 +920,13 @@ static void hello_fields(kvr_msg_t *m, unsigned x)
     if (x & 64) {
         m->layout.state_lists = 2;
     }
+    if (x & 128) {
+        m->has_lane = 1;
+        m->lane_port = 4321;
+        for (unsigned i = 0; i < sizeof(m->lane_token); i++) {
+            m->lane_token[i] = (unsigned char)(0x70 + i);
+        }
+    }
 }
 
 TEST_IMPL(wire_hello_fields)
@@ -930,7 +938,7 @@ TEST_IMPL(wire_hello_fields)
     ASSERT_EQ(kvr_wire_encode(&b0, &base), 0);
     ASSERT_EQ(decode_exact(b0.data, b0.len, &d, &why), 0);
     ASSERT(d.tcp_rx_seg == 0 && d.has_shm == 0 && d.layout.heads == 0);
-    for (unsigned x = 1; x < 128; x++) {
+    for (unsigned x = 1; x < 256; x++) {
         kvr_msg_t m = base;
         hello_fields(&m, x);
         kvr_wbuf_init(&b);
@@ -953,6 +961,7 @@ TEST_IMPL(wire_hello_fields)
         ASSERT_EQ(d.layout.state_lists, m.layout.state_lists);
         ASSERT(!m.has_cma || memcmp(d.boot_id, m.boot_id, sizeof(d.boot_id)) == 0);
         ASSERT(d.pid == 0 && d.probe_addr == 0); /* a HELLO's offer has neither */
+        ASSERT(d.has_lane == m.has_lane && d.lane_port == 0); /* nor its lane a port */
         for (size_t cut = 1; cut < want; cut++) {
             ASSERT_EQ(decode_exact(b.data, b0.len + cut, &d, &why), -1);
             ASSERT(why != NULL && strncmp(why, "truncated ", 10) == 0);
@@ -972,7 +981,7 @@ TEST_IMPL(wire_hello_fields)
         size_t n;
         const char *why;
     } bad[] = {{0, 0, "explicit empty HELLO fields"},
-               {128, 4, "unknown HELLO fields"},
+               {128, 4, "trailing bytes"},
                {64, 1, "explicit empty state lists"},
                {16, 16, "explicit zero layers"},
                {32, 4, "bad state slicing length"},
@@ -1031,6 +1040,24 @@ TEST_IMPL(wire_hello_fields)
         ASSERT_EQ(decode_exact(b.data, c0.len + cut, &d, &why), -1);
         ASSERT(why != NULL && strcmp(why, "truncated cross-memory offer") == 0);
     }
+    /* a HELLO_OK's lane: port and token; never port 0 */
+    kvr_msg_t okl = ok;
+    hello_fields(&okl, 128);
+    kvr_wbuf_free(&b);
+    kvr_wbuf_init(&b);
+    ASSERT_EQ(kvr_wire_encode(&b, &okl), 0);
+    ASSERT_EQ(b.len, c0.len + 1 + 2 + 16);
+    ASSERT_EQ(b.data[c0.len], 128);
+    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), 0);
+    ASSERT(d.has_lane && d.lane_port == 4321);
+    ASSERT(memcmp(d.lane_token, okl.lane_token, sizeof(d.lane_token)) == 0);
+    for (size_t cut = 1; cut < 1 + 2 + 16; cut++) {
+        ASSERT_EQ(decode_exact(b.data, c0.len + cut, &d, &why), -1);
+        ASSERT(why != NULL && strcmp(why, "truncated lane offer") == 0);
+    }
+    b.data[c0.len + 1] = b.data[c0.len + 2] = 0;
+    ASSERT_EQ(decode_exact(b.data, b.len, &d, &why), -1);
+    ASSERT(why != NULL && strcmp(why, "explicit zero lane port") == 0);
     kvr_wbuf_free(&b);
     kvr_wbuf_free(&c0);
     kvr_wbuf_free(&b0);
