@@ -74,7 +74,8 @@
 #define KVR_BUSY_POLL_NS (100 * 1000) /* socket polls of a busy engine loop */
 #define KVR_TCP_RUN_BYTES (64u << 10)  /* auto coalesce_run_bytes over tcp */
 /* Decode: the longest its rooms wait for a tcp lane's handshake before the
- * data goes through UCX instead (lane.h). */
+ * data goes through UCX instead (lane.h); at most half the heartbeat
+ * timeout (no PING goes meanwhile). */
 #define KVR_LANE_WAIT_MS 1000u
 #define KVR_SHM_EAGER_ROOM_BYTES (512u << 10) /* rooms sent as eager messages over shm */
 /* Default cross_memory_bytes: messages of 1 MiB and more over shared memory

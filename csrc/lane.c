@@ -1,9 +1,7 @@
 #define _GNU_SOURCE
 #include "lane.h"
 
-#include <arpa/inet.h>
 #include <errno.h>
-#include <fcntl.h>
 #include <limits.h>
 #include <netdb.h>
 #include <netinet/in.h>
@@ -14,8 +12,9 @@
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <sys/uio.h>
-#include <time.h>
 #include <unistd.h>
+
+#include "registry.h" /* kvr_now_ns */
 
 /* A frame's prefix: magic u32, header length u32, payload length u64,
  * little-endian. */
@@ -489,22 +488,15 @@ static int kvr_lane_prefix(kvr_lane_t *l)
     return 0;
 }
 
-static uint64_t kvr_lane_now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 /* Reads frames until the socket is empty, a round's bytes came, or the
  * process was found suspended. */
 static unsigned kvr_lane_recv(kvr_lane_t *l)
 {
     unsigned done = 0;
     size_t round = 0;
-    uint64_t last = kvr_lane_now_ns();
+    uint64_t last = kvr_now_ns();
     while (l->state != KVR_LANE_FAILED && round < KVR_LANE_ROUND_BYTES) {
-        uint64_t now = kvr_lane_now_ns();
+        uint64_t now = kvr_now_ns();
         if (now - last > KVR_LANE_STALL_NS) {
             break;
         }

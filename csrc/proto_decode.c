@@ -477,8 +477,11 @@ static void kvr_on_hello_ok_locked(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg
         return;
     }
     if (kvr_decode_lane_locked(e, p, m)) {
+        /* No PING goes meanwhile: the prefill must not find us silent. */
+        uint64_t wait_ms = e->cfg.heartbeat_timeout_ms / 2;
         p->lane_wait = 1;
-        p->lane_wait_until_ns = kvr_now_ns() + KVR_LANE_WAIT_MS * KVR_MS;
+        p->lane_wait_until_ns =
+            kvr_now_ns() + (wait_ms < KVR_LANE_WAIT_MS ? wait_ms : KVR_LANE_WAIT_MS) * KVR_MS;
         return; /* kvr_decode_lane_settled_locked, from the timers */
     }
     kvr_decode_peer_ready_locked(e, p);

@@ -13,7 +13,8 @@
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/random.h>
-#include <time.h>
+
+#include "registry.h" /* kvr_now_ns */
 
 /* What a lane's or the listener's event in the transport's epoll set
  * carries: the worker's or the transport's address with a tag in its low
@@ -185,10 +186,7 @@ unsigned kvr_tp_lanes_progress(kvr_transport_t *tp)
         }
     }
     if (listener) {
-        struct timespec ts;
-        clock_gettime(CLOCK_MONOTONIC, &ts);
-        uint64_t now = (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-        n += kvr_lane_listener_progress(tp->lanes, kvr_tplane_take, tp, now);
+        n += kvr_lane_listener_progress(tp->lanes, kvr_tplane_take, tp, kvr_now_ns());
     }
     return n;
 }

@@ -52,13 +52,21 @@ def move_room(bs, prefill, decode, src, dst, room, dst_pages, src_pages):
     return r, s
 
 
-def two_rooms(bs, prefill, decode, src, dst, room0=1):
-    rng = np.random.default_rng(room0)
-    move_room(bs, prefill, decode, src, dst, room0, range(0, ROOM_PAGES),
+def contiguous_room(bs, prefill, decode, src, dst, room):
+    move_room(bs, prefill, decode, src, dst, room, range(0, ROOM_PAGES),
               range(100, 100 + ROOM_PAGES))
-    move_room(bs, prefill, decode, src, dst, room0 + 1,
+
+
+def random_room(bs, prefill, decode, src, dst, room):
+    rng = np.random.default_rng(room)
+    move_room(bs, prefill, decode, src, dst, room,
               rng.permutation(np.arange(ROOM_PAGES, 2 * ROOM_PAGES)),
               rng.permutation(np.arange(ROOM_PAGES)))
+
+
+def two_rooms(bs, prefill, decode, src, dst):
+    contiguous_room(bs, prefill, decode, src, dst, 1)
+    random_room(bs, prefill, decode, src, dst, 2)
 
 
 def test_tcp_data_goes_over_the_lane(res):
@@ -68,7 +76,7 @@ def test_tcp_data_goes_over_the_lane(res):
     bs = res.server()
     src, dst, prefill, decode = managers(res, bs)
     assert prefill.stats()["lane_port"] > 0
-    move_room(bs, prefill, decode, src, dst, 1, range(0, ROOM_PAGES), range(100, 100 + ROOM_PAGES))
+    contiguous_room(bs, prefill, decode, src, dst, 1)
     ps, ds = prefill.stats(), decode.stats()
     # one run per buffer: the two 4 KiB buffers' (256 KiB each) in one
     # message, the 16 KiB buffer's (1 MiB, more than a UCX tcp fragment) in
@@ -77,9 +85,7 @@ def test_tcp_data_goes_over_the_lane(res):
     assert ps["lane_messages"] == 3 and ds["lane_messages"] == 3, (ps["lane_messages"],
                                                                   ds["lane_messages"])
     assert ds["data_rendezvous"] == 0
-    rng = np.random.default_rng(2)
-    move_room(bs, prefill, decode, src, dst, 2, rng.permutation(np.arange(64, 128)),
-              rng.permutation(np.arange(64)))
+    random_room(bs, prefill, decode, src, dst, 2)
     ps, ds = prefill.stats(), decode.stats()
     assert ps["lane_messages"] == ps["rma_ops_posted"] == ds["lane_messages"], (ps, ds)
 
@@ -91,9 +97,11 @@ def test_either_side_off_keeps_the_data_on_ucx(res, off):
     src, dst, prefill, decode = managers(res, bs, cfg if off == "prefill" else None,
                                          cfg if off == "decode" else None)
     assert (prefill.stats()["lane_port"] == 0) == (off == "prefill")
-    two_rooms(bs, prefill, decode, src, dst)
+    contiguous_room(bs, prefill, decode, src, dst, 1)
+    # cut into UCX fragments (over a lane: 3 messages, the test above)
+    assert prefill.stats()["rma_ops_posted"] > 3
+    random_room(bs, prefill, decode, src, dst, 2)
     assert prefill.stats()["lane_messages"] == decode.stats()["lane_messages"] == 0
-    assert prefill.stats()["rma_ops_posted"] > 3  # cut into UCX fragments
 
 
 def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:
