@@ -167,7 +167,9 @@ void kvr_tp_ep_close(kvr_tp_ep_t *ep, int force);
 /*
  * Sends one data message: hdr, then the iovcnt pieces of iov as one payload.
  * hdr and iov must stay valid until the send completes.  host: every piece
- * is host memory.  One piece goes as a contiguous send (which may use the
+ * is host memory.  A host message to an endpoint with a lane up
+ * (kvr_tp_ep_lane) goes over the lane as one frame, whatever its length;
+ * otherwise through UCX, as follows.  One piece goes as a contiguous send (which may use the
  * registered regions), except host memory over a shared-memory endpoint:
  * that is sent as a one-piece scattered message, which UCX copies through
  * the shared segment with both processes working in a pipeline, instead of
