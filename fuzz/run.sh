@@ -37,7 +37,7 @@ for t in $TARGETS; do
     srcs="$SRCS" libs="-lcrypto" asan=$ASAN_OPTIONS
     if [ "$t" = fuzz_worker_addr ]; then
         # a real UCX worker; UCX's own allocations outlive the process
-        srcs="csrc/transport.c csrc/pagecopy.c csrc/ucxaddr.c csrc/log.c csrc/ucxlog.c csrc/ucxtune.c" libs="-lucp -luct -lucs -lucm -pthread"
+        srcs="csrc/transport.c csrc/tplane.c csrc/lane.c csrc/lanelisten.c csrc/registry.c csrc/table.c csrc/pagecopy.c csrc/ucxaddr.c csrc/log.c csrc/ucxlog.c csrc/ucxtune.c" libs="-lucp -luct -lucs -lucm -pthread"
         asan=detect_leaks=0:abort_on_error=1
     fi
     # shellcheck disable=SC2086
