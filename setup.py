@@ -50,7 +50,7 @@ if os.environ.get("KVRECV_SANITIZE"):
 
 core_sources = ["status.c", "table.c", "registry.c", "log.c", "wire.c", "auth.c", "room.c", "hist.c", "ucxaddr.c", "heap.c", "peerstate.c", "pagecopy.c",
                 "ucxlog.c", "ucxtune.c", "transport.c", "tplane.c", "lane.c", "lanelisten.c", "control.c", "cuda.c", "testhook.c", "engine.c", "work.c", "peer.c",
-                "sibling.c", "op.c", "stage.c", "plan.c", "stateslice.c", "group.c", "post.c", "cma.c", "proto_prefill.c", "proto_decode.c",
+                "sibling.c", "op.c", "stage.c", "plan.c", "stateslice.c", "group.c", "post.c", "cma.c", "readers.c", "proto_prefill.c", "proto_decode.c",
                 "timer.c", "handle.c", "state.c"]
 py_sources = ["module.c", "manager.c", "room.c", "bootstrap.c"]
 

@@ -9,7 +9,8 @@
  * room's lease word in the prefill and the source pieces; the decode checks the header exactly as for data (kvr_on_data:
  * positions inside the room, each (buffer, position) claimed once, the
  * room receiving) and reads the bytes into its own pages with
- * process_vm_readv: one kernel copy.  Every error of the read is the
+ * process_vm_readv: one kernel copy, shared out among cross_memory_readers
+ * threads (readers.h), all done before the handler returns.  Every error of the read is the
  * decode's to report (never UCX's, which aborts the process on a dead
  * peer): the room fails with PEER_LOST (the prefill is gone) or TRANSPORT.
  *
@@ -43,6 +44,7 @@
  */
 #define _GNU_SOURCE /* process_vm_readv */
 #include "engine_int.h"
+#include "readers.h"
 #include "testhook.h"
 
 #include <errno.h>
@@ -94,38 +96,21 @@ static int kvr_cma_enabled(const kvr_engine_t *e)
     return e->cfg.cross_memory_bytes > 0 && e->ndev == 0;
 }
 
-/* Moves the pieces *v[0..*n) past their first `bytes` bytes. */
-static void kvr_cma_advance(struct iovec **v, unsigned long *n, size_t bytes)
+/* The helper threads of the decode's reads, once a prefill accepted them
+ * (none while every prefill is on another host). */
+static void kvr_cma_readers_start(kvr_engine_t *e)
 {
-    while (bytes > 0 && *n > 0) {
-        size_t take = bytes < (*v)->iov_len ? bytes : (*v)->iov_len;
-        (*v)->iov_base = (char *)(*v)->iov_base + take;
-        (*v)->iov_len -= take;
-        bytes -= take;
-        if ((*v)->iov_len == 0) {
-            (*v)++;
-            (*n)--;
-        }
+    if (e->readers != NULL || e->cfg.cross_memory_readers < 2) {
+        return;
     }
-}
-
-/* Reads the remote pieces rem[0..nr) of process pid, in order, into the
- * local pieces loc[0..nl) (same total); consumes both.  0, or an errno. */
-static int kvr_cma_read(pid_t pid, struct iovec *loc, unsigned long nl, struct iovec *rem,
-                        unsigned long nr)
-{
-    while (nr > 0 && nl > 0) {
-        ssize_t got = process_vm_readv(pid, loc, nl, rem, nr, 0);
-        if (got < 0) {
-            return errno;
-        }
-        if (got == 0) {
-            return EFAULT; /* a partial read stopped at an unmapped page */
-        }
-        kvr_cma_advance(&loc, &nl, (size_t)got);
-        kvr_cma_advance(&rem, &nr, (size_t)got);
+    e->readers = kvr_readers_new(e->cfg.cross_memory_readers);
+    if (e->readers == NULL) {
+        kvr_log_write(&e->log, KVR_LOG_WARNING,
+                      "decode rank %d could not start %u cross-memory reader threads: its "
+                      "reads are made by one thread",
+                      e->rank, e->cfg.cross_memory_readers - 1);
+        e->cfg.cross_memory_readers = 1; /* not tried again */
     }
-    return 0;
 }
 
 void kvr_cma_offer(kvr_engine_t *e, const kvr_peer_t *p, kvr_msg_t *m)
@@ -157,10 +142,11 @@ int kvr_cma_probe(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *ok)
     }
     uint64_t v = 0;
     struct iovec loc = {&v, sizeof(v)}, rem = {(void *)(uintptr_t)ok->probe_addr, sizeof(v)};
-    int err = kvr_cma_read((pid_t)ok->pid, &loc, 1, &rem, 1);
+    int err = kvr_readers_read(NULL, (pid_t)ok->pid, &loc, 1, &rem, 1, NULL);
     if (err == 0 && v == p->epoch) {
         p->cma = 1;
         p->cma_pid = ok->pid;
+        kvr_cma_readers_start(e);
         return 0;
     }
     p->cma_refused = 1;
@@ -251,11 +237,14 @@ const char *kvr_cma_read_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_hea
     kvr_room_advance(r, KVR_POLL_TRANSFERRING); /* first byte */
     /* kvr_tp_iov_t is laid out as struct iovec (buf, len). */
     pid_t pid = (pid_t)r->peer->cma_pid;
-    int err = kvr_cma_read(pid, (struct iovec *)op->iov, niov, rem, nr);
+    uint64_t helped = 0;
+    int err = kvr_readers_read(e->readers, pid, (const struct iovec *)op->iov, niov, rem, nr,
+                               &helped);
+    e->stats.cma_helper_bytes += helped;
     uint64_t word = 0;
     struct iovec lw = {&word, sizeof(word)}, lr = {(void *)(uintptr_t)d[0], sizeof(word)};
     if (err == 0) {
-        err = kvr_cma_read(pid, &lw, 1, &lr, 1);
+        err = kvr_readers_read(NULL, pid, &lw, 1, &lr, 1, NULL);
     }
     r->peer->last_data_ns = kvr_now_ns();
     if (err == 0 && word != r->tag) {

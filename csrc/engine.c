@@ -7,6 +7,7 @@
  */
 #define _GNU_SOURCE /* pthread_setname_np */
 #include "engine_int.h"
+#include "readers.h"
 #include "testhook.h"
 
 #include <errno.h>
@@ -91,6 +92,7 @@ void kvr_config_default(kvr_config_t *cfg)
     cfg->staging_slot_bytes = 4u << 20;
     cfg->force_staging = 0;
     cfg->cross_memory_bytes = KVR_CMA_DEFAULT_BYTES; /* both sides must have it */
+    cfg->cross_memory_readers = KVR_CMA_DEFAULT_READERS;
     cfg->tcp_lane = 1;                               /* both sides must have it */
 }
 
@@ -402,6 +404,10 @@ static int kvr_engine_check_params(const kvr_engine_params_t *p, char *err, size
                            p->pp_size > KVR_WIRE_MAX_DP_PP ? "pp_size is above 65535" : why);
         }
     }
+    if (p->cfg.cross_memory_readers < 1 || p->cfg.cross_memory_readers > KVR_READERS_MAX) {
+        return kvr_err(err, errlen, KVR_EVALUE, "cross_memory_readers=%u is not in 1-%d",
+                       p->cfg.cross_memory_readers, KVR_READERS_MAX);
+    }
     if (p->cfg.deadline_floor_bps == 0 || p->cfg.heartbeat_interval_ms == 0 ||
         p->cfg.heartbeat_timeout_ms == 0) {
         return kvr_err(err, errlen, KVR_EVALUE,
@@ -664,6 +670,9 @@ void kvr_engine_close(kvr_engine_t *e)
      * it: such a completion may queue a notice.) */
     kvr_tp_destroy(e->tp);
     e->tp = NULL;
+    /* No UCX progress any more, so no read (which holds the lock) runs. */
+    kvr_readers_free(e->readers);
+    e->readers = NULL;
     kvr_ctl_destroy(e->ctl);
     e->ctl = NULL;
     kvr_room_t *r;

@@ -58,6 +58,7 @@ typedef struct {
     int force_staging;              /* stage device memory even where UCX could move it */
     int poll_progress;              /* decode: poll() may progress UCX (kvr_handle_poll) */
     uint32_t cross_memory_bytes;    /* same-host pieces this long go as cross-memory reads (cma.c); 0: never */
+    uint32_t cross_memory_readers;  /* decode: threads that copy one such read, the caller included */
     int tcp_lane;                   /* data over kvrecv's own tcp connection where UCX uses tcp (lane.h) */
 } kvr_config_t;
 
@@ -158,6 +159,7 @@ typedef struct {
     uint64_t staging_overflow;    /* decode: messages staged in a heap buffer (no slot fit) */
     uint64_t cma_reads;           /* decode: data pieces read from the prefill's memory (cma.c) */
     uint64_t cma_bytes;           /* decode: bytes those reads moved */
+    uint64_t cma_helper_bytes;    /* decode: of those, bytes its helper threads read (readers.h) */
     uint64_t staging_waits;       /* prefill: times a room waited for a free slot */
     uint64_t lane_messages;       /* data messages sent (prefill) or accepted (decode) over
                                      kvrecv's tcp lanes (lane.h) */

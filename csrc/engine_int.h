@@ -83,6 +83,10 @@
  * FIFO (1, 16 MiB runs: 1.32x, 1.77x the FIFO, 1.00x, 1.14x NIXL; a 4 MiB
  * threshold left 1 MiB runs on the FIFO at 0.75x NIXL; benchmarks/README.md). */
 #define KVR_CMA_DEFAULT_BYTES (1u << 20)
+/* Default cross_memory_readers: two threads copy a read (the kernel copies
+ * for both at once: 1 MiB runs over shm 1.xx, 16 MiB runs 1.xx the single
+ * reader; benchmarks/README.md). */
+#define KVR_CMA_DEFAULT_READERS 2u
 #define KVR_POLL_PROGRESS_NS (10 * 1000) /* poll(): at most one UCX progress per */
 #define KVR_STAGE_NAP_NS (10 * 1000)  /* between polls of staging copies */
 #define KVR_EP_ERR_GRACE_NS (100 * KVR_MS) /* an endpoint error waits for a BYE (peer.c) */
@@ -381,6 +385,7 @@ struct kvr_engine {
     int tag_pool_n;
 
     kvr_wbuf_t wbuf;
+    struct kvr_readers *readers; /* decode: helpers of its cross-memory reads (readers.h) */
     kvr_stats_t stats; /* counters (room gauges are computed on demand) */
 
     /* device memory */

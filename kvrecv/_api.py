@@ -65,6 +65,7 @@ class KVConfig:
     force_staging: bool = _DEFAULT["force_staging"]
     poll_progress: bool = _DEFAULT["poll_progress"]
     cross_memory_bytes: int = _DEFAULT["cross_memory_bytes"]
+    cross_memory_readers: int = _DEFAULT["cross_memory_readers"]
     tcp_lane: bool = _DEFAULT["tcp_lane"]
 
     def resolved(self) -> dict:

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # C unit tests of the pure-logic core (status, table, registry, log, wire, ucxaddr,
-# auth, room, plan, heap, peer states): no UCX, ZMQ or Python needed (auth needs libcrypto).  Builds tests/c/runner three ways and
+# auth, room, plan, heap, peer states, cross-memory readers): no UCX, ZMQ or Python needed (auth needs libcrypto).  Builds tests/c/runner three ways and
 # runs it each time:
 #   plain   -Wall -Wextra -Werror (also under valgrind memcheck if installed)
 #   asan    -fsanitize=address,undefined, leak detection on
@@ -19,7 +19,7 @@ BUILD=${CTEST_BUILD:-$ROOT/tests/c/build}
 MODES=${CTEST_MODES:-plain asan tsan valgrind}
 mkdir -p "$BUILD"
 
-SRCS="csrc/status.c csrc/table.c csrc/registry.c csrc/log.c csrc/wire.c csrc/auth.c csrc/room.c csrc/plan.c csrc/stateslice.c csrc/hist.c csrc/ucxaddr.c csrc/heap.c csrc/peerstate.c csrc/pagecopy.c"
+SRCS="csrc/status.c csrc/table.c csrc/registry.c csrc/log.c csrc/wire.c csrc/auth.c csrc/room.c csrc/plan.c csrc/stateslice.c csrc/hist.c csrc/ucxaddr.c csrc/heap.c csrc/peerstate.c csrc/pagecopy.c csrc/readers.c"
 TESTS=$(ls tests/c/runner.c tests/c/test_*.c)
 COMMON="-std=c11 -D_GNU_SOURCE -DKVRECV_DEBUG -g -O1 -Wall -Wextra -Werror -Icsrc -pthread"
 

@@ -122,6 +122,33 @@ def test_default_reads_messages_of_a_mib_over_shared_memory_only(res, monkeypatc
     assert st["cma_bytes"] == (st["bytes_moved"] if tls == "shm" else 0), st
 
 
+@pytest.mark.parametrize("readers", [1, 2, 4])
+def test_reads_shared_out_among_reader_threads(res, shm, readers):
+    """cross_memory_readers: the decode's threads that copy one read (the
+    calling thread and readers - 1 helpers, csrc/readers.c).  A 16 MiB room
+    of 1 MiB reads is byte-exact at every count; with helpers they took part
+    of the bytes (cma_helper_bytes), with one reader none."""
+    bs = res.server()
+    src, dst = Side(RANDOM, 0, seed=8), Side(RANDOM, 0)
+    prefill = res.manager(src, "prefill", bs.address)
+    decode = res.manager(dst, "decode", cross_memory_readers=readers)
+    assert KVConfig().cross_memory_readers == 2
+    run_rooms(res, bs, prefill, decode, src, dst, [(23, np.arange(0, 64), np.arange(0, 64))])
+    st = decode.stats()
+    assert st["cma_bytes"] == st["bytes_moved"] == 64 * 4 * 65536, st
+    if readers == 1:
+        assert st["cma_helper_bytes"] == 0, st
+    else:
+        assert 0 < st["cma_helper_bytes"] < st["cma_bytes"], st
+
+
+@pytest.mark.parametrize("bad,text", [(0, r"^cross_memory_readers=0 is not in 1-16$"),
+                                      (17, r"^config\[cross_memory_readers\] must be at most 16$")])
+def test_reader_count_out_of_range_refused(res, bad, text):
+    with pytest.raises(ValueError, match=text):
+        res.manager(Side(RANDOM, 0), "decode", cross_memory_readers=bad)
+
+
 def test_large_runs_are_read_byte_exact(res, shm):
     bs = res.server()
     src, dst = Side(ODD, 0, seed=3), Side(ODD, 0)

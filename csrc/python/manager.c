@@ -1,4 +1,5 @@
 #include "module.h"
+#include "../readers.h"
 #include "../testhook.h"
 
 #include <string.h>
@@ -75,6 +76,7 @@ fail:
     X(force_staging, 1, 1)                                                                    \
     X(poll_progress, 1, 1)                                                                    \
     X(cross_memory_bytes, UINT32_MAX, 0)                                                      \
+    X(cross_memory_readers, KVR_READERS_MAX, 0)                                               \
     X(tcp_lane, 1, 1)
 
 PyObject *kvr_py_config_defaults(PyObject *m, PyObject *unused)
@@ -583,6 +585,7 @@ static PyObject *kvr_manager_stats(PyObject *op, PyObject *unused)
         kvr_dict_set_u64(d, "staging_overflow", s.staging_overflow) < 0 ||
         kvr_dict_set_u64(d, "cma_reads", s.cma_reads) < 0 ||
         kvr_dict_set_u64(d, "cma_bytes", s.cma_bytes) < 0 ||
+        kvr_dict_set_u64(d, "cma_helper_bytes", s.cma_helper_bytes) < 0 ||
         kvr_dict_set_u64(d, "staging_waits", s.staging_waits) < 0 ||
         kvr_dict_set_u64(d, "lane_messages", s.lane_messages) < 0 ||
         kvr_dict_set_u64(d, "lane_port", s.lane_port) < 0) {
