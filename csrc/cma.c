@@ -4,7 +4,7 @@
  * Over UCX's shared-memory FIFO every byte of a large piece is copied
  * twice, once by each process.  When both sides set cross_memory_bytes and
  * share a host, a message of at least that many bytes in at most
- * KVR_CMA_MAX_PIECES source pieces goes as a read descriptor instead: a
+ * KVR_READ_PIECES_MAX source pieces goes as a read descriptor instead: a
  * small eager data message (KVR_AM_FLAG_READ) whose payload names the
  * room's lease word in the prefill and the source pieces; the decode checks the header exactly as for data (kvr_on_data:
  * positions inside the room, each (buffer, position) claimed once, the
@@ -59,8 +59,7 @@
  * its address u64 and length u64 (host order: one host).  At most 1 KiB,
  * so that UCX always sends it eagerly (the decode reads it in its
  * handler). */
-#define KVR_CMA_MAX_PIECES 63
-#define KVR_CMA_DESC_MAX (8 + 16 * KVR_CMA_MAX_PIECES)
+#define KVR_CMA_DESC_MAX (8 + 16 * KVR_READ_PIECES_MAX)
 
 /* The host's boot id (16 bytes); -1 if it cannot be read. */
 static int kvr_cma_boot_id(unsigned char out[16])
@@ -98,12 +97,17 @@ static int kvr_cma_enabled(const kvr_engine_t *e)
 
 /* The helper threads of the decode's reads, once a prefill accepted them
  * (none while every prefill is on another host). */
+static void kvr_cma_notify(void *e)
+{
+    kvr_wake(e);
+}
+
 static void kvr_cma_readers_start(kvr_engine_t *e)
 {
     if (e->readers != NULL || e->cfg.cross_memory_readers < 2) {
         return;
     }
-    e->readers = kvr_readers_new(e->cfg.cross_memory_readers);
+    e->readers = kvr_readers_new(e->cfg.cross_memory_readers - 1, kvr_cma_notify, e);
     if (e->readers == NULL) {
         kvr_log_write(&e->log, KVR_LOG_WARNING,
                       "decode rank %d could not start %u cross-memory reader threads: its "
@@ -142,7 +146,10 @@ int kvr_cma_probe(kvr_engine_t *e, kvr_peer_t *p, const kvr_msg_t *ok)
     }
     uint64_t v = 0;
     struct iovec loc = {&v, sizeof(v)}, rem = {(void *)(uintptr_t)ok->probe_addr, sizeof(v)};
-    int err = kvr_readers_read(NULL, (pid_t)ok->pid, &loc, 1, &rem, 1, NULL);
+    kvr_read_job_t probe = {.pid = (pid_t)ok->pid, .loc = &loc, .nl = 1, .nr = 1};
+    probe.rem[0] = rem;
+    kvr_read_job_run(&probe);
+    int err = probe.err;
     if (err == 0 && v == p->epoch) {
         p->cma = 1;
         p->cma_pid = ok->pid;
@@ -164,7 +171,7 @@ int kvr_cma_post_locked(kvr_engine_t *e, kvr_room_t *r, kvr_op_t *op, kvr_am_hea
     /* Reads stand in for UCX's shared memory: where UCX_TLS leaves it out
      * (the endpoint goes over tcp) the bytes go that way too. */
     if (!r->peer->cma || !kvr_cma_enabled(e) || !kvr_tp_ep_is_shm(r->peer->ep) ||
-        niov > KVR_CMA_MAX_PIECES ||
+        niov > KVR_READ_PIECES_MAX ||
         wire->kind != KVR_AM_KIND_KV || op->len < e->cfg.cross_memory_bytes ||
         (op->bounce = malloc(8 + 16 * (size_t)niov)) == NULL) {
         return 0; /* sent as bytes */
@@ -195,6 +202,55 @@ void kvr_cma_lease_end(kvr_room_t *r)
     *(volatile uint64_t *)&kvr_eroom(r)->lease = 0;
 }
 
+/* Ends a read's op: the bytes landed, unless the read failed or the lease
+ * was no longer the room's. */
+static void kvr_cma_read_end_locked(kvr_engine_t *e, kvr_op_t *op)
+{
+    kvr_room_t *r = op->room;
+    kvr_read_job_t *j = op->bounce; /* freed with the op */
+    r->peer->last_data_ns = kvr_now_ns();
+    if (j->err == 0 && j->lease != r->tag && !r->failing) {
+        /* The prefill's room failed (or went) before the read ended: the
+         * pages may hold someone else's bytes by now. */
+        kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1,
+                              "%s released the pages before they were read", r->peer->name);
+    } else if (j->err == ESRCH) {
+        kvr_room_failf_locked(e, r, KVR_PEER_LOST, 1, "%s lost: cross-memory read: %s",
+                              r->peer->name, strerror(j->err));
+    } else if (j->err != 0) {
+        kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "cross-memory read from %s failed: %s",
+                              r->peer->name, strerror(j->err));
+    } else if (!r->failing) {
+        e->stats.cma_reads++;
+        e->stats.cma_bytes += op->len;
+        e->stats.cma_helper_bytes += j->by_helper ? op->len : 0;
+    }
+    /* A failed read ends as failed (the room's first failure stands). */
+    kvr_op_end_locked(e, op, r->failing ? KVR_TP_ERROR : KVR_TP_OK, "cross-memory read");
+}
+
+unsigned kvr_cma_poll_locked(kvr_engine_t *e)
+{
+    KVR_ASSERT_LOCKED(e);
+    unsigned n = 0;
+    for (kvr_read_job_t *j = kvr_readers_done(e->readers); j != NULL; n++) {
+        kvr_read_job_t *next = j->next;
+        kvr_cma_read_end_locked(e, j->arg);
+        j = next;
+    }
+    return n;
+}
+
+int kvr_cma_reading(const kvr_room_t *r)
+{
+    for (const kvr_op_t *op = kvr_eroom((kvr_room_t *)r)->ops; op != NULL; op = op->next) {
+        if (op->stage == KVR_STAGE_READ) {
+            return 1;
+        }
+    }
+    return 0;
+}
+
 const char *kvr_cma_read_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_header_t *h,
                                 const kvr_slice_t *s, uint64_t want, const void *desc,
                                 size_t len)
@@ -209,11 +265,8 @@ const char *kvr_cma_read_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_hea
     uint64_t d[KVR_CMA_DESC_MAX / 8];
     memcpy(d, desc, len);
     unsigned long nr = (unsigned long)(len - 8) / 16;
-    struct iovec rem[KVR_CMA_MAX_PIECES];
     uint64_t total = 0;
     for (unsigned long i = 0; i < nr; i++) {
-        rem[i].iov_base = (void *)(uintptr_t)d[1 + 2 * i];
-        rem[i].iov_len = (size_t)d[2 + 2 * i];
         if (d[2 + 2 * i] == 0 || d[2 + 2 * i] > want - total) {
             return "read descriptor's pieces do not match the run length";
         }
@@ -229,40 +282,35 @@ const char *kvr_cma_read_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_hea
     uint32_t niov =
         kvr_msg_pieces(e, h, r->pages, r->aux_index, r->states, &r->lists, s, NULL, NULL, &want);
     kvr_op_t *op = claim == KVR_CLAIM_OK ? kvr_op_new(r, want, niov) : NULL;
-    if (op == NULL) {
+    kvr_read_job_t *j = op != NULL ? calloc(1, sizeof(*j)) : NULL;
+    if (j == NULL) {
         kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "out of memory receiving data");
+        if (op != NULL) {
+            kvr_op_end_locked(e, op, KVR_TP_ERROR, "out of memory");
+        }
         return NULL;
     }
     kvr_msg_pieces(e, h, r->pages, r->aux_index, r->states, &r->lists, s, NULL, op->iov, &want);
     kvr_room_advance(r, KVR_POLL_TRANSFERRING); /* first byte */
-    /* kvr_tp_iov_t is laid out as struct iovec (buf, len). */
-    pid_t pid = (pid_t)r->peer->cma_pid;
-    uint64_t helped = 0;
-    int err = kvr_readers_read(e->readers, pid, (const struct iovec *)op->iov, niov, rem, nr,
-                               &helped);
-    e->stats.cma_helper_bytes += helped;
-    uint64_t word = 0;
-    struct iovec lw = {&word, sizeof(word)}, lr = {(void *)(uintptr_t)d[0], sizeof(word)};
-    if (err == 0) {
-        err = kvr_readers_read(NULL, pid, &lw, 1, &lr, 1, NULL);
+    op->bounce = j;
+    j->pid = (pid_t)r->peer->cma_pid;
+    j->loc = (const struct iovec *)op->iov; /* kvr_tp_iov_t is laid out as struct iovec */
+    j->nl = niov;
+    for (unsigned long i = 0; i < nr; i++) {
+        j->rem[i].iov_base = (void *)(uintptr_t)d[1 + 2 * i];
+        j->rem[i].iov_len = (size_t)d[2 + 2 * i];
     }
-    r->peer->last_data_ns = kvr_now_ns();
-    if (err == 0 && word != r->tag) {
-        /* The prefill's room failed (or went) before the read ended: the
-         * pages may hold someone else's bytes by now. */
-        kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1,
-                              "%s released the pages before they were read", r->peer->name);
-    } else if (err == ESRCH) {
-        kvr_room_failf_locked(e, r, KVR_PEER_LOST, 1, "%s lost: cross-memory read: %s",
-                              r->peer->name, strerror(err));
-    } else if (err != 0) {
-        kvr_room_failf_locked(e, r, KVR_TRANSPORT, 1, "cross-memory read from %s failed: %s",
-                              r->peer->name, strerror(err));
-    } else {
-        e->stats.cma_reads++;
-        e->stats.cma_bytes += want;
+    j->nr = nr;
+    j->lease_addr = d[0];
+    j->arg = op;
+    if (e->readers != NULL && kvr_readers_submit(e->readers, j) == 0) {
+        /* A helper reads it; the op ends in kvr_cma_poll_locked.  Until
+         * then the room cannot be seen as failed (the op is in flight)
+         * nor be drained by force (kvr_cma_reading). */
+        op->stage = KVR_STAGE_READ;
+        return NULL;
     }
-    /* A failed read ends as failed (the room's first failure stands). */
-    kvr_op_end_locked(e, op, r->failing ? KVR_TP_ERROR : KVR_TP_OK, "cross-memory read");
+    kvr_read_job_run(j);
+    kvr_cma_read_end_locked(e, op);
     return NULL;
 }

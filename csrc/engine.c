@@ -225,13 +225,15 @@ static void *kvr_engine_main(void *arg)
             kvr_ep_errors_locked(e);
         }
         kvr_stage_poll_locked(e);
+        kvr_cma_poll_locked(e);
         kvr_timers_locked(e);
         kvr_drain_work_locked(e);
         if (e->sib_dirty || e->sib_pending) {
             kvr_siblings_locked(e);
         }
         kvr_reap_locked(e);
-        unsigned progressed = kvr_tp_progress(e->tp) + kvr_stage_poll_locked(e);
+        unsigned progressed =
+            kvr_tp_progress(e->tp) + kvr_stage_poll_locked(e) + kvr_cma_poll_locked(e);
         int copying = e->stage_head != NULL;
         if (progressed > 0 || e->work_head || e->sib_pending || copying || kvr_tp_arm(e->tp)) {
             /* Still busy (or UCX has events the arm just found): go round
@@ -670,7 +672,8 @@ void kvr_engine_close(kvr_engine_t *e)
      * it: such a completion may queue a notice.) */
     kvr_tp_destroy(e->tp);
     e->tp = NULL;
-    /* No UCX progress any more, so no read (which holds the lock) runs. */
+    /* No UCX progress any more, so no read starts; the helpers finish
+     * theirs (the ops stay with their rooms, dropped below). */
     kvr_readers_free(e->readers);
     e->readers = NULL;
     kvr_ctl_destroy(e->ctl);

@@ -83,9 +83,8 @@
  * FIFO (1, 16 MiB runs: 1.32x, 1.77x the FIFO, 1.00x, 1.14x NIXL; a 4 MiB
  * threshold left 1 MiB runs on the FIFO at 0.75x NIXL; benchmarks/README.md). */
 #define KVR_CMA_DEFAULT_BYTES (1u << 20)
-/* Default cross_memory_readers: two threads copy a read (the kernel copies
- * for both at once: 1 MiB runs over shm 1.xx, 16 MiB runs 1.xx the single
- * reader; benchmarks/README.md). */
+/* Default cross_memory_readers: the handling thread and one helper read
+ * (readers.h; benchmarks/README.md). */
 #define KVR_CMA_DEFAULT_READERS 2u
 #define KVR_POLL_PROGRESS_NS (10 * 1000) /* poll(): at most one UCX progress per */
 #define KVR_STAGE_NAP_NS (10 * 1000)  /* between polls of staging copies */
@@ -168,6 +167,7 @@ enum {
     KVR_STAGE_D2H = 1,  /* prefill: device pieces -> slot copy in flight */
     KVR_STAGE_XFER = 2, /* the slot is with UCX (send or receive) */
     KVR_STAGE_H2D = 3,  /* decode: slot -> device pieces copy in flight */
+    KVR_STAGE_READ = 4, /* decode: a reader thread reads the pieces (cma.c) */
 };
 
 typedef struct kvr_op {
@@ -385,7 +385,7 @@ struct kvr_engine {
     int tag_pool_n;
 
     kvr_wbuf_t wbuf;
-    struct kvr_readers *readers; /* decode: helpers of its cross-memory reads (readers.h) */
+    struct kvr_readers *readers; /* decode: threads for its cross-memory reads (readers.h) */
     kvr_stats_t stats; /* counters (room gauges are computed on demand) */
 
     /* device memory */
@@ -723,6 +723,10 @@ void kvr_cma_lease_end(kvr_room_t *r);
 const char *kvr_cma_read_locked(kvr_engine_t *e, kvr_room_t *r, const kvr_am_header_t *h,
                                 const kvr_slice_t *s, uint64_t want, const void *desc,
                                 size_t len);
+/* Decode: ends the ops of the reads the helper threads finished; how many. */
+unsigned kvr_cma_poll_locked(kvr_engine_t *e);
+/* Decode: whether a reader thread is reading into r's pages. */
+int kvr_cma_reading(const kvr_room_t *r);
 
 /* ------------------------------------------------------------------ */
 /* post.c: engine thread, or send()'s caller holding the lock          */

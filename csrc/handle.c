@@ -498,7 +498,7 @@ int kvr_handle_poll(kvr_handle_t *h)
         wake = 1;
     } else if (!e->stopping && e->tp != NULL && e->ndev == 0) {
         e->off_thread = 1;
-        unsigned n = kvr_tp_progress(e->tp);
+        unsigned n = kvr_tp_progress(e->tp) + kvr_cma_poll_locked(e);
         e->off_thread = 0;
         e->stats.poll_progressed += n;
         wake = n > 0;

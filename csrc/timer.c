@@ -176,7 +176,9 @@ static void kvr_timer_drains_locked(kvr_engine_t *e, uint64_t now)
             }
             kvr_room_unref_locked(e, r);
         } else if (kvr_timer_since(now, r->failing_since_ns) >
-                   2 * e->cfg.heartbeat_interval_ms * KVR_MS) {
+                       2 * e->cfg.heartbeat_interval_ms * KVR_MS &&
+                   !kvr_cma_reading(r)) {
+            /* (A read always ends, and writes the pages until it does.) */
             e->stats.rooms_force_drained++;
             kvr_room_force_drain(r);
         }

@@ -96,7 +96,7 @@
     X(ucxaddr_impossible_values_refused, 10, 0)                               \
     X(ucxaddr_own_transport_lengths_required, 10, 0)                          \
     X(pagecopy_matches_memcpy, 20, 0)                                         \
-    X(readers_random_vs_memcpy, 60, 0)                                        \
+    X(readers_jobs_vs_memcpy, 60, 0)                                          \
     X(readers_errors, 20, 0)                                                  \
     X(_selftest_assert, 5, TEST_HIDDEN)                                       \
     X(_selftest_crash, 5, TEST_HIDDEN)                                        \
