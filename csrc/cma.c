@@ -9,8 +9,10 @@
  * room's lease word in the prefill and the source pieces; the decode checks the header exactly as for data (kvr_on_data:
  * positions inside the room, each (buffer, position) claimed once, the
  * room receiving) and reads the bytes into its own pages with
- * process_vm_readv: one kernel copy, shared out among cross_memory_readers
- * threads (readers.h), all done before the handler returns.  Every error of the read is the
+ * process_vm_readv: one kernel copy, made by a free reader thread while the
+ * handler goes on (readers.h; the op stays in flight until
+ * kvr_cma_poll_locked ends it), or by the handler itself when every reader
+ * has a read.  Every error of the read is the
  * decode's to report (never UCX's, which aborts the process on a dead
  * peer): the room fails with PEER_LOST (the prefill is gone) or TRANSPORT.
  *
@@ -40,7 +42,8 @@
  * in the room's own pages.
  *
  * Engine lock held throughout (engine thread, or poll()'s caller inside
- * UCX progress for the decode's reads).
+ * UCX progress for the decode's reads), except by the reader threads,
+ * which touch only their read (readers.h).
  */
 #define _GNU_SOURCE /* process_vm_readv */
 #include "engine_int.h"
@@ -95,13 +98,14 @@ static int kvr_cma_enabled(const kvr_engine_t *e)
     return e->cfg.cross_memory_bytes > 0 && e->ndev == 0;
 }
 
-/* The helper threads of the decode's reads, once a prefill accepted them
- * (none while every prefill is on another host). */
+/* A reader thread finished a read: the engine ends its op. */
 static void kvr_cma_notify(void *e)
 {
     kvr_wake(e);
 }
 
+/* The reader threads of the decode, once a prefill accepted its reads
+ * (none while every prefill is on another host). */
 static void kvr_cma_readers_start(kvr_engine_t *e)
 {
     if (e->readers != NULL || e->cfg.cross_memory_readers < 2) {
