@@ -58,7 +58,7 @@ typedef struct {
     int force_staging;              /* stage device memory even where UCX could move it */
     int poll_progress;              /* decode: poll() may progress UCX (kvr_handle_poll) */
     uint32_t cross_memory_bytes;    /* same-host pieces this long go as cross-memory reads (cma.c); 0: never */
-    uint32_t cross_memory_readers;  /* decode: threads that copy one such read, the caller included */
+    uint32_t cross_memory_readers;  /* decode: threads making those reads, the handling one included */
     int tcp_lane;                   /* data over kvrecv's own tcp connection where UCX uses tcp (lane.h) */
 } kvr_config_t;
 

@@ -6,8 +6,10 @@ two), the path off on either side, a prefill in another pid namespace or
 whose memory the kernel refuses the decode (the offer's probe fails: the
 bytes come through UCX), and descriptors that break
 the rules: outside the room (PROTOCOL), from an unmapped source, with a
-lease that is not the room's (TRANSPORT); no byte outside the room's pages.
-The prefill killed mid-room is in test_peer_death.py."""
+lease that is not the room's (TRANSPORT); no byte outside the room's pages;
+the decode's reader threads (cross_memory_readers, csrc/readers.c), through
+which every read test here goes.  The prefill killed mid-room is in
+test_peer_death.py, an abort with reads in flight in test_failures.py."""
 
 from __future__ import annotations
 
@@ -123,7 +125,7 @@ def test_default_reads_messages_of_a_mib_over_shared_memory_only(res, monkeypatc
 
 
 @pytest.mark.parametrize("readers", [1, 2, 4])
-def test_reads_shared_out_among_reader_threads(res, shm, readers):
+def test_reads_made_by_reader_threads(res, shm, readers):
     """cross_memory_readers: the decode's threads that make reads (the
     thread handling the descriptors and readers - 1 helpers, each taking a
     whole read, csrc/readers.c).  A 16 MiB room of 1 MiB reads is

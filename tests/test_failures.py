@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import kvrecv
-from kvtest import TCP_NO_EAGER_FRAGMENT, refusing_port
+from kvtest import TCP_NO_EAGER_FRAGMENT, TRANSPORTS, refusing_port
 from peer_proc import peer_mod
 from kvrecv import (
     KVAbortedError,
@@ -536,21 +536,28 @@ BIG_NBUF = 8
 BIG_ITEM = 64 * 1024
 
 
-def test_abort_in_flight_no_late_writes(fail_bs, fail_closer, monkeypatch):
-    monkeypatch.setenv("UCX_TLS", "tcp")
+@pytest.mark.parametrize("path", ["tcp", "reads"])
+def test_abort_in_flight_no_late_writes(fail_bs, fail_closer, monkeypatch, path):
+    """A decode's abort() while its room's data is in flight: poll() says
+    Failed only once nothing more can land, and no byte changes after it.
+    "tcp": reversed destination pages, one operation per page and buffer.
+    "reads": over shared memory, contiguous runs read by the decode from the
+    prefill's pages (256 KiB reads, csrc/cma.c), most of them by a reader
+    thread while the engine thread takes the next descriptor."""
+    monkeypatch.setenv("UCX_TLS", TRANSPORTS["tcp" if path == "tcp" else "shm"])
+    cfg = KVConfig(cross_memory_bytes=256 << 10) if path == "reads" else None
     rng = np.random.default_rng(91)
     pkv = [rng.integers(0, 256, BIG_PAGES * BIG_ITEM, dtype=np.uint8) for _ in range(BIG_NBUF)]
     dkv = [np.full(BIG_PAGES * BIG_ITEM, CANARY, dtype=np.uint8) for _ in range(BIG_NBUF)]
     p = KVManager(KVArgs.from_buffers(0, pkv, [BIG_ITEM] * BIG_NBUF), "prefill",
-                  bootstrap_addr=fail_bs.address)
+                  bootstrap_addr=fail_bs.address, config=cfg)
     fail_closer(p)
-    d = KVManager(KVArgs.from_buffers(0, dkv, [BIG_ITEM] * BIG_NBUF), "decode")
+    d = KVManager(KVArgs.from_buffers(0, dkv, [BIG_ITEM] * BIG_NBUF), "decode", config=cfg)
     fail_closer(d)
-    assert "UCX_TLS=tcp" in d.transport, d.transport
+    assert f"UCX_TLS={TRANSPORTS['tcp' if path == 'tcp' else 'shm']}" in d.transport, d.transport
     expected = BIG_PAGES * BIG_NBUF * BIG_ITEM
-    # Reversed destination pages: one operation per page and buffer.
-    dst = np.arange(BIG_PAGES - 1, -1, -1, dtype=np.int32)
     src = np.arange(BIG_PAGES, dtype=np.int32)
+    dst = src[::-1].copy() if path == "tcp" else src.copy()
 
     caught = None
     # The first attempts abort once bytes flow; later ones abort right after
@@ -623,12 +630,14 @@ def test_abort_in_flight_no_late_writes(fail_bs, fail_closer, monkeypatch):
     st, el = _wait_state(r, TERMINAL, 30)
     assert st == KVPoll.Success, f"new room after the abort: {st} after {el:.3f} s"
     for b in range(BIG_NBUF):
-        assert np.array_equal(dkv[b].reshape(BIG_PAGES, BIG_ITEM)[::-1],
-                              pkv[b].reshape(BIG_PAGES, BIG_ITEM)), b
+        assert np.array_equal(dkv[b].reshape(BIG_PAGES, BIG_ITEM)[dst],
+                              pkv[b].reshape(BIG_PAGES, BIG_ITEM)[src]), b
     _wait_state(s, TERMINAL, 10)
     r.clear()
     s.clear()
     _assert_no_rooms(p, d)
+    if path == "reads":
+        assert d.stats()["cma_helper_bytes"] > 0, d.stats()
 
 
 def test_decode_abort_racing_its_data_reaches_prefill_as_aborted(fail_bs, fail_closer,
