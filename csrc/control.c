@@ -1,4 +1,5 @@
 #include "control.h"
+#include "registry.h" /* kvr_now_ns */
 
 #include <errno.h>
 #include <limits.h>
@@ -10,7 +11,6 @@
 #include <string.h>
 #include <sys/eventfd.h>
 #include <sys/random.h>
-#include <time.h>
 #include <unistd.h>
 
 #include <zmq.h>
@@ -53,13 +53,6 @@ struct kvr_ctl {
     uint64_t queue_bytes;
     kvr_sealer_t sealer;
 };
-
-static uint64_t kvr_ctl_now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
-}
 
 static int kvr_sealer_init(kvr_sealer_t *s, const void *secret, size_t secret_len,
                            uint64_t epoch, char *err, size_t errlen)
@@ -165,7 +158,7 @@ static int kvr_admit(kvr_sealer_t *s, int64_t max_msg, int inbound, unsigned cha
 static void kvr_reject_reply(kvr_sealer_t *s, void *router, const void *ident, size_t ident_len,
                              const char *why)
 {
-    uint64_t now = kvr_ctl_now_ns();
+    uint64_t now = kvr_now_ns();
     if (now - s->reject_ns >= 1000000000u) {
         s->reject_ns = now;
         s->rejects = 0;
@@ -662,7 +655,7 @@ int kvr_bootstrap_start(const char *host, int port, const void *secret, size_t s
     uint64_t epoch = 0;
     while (epoch == 0) {
         if (getrandom(&epoch, sizeof(epoch), 0) != sizeof(epoch)) {
-            epoch = kvr_ctl_now_ns() ^ ((uint64_t)getpid() << 32);
+            epoch = kvr_now_ns() ^ ((uint64_t)getpid() << 32);
         }
     }
     if (kvr_sealer_init(&bs->sealer, secret, secret_len, epoch, err, errlen) != 0) {

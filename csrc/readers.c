@@ -9,11 +9,11 @@
 #define _GNU_SOURCE /* process_vm_readv */
 #endif
 #include "readers.h"
+#include "registry.h" /* kvr_now_ns */
 
 #include <errno.h>
 #include <pthread.h>
 #include <stdlib.h>
-#include <time.h>
 
 #define KVR_READ_BATCH 64 /* iovecs per process_vm_readv */
 
@@ -31,13 +31,6 @@ struct kvr_readers {
     unsigned nhelpers;
     pthread_t th[KVR_READERS_MAX - 1];
 };
-
-static uint64_t kvr_readers_now(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
 
 static void kvr_readers_relax(void)
 {
@@ -138,11 +131,11 @@ void kvr_read_job_run(kvr_read_job_t *j)
  * the pool stops and the queue is empty. */
 static kvr_read_job_t *kvr_readers_next(kvr_readers_t *rd)
 {
-    uint64_t since = kvr_readers_now();
+    uint64_t since = kvr_now_ns();
     for (unsigned spins = 0; __atomic_load_n(&rd->queued, __ATOMIC_ACQUIRE) == 0 &&
                              !__atomic_load_n(&rd->stop, __ATOMIC_ACQUIRE);
          spins++) {
-        if (spins % 64 == 63 && kvr_readers_now() - since > KVR_READERS_SPIN_NS) {
+        if (spins % 64 == 63 && kvr_now_ns() - since > KVR_READERS_SPIN_NS) {
             break;
         }
         kvr_readers_relax();

@@ -20,8 +20,8 @@
  * the next one (waking a sleeping thread costs tens of microseconds on a
  * virtual machine), then sleeps; an idle pool costs nothing.
  *
- * Pure logic over pthreads and process_vm_readv: no engine, no UCX (tested
- * in tests/c/test_readers.c, also under TSan).
+ * Pure logic over pthreads and process_vm_readv (the clock from registry.h):
+ * no engine, no UCX (tested in tests/c/test_readers.c, also under TSan).
  */
 #ifndef KVR_READERS_H
 #define KVR_READERS_H

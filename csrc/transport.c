@@ -1,11 +1,11 @@
 #include "transport.h"
+#include "registry.h" /* kvr_now_ns */
 
 #include <stddef.h>
 #include <stdio.h>
 #include <errno.h>
 #include <sys/epoll.h>
 #include <unistd.h>
-#include <time.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -479,13 +479,6 @@ int kvr_tp_fd(kvr_transport_t *tp)
     return tp->epfd;
 }
 
-static uint64_t kvr_tp_now_ns(void)
-{
-    struct timespec ts;
-    clock_gettime(CLOCK_MONOTONIC, &ts);
-    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
-}
-
 /* A progress round (or the time between two) this long means the process
  * was suspended (SIGSTOP, a paused VM) or starved: kvr_tp_progress returns
  * at once, so that the engine looks at its peers' silence again before
@@ -499,14 +492,14 @@ unsigned kvr_tp_progress(kvr_transport_t *tp)
      * flood of completions (API calls wait for that lock).  Callbacks may
      * retire workers but never destroy one (the engine's reaper does). */
     unsigned total = kvr_tp_lanes_progress(tp), n;
-    uint64_t last = kvr_tp_now_ns();
+    uint64_t last = kvr_now_ns();
     for (kvr_tp_worker_t *w = tp->workers; w != NULL; w = w->next) {
         if (w->retired) {
             continue;
         }
         for (int i = 0; i < 64 && (n = ucp_worker_progress(w->worker)) != 0; i++) {
             total += n;
-            uint64_t now = kvr_tp_now_ns();
+            uint64_t now = kvr_now_ns();
             if (now - last > KVR_TP_STALL_NS) {
                 return total;
             }
