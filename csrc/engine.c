@@ -7,6 +7,7 @@
  */
 #define _GNU_SOURCE /* pthread_setname_np */
 #include "engine_int.h"
+#include "lanelisten.h"
 #include "readers.h"
 #include "testhook.h"
 
@@ -94,6 +95,10 @@ void kvr_config_default(kvr_config_t *cfg)
     cfg->cross_memory_bytes = KVR_CMA_DEFAULT_BYTES; /* both sides must have it */
     cfg->cross_memory_readers = KVR_CMA_DEFAULT_READERS;
     cfg->tcp_lane = 1;                               /* both sides must have it */
+    /* Reno: no pacing timer (bbr, where no fq qdisc paces for it, releases
+     * the lane's segments from a timer: 20-25 % less throughput and more CPU
+     * per GB, benchmarks/README.md), and every host lets any process use it. */
+    snprintf(cfg->lane_congestion, sizeof(cfg->lane_congestion), "reno");
 }
 
 int kvr_err(char *err, size_t errlen, int code, const char *fmt, ...)
@@ -410,6 +415,10 @@ static int kvr_engine_check_params(const kvr_engine_params_t *p, char *err, size
         return kvr_err(err, errlen, KVR_EVALUE, "cross_memory_readers=%u is not in 1-%d",
                        p->cfg.cross_memory_readers, KVR_READERS_MAX);
     }
+    if (p->cfg.lane_congestion[0] != '\0' &&
+        kvr_lane_congestion_check(p->cfg.lane_congestion, err, errlen) != 0) {
+        return KVR_EVALUE;
+    }
     if (p->cfg.deadline_floor_bps == 0 || p->cfg.heartbeat_interval_ms == 0 ||
         p->cfg.heartbeat_timeout_ms == 0) {
         return kvr_err(err, errlen, KVR_EVALUE,
@@ -498,7 +507,7 @@ static int kvr_engine_open_ctl(kvr_engine_t *e, char *err, size_t errlen)
         /* Where decodes connect their tcp lanes (lane.h); without it their
          * data goes through UCX. */
         char lerr[256];
-        if (kvr_tp_lane_listen(e->tp, e->host, lerr, sizeof(lerr)) != 0) {
+        if (kvr_tp_lane_listen(e->tp, e->host, e->cfg.lane_congestion, lerr, sizeof(lerr)) != 0) {
             kvr_log_write(&e->log, KVR_LOG_WARNING,
                           "prefill rank %d: no tcp lanes (%s); data goes through UCX", e->rank,
                           lerr);

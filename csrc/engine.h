@@ -32,6 +32,10 @@
 
 enum { KVR_MODE_PREFILL = 0, KVR_MODE_DECODE = 1 };
 
+/* Longest name of a tcp congestion control, its NUL included (the
+ * kernel's TCP_CA_NAME_MAX). */
+#define KVR_LANE_CC_MAX 16
+
 typedef struct {
     uint32_t bootstrap_timeout_ms;  /* resolving and connecting a peer */
     uint32_t heartbeat_interval_ms; /* decode -> prefill pings */
@@ -60,6 +64,9 @@ typedef struct {
     uint32_t cross_memory_bytes;    /* same-host pieces this long go as cross-memory reads (cma.c); 0: never */
     uint32_t cross_memory_readers;  /* decode: threads making those reads, the handling one included */
     int tcp_lane;                   /* data over kvrecv's own tcp connection where UCX uses tcp (lane.h) */
+    /* Prefill: the tcp congestion control of its lanes (lanelisten.h); "":
+     * the host's default. */
+    char lane_congestion[KVR_LANE_CC_MAX];
 } kvr_config_t;
 
 /* The defaults.  The binding hands them to Python (config_defaults), and a

@@ -4,6 +4,7 @@
 #include <errno.h>
 #include <netdb.h>
 #include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -34,7 +35,44 @@ static void kvr_lane_pending_drop(kvr_lane_listener_t *ll, kvr_lane_pending_t *p
     p->fd = -1;
 }
 
-kvr_lane_listener_t *kvr_lane_listen(const char *host, char *err, size_t errlen)
+/* Gives socket fd the congestion control name: 0, or -1 with err. */
+static int kvr_lane_congestion_set(int fd, const char *name, char *err, size_t errlen)
+{
+    if (setsockopt(fd, IPPROTO_TCP, TCP_CONGESTION, name, (socklen_t)strlen(name)) == 0) {
+        return 0;
+    }
+    int why = errno;
+    char allowed[128] = "";
+    FILE *f = fopen("/proc/sys/net/ipv4/tcp_allowed_congestion_control", "r");
+    if (f != NULL) {
+        if (fgets(allowed, sizeof(allowed), f) == NULL) {
+            allowed[0] = '\0';
+        }
+        allowed[strcspn(allowed, "\n")] = '\0';
+        fclose(f);
+    }
+    snprintf(err, errlen, "lane_congestion='%s' cannot be used here: %s (this host lets any "
+             "process use: %s)", name, strerror(why), allowed[0] ? allowed : "not known");
+    return -1;
+}
+
+int kvr_lane_congestion_check(const char *name, char *err, size_t errlen)
+{
+    int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    if (fd < 0) {
+        fd = socket(AF_INET6, SOCK_STREAM | SOCK_CLOEXEC, 0);
+    }
+    if (fd < 0) {
+        snprintf(err, errlen, "lane_congestion: no tcp socket: %s", strerror(errno));
+        return -1;
+    }
+    int rc = kvr_lane_congestion_set(fd, name, err, errlen);
+    close(fd);
+    return rc;
+}
+
+kvr_lane_listener_t *kvr_lane_listen(const char *host, const char *congestion, char *err,
+                                     size_t errlen)
 {
     kvr_lane_listener_t *ll = calloc(1, sizeof(*ll));
     if (ll == NULL) {
@@ -56,6 +94,10 @@ kvr_lane_listener_t *kvr_lane_listen(const char *host, char *err, size_t errlen)
         goto fail;
     }
     ll->fd = socket(ai->ai_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
+    if (ll->fd >= 0 && congestion[0] != '\0' &&
+        kvr_lane_congestion_set(ll->fd, congestion, err, errlen) != 0) {
+        goto fail;
+    }
     if (ll->fd < 0 || bind(ll->fd, ai->ai_addr, ai->ai_addrlen) != 0 ||
         listen(ll->fd, KVR_LANE_PENDING_MAX) != 0) {
         snprintf(err, errlen, "listening on %s: %s", any ? "*" : host, strerror(errno));

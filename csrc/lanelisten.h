@@ -23,8 +23,14 @@
 typedef struct kvr_lane_listener kvr_lane_listener_t;
 
 /* Listens on host (an address; "*", "0.0.0.0" or "" for all), a free
- * port.  NULL with err. */
-kvr_lane_listener_t *kvr_lane_listen(const char *host, char *err, size_t errlen);
+ * port, with the tcp congestion control named congestion ("": the host's
+ * default), which the lanes accepted on it inherit.  NULL with err. */
+kvr_lane_listener_t *kvr_lane_listen(const char *host, const char *congestion, char *err,
+                                     size_t errlen);
+/* Whether this host lets this process give a tcp socket the congestion
+ * control named name: 0, or -1 with err naming it, why, and the ones the
+ * host allows. */
+int kvr_lane_congestion_check(const char *name, char *err, size_t errlen);
 void kvr_lane_listener_free(kvr_lane_listener_t *ll);
 /* An fd readable when something is to be done (an epoll set of its own). */
 int kvr_lane_listener_fd(const kvr_lane_listener_t *ll);

@@ -191,12 +191,13 @@ unsigned kvr_tp_lanes_progress(kvr_transport_t *tp)
     return n;
 }
 
-int kvr_tp_lane_listen(kvr_transport_t *tp, const char *host, char *err, size_t errlen)
+int kvr_tp_lane_listen(kvr_transport_t *tp, const char *host, const char *congestion, char *err,
+                       size_t errlen)
 {
     if (tp->lanes != NULL) {
         return 0;
     }
-    tp->lanes = kvr_lane_listen(host, err, errlen);
+    tp->lanes = kvr_lane_listen(host, congestion, err, errlen);
     if (tp->lanes == NULL) {
         return -1;
     }

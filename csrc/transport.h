@@ -248,13 +248,15 @@ void kvr_tp_shm_sizes(const kvr_transport_t *tp, uint32_t *seg, uint32_t *fifo);
  * kvrecv's tcp lanes (lane.h): a prefill's host data messages to a decode
  * whose UCX endpoint runs over tcp go over the lane that decode connected,
  * once it is up.  Prefill: kvr_tp_lane_listen once (0, or -1 with err: no
- * lanes), then per decode kvr_tp_lane_offer on its worker: a token to hand
+ * lanes; congestion: the lanes' tcp congestion control, "" the host's),
+ * then per decode kvr_tp_lane_offer on its worker: a token to hand
  * it with the port (0 if none or no lanes; -1 when no random token could
  * be drawn).  Decode: kvr_tp_lane_connect on its endpoint to the prefill
  * with what the prefill offered (-1 with err: no lane, data through UCX).
  */
 #define KVR_TP_LANE_TOKEN_LEN 16
-int kvr_tp_lane_listen(kvr_transport_t *tp, const char *host, char *err, size_t errlen);
+int kvr_tp_lane_listen(kvr_transport_t *tp, const char *host, const char *congestion, char *err,
+                       size_t errlen);
 uint16_t kvr_tp_lane_port(const kvr_transport_t *tp);
 int kvr_tp_lane_offer(kvr_tp_worker_t *w, unsigned char token[KVR_TP_LANE_TOKEN_LEN]);
 int kvr_tp_lane_connect(kvr_tp_ep_t *ep, const char *host, uint16_t port,

@@ -67,16 +67,17 @@ class KVConfig:
     cross_memory_bytes: int = _DEFAULT["cross_memory_bytes"]
     cross_memory_readers: int = _DEFAULT["cross_memory_readers"]
     tcp_lane: bool = _DEFAULT["tcp_lane"]
+    lane_congestion: str = _DEFAULT["lane_congestion"]
 
     def resolved(self) -> dict:
         """The fields with the environment applied, as the core reads them
-        (the secret is checked there)."""
+        (the secret and lane_congestion are checked there)."""
         out = {}
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             env = os.environ.get("KVRECV_" + f.name.upper())
-            if f.name == "secret":
-                out["secret"] = value if env is None else env
+            if f.name in ("secret", "lane_congestion"):
+                out[f.name] = value if env is None else env
                 continue
             if env is not None:
                 try:

@@ -40,6 +40,8 @@ def test_configuration_table_matches_the_core_defaults():
         cell = rows[name]
         if isinstance(value, bool):
             assert cell == ("true" if value else "false"), name
+        elif isinstance(value, str):
+            assert cell == f"`{value}`", f"{name}: README says {cell}, core {value!r}"
         else:
             assert int(cell.split()[0]) == value, f"{name}: README says {cell}, core {value}"
     assert rows["secret"] == "(none)"

@@ -9,6 +9,8 @@ either process with data on the lane: test_peer_death.py, over tcp.)"""
 from __future__ import annotations
 
 import logging
+import multiprocessing as mp
+import os
 import socket
 import time
 
@@ -16,6 +18,7 @@ import numpy as np
 import pytest
 
 from kvrecv import KVPeerLostError, KVPoll, KVReceiver, KVSender
+from conftest import Resources
 from kvtest import CANARY, Layout, Side, describe_failure, terminal, wait_for, wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -102,6 +105,104 @@ def test_either_side_off_keeps_the_data_on_ucx(res, off):
     assert prefill.stats()["rma_ops_posted"] > 3
     random_room(bs, prefill, decode, src, dst, 2)
     assert prefill.stats()["lane_messages"] == decode.stats()["lane_messages"] == 0
+
+
+def _proc_text(name: str) -> str:
+    with open("/proc/sys/net/ipv4/" + name) as f:
+        return f.read().strip()
+
+
+def _congestion_of_port(port: int) -> dict:
+    """The tcp congestion control of this process's sockets bound to port,
+    read from the kernel: {"listener": name, "accepted": [names]}."""
+    out = {"listener": None, "accepted": []}
+    for fd in map(int, os.listdir("/proc/self/fd")):
+        try:
+            sock = socket.socket(fileno=os.dup(fd))
+        except OSError:
+            continue  # not a socket (or gone)
+        with sock:
+            if sock.family not in (socket.AF_INET, socket.AF_INET6) or \
+                    sock.type != socket.SOCK_STREAM or sock.getsockname()[1] != port:
+                continue
+            name = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, 16)
+            name = name.split(b"\0", 1)[0].decode()
+            try:
+                sock.getpeername()
+            except OSError:
+                out["listener"] = name
+            else:
+                out["accepted"].append(name)
+    return out
+
+
+@pytest.mark.parametrize("cc", ["default", "host", "cubic"])
+def test_lanes_use_the_configured_congestion_control(res, cc):
+    """The prefill's lane sockets, the listener and the connection it
+    accepted, run the congestion control named by lane_congestion: reno by
+    default, the host's default with "", cubic when asked (where this host
+    has it); the room is byte-exact either way."""
+    if cc == "cubic" and "cubic" not in _proc_text("tcp_available_congestion_control").split():
+        pytest.skip("this kernel has no cubic")
+    cfg = {} if cc == "default" else {"lane_congestion": "" if cc == "host" else cc}
+    want = {"default": "reno", "host": _proc_text("tcp_congestion_control"), "cubic": "cubic"}[cc]
+    bs = res.server()
+    src, dst, prefill, decode = managers(res, bs, cfg)
+    contiguous_room(bs, prefill, decode, src, dst, 1)
+    assert prefill.stats()["lane_messages"] == 3
+    got = _congestion_of_port(prefill.stats()["lane_port"])
+    assert got == {"listener": want, "accepted": [want]}, got
+
+
+@pytest.mark.parametrize("bad, exc, text", [
+    ("nosuchcc", ValueError,
+     r"^lane_congestion='nosuchcc' cannot be used here: No such file or directory \(this host "
+     r"lets any process use: [a-z0-9 ]+\)$"),
+    ("c" * 16, ValueError, r"lane_congestion='c{16}' is not a congestion control name \(ASCII, "
+     r"at most 15 characters\)"),
+    ("r\u00e9no", ValueError, r"is not a congestion control name"),
+    ("re\0no", ValueError, r"is not a congestion control name"),
+    (5, TypeError, r"^KVConfig.lane_congestion must be a str, not int$"),
+])
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_a_bad_congestion_control_is_refused(res, bad, exc, text, mode):
+    bs = res.server()
+    with pytest.raises(exc, match=text):
+        res.manager(Side(LAYOUT, 0), mode, bs.address, lane_congestion=bad)
+
+
+def _manager_as_nobody(bs_address: str, cc: str, conn) -> None:
+    try:
+        os.setgid(65534)
+        os.setuid(65534)
+        res = Resources()
+        try:
+            res.manager(Side(LAYOUT, 0), "prefill", bs_address, lane_congestion=cc)
+            conn.send("created")
+        finally:
+            res.close()
+    except Exception as e:  # the answer is the exception
+        conn.send(f"{type(e).__name__}: {e}")
+
+
+def test_a_congestion_control_the_host_keeps_to_root_is_refused(res):
+    """An unprivileged process naming a congestion control that the kernel
+    has but does not let any process use (tcp_allowed_congestion_control):
+    EPERM, said at the manager's creation."""
+    allowed = _proc_text("tcp_allowed_congestion_control").split()
+    kept = [c for c in _proc_text("tcp_available_congestion_control").split() if c not in allowed]
+    if os.geteuid() != 0 or not kept:
+        pytest.skip("needs root (to become nobody) and a congestion control kept to root")
+    bs = res.server()
+    ctx = mp.get_context("fork")
+    here, there = ctx.Pipe()
+    p = ctx.Process(target=_manager_as_nobody, args=(bs.address, kept[0], there))
+    p.start()
+    assert here.poll(30), "the unprivileged process said nothing"
+    got = here.recv()
+    p.join(10)
+    assert got == (f"ValueError: lane_congestion='{kept[0]}' cannot be used here: Operation not "
+                   f"permitted (this host lets any process use: {' '.join(allowed)})"), got
 
 
 def _closed_by_peer(sock: socket.socket, timeout: float) -> bool:

@@ -52,7 +52,8 @@ fail:
 /*
  * The numeric fields of kvr_config_t that Python sets, with the largest
  * value each takes and whether Python sees it as a bool.  KVConfig's fields
- * and defaults come from here (config_defaults); the secret is read apart.
+ * and defaults come from here (config_defaults); the secret and the lanes'
+ * congestion control (strings) are read apart.
  */
 #define KVR_PY_CONFIG(X)                                                                      \
     X(bootstrap_timeout_ms, UINT32_MAX, 0)                                                    \
@@ -102,6 +103,13 @@ PyObject *kvr_py_config_defaults(PyObject *m, PyObject *unused)
     }
     KVR_PY_CONFIG(KVR_CFG_DEFAULT)
 #undef KVR_CFG_DEFAULT
+    PyObject *cc = PyUnicode_FromString(c.lane_congestion);
+    if (cc == NULL || PyDict_SetItemString(d, "lane_congestion", cc) < 0) {
+        Py_XDECREF(cc);
+        Py_DECREF(d);
+        return NULL;
+    }
+    Py_DECREF(cc);
     return d;
 }
 
@@ -147,6 +155,42 @@ static int kvr_cfg_secret(PyObject *cfg, kvr_config_t *c)
         return 0;
     }
     int rc = kvr_py_secret(v, "KVConfig.secret", c->secret, &c->secret_len);
+    Py_DECREF(v);
+    return rc;
+}
+
+/* config["lane_congestion"]: a str of at most KVR_LANE_CC_MAX - 1 ASCII
+ * characters ("": the host's default); absent or None: the default.  The
+ * engine asks the kernel whether the name can be used. */
+static int kvr_cfg_congestion(PyObject *cfg, kvr_config_t *c)
+{
+    if (cfg == NULL || cfg == Py_None) {
+        return 0;
+    }
+    PyObject *v = PyMapping_GetItemString(cfg, "lane_congestion");
+    if (v == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int rc = 0;
+    if (v != Py_None) {
+        Py_ssize_t n = 0;
+        const char *s = PyUnicode_Check(v) ? PyUnicode_AsUTF8AndSize(v, &n) : NULL;
+        if (s == NULL) {
+            if (!PyErr_Occurred()) {
+                PyErr_Format(PyExc_TypeError, "KVConfig.lane_congestion must be a str, not %.100s",
+                             Py_TYPE(v)->tp_name);
+            }
+            rc = -1;
+        } else if (n >= KVR_LANE_CC_MAX || !PyUnicode_IS_ASCII(v) || strlen(s) != (size_t)n) {
+            PyErr_Format(PyExc_ValueError,
+                         "KVConfig.lane_congestion=%R is not a congestion control name (ASCII, "
+                         "at most %d characters)", v, KVR_LANE_CC_MAX - 1);
+            rc = -1;
+        } else {
+            memcpy(c->lane_congestion, s, (size_t)n + 1);
+        }
+    }
     Py_DECREF(v);
     return rc;
 }
@@ -386,7 +430,7 @@ static int kvr_manager_init(PyObject *op, PyObject *args, PyObject *kwds)
     p.cfg.field = (__typeof__(p.cfg.field))v;
     KVR_PY_CONFIG(KVR_CFG_READ)
 #undef KVR_CFG_READ
-    if (kvr_cfg_secret(cfg, &p.cfg) < 0) {
+    if (kvr_cfg_secret(cfg, &p.cfg) < 0 || kvr_cfg_congestion(cfg, &p.cfg) < 0) {
         goto out;
     }
     char err[512] = "";
