@@ -96,7 +96,7 @@ void kvr_config_default(kvr_config_t *cfg)
     cfg->cross_memory_readers = KVR_CMA_DEFAULT_READERS;
     cfg->tcp_lane = 1;                               /* both sides must have it */
     /* Reno: no pacing timer (bbr, where no fq qdisc paces for it, releases
-     * the lane's segments from a timer: 20-25 % less throughput and more CPU
+     * the lane's segments from a timer: up to 1.46x slower and 1.26x the CPU
      * per GB, benchmarks/README.md), and every host lets any process use it. */
     snprintf(cfg->lane_congestion, sizeof(cfg->lane_congestion), "reno");
 }
