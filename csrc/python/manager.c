@@ -113,14 +113,24 @@ PyObject *kvr_py_config_defaults(PyObject *m, PyObject *unused)
     return d;
 }
 
-static int kvr_cfg_get(PyObject *cfg, const char *key, uint64_t max, uint64_t *dst)
+/* config[key], a new reference; NULL (no error set) when cfg is None or
+ * has no such key. */
+static PyObject *kvr_cfg_item(PyObject *cfg, const char *key)
 {
     if (cfg == NULL || cfg == Py_None) {
-        return 0;
+        return NULL;
     }
     PyObject *v = PyMapping_GetItemString(cfg, key);
     if (v == NULL) {
         PyErr_Clear();
+    }
+    return v;
+}
+
+static int kvr_cfg_get(PyObject *cfg, const char *key, uint64_t max, uint64_t *dst)
+{
+    PyObject *v = kvr_cfg_item(cfg, key);
+    if (v == NULL) {
         return 0;
     }
     double d = PyFloat_AsDouble(v);
@@ -146,12 +156,8 @@ static int kvr_cfg_get(PyObject *cfg, const char *key, uint64_t max, uint64_t *d
 static int kvr_cfg_secret(PyObject *cfg, kvr_config_t *c)
 {
     c->secret_len = 0;
-    if (cfg == NULL || cfg == Py_None) {
-        return 0;
-    }
-    PyObject *v = PyMapping_GetItemString(cfg, "secret");
+    PyObject *v = kvr_cfg_item(cfg, "secret");
     if (v == NULL) {
-        PyErr_Clear();
         return 0;
     }
     int rc = kvr_py_secret(v, "KVConfig.secret", c->secret, &c->secret_len);
@@ -164,12 +170,8 @@ static int kvr_cfg_secret(PyObject *cfg, kvr_config_t *c)
  * engine asks the kernel whether the name can be used. */
 static int kvr_cfg_congestion(PyObject *cfg, kvr_config_t *c)
 {
-    if (cfg == NULL || cfg == Py_None) {
-        return 0;
-    }
-    PyObject *v = PyMapping_GetItemString(cfg, "lane_congestion");
+    PyObject *v = kvr_cfg_item(cfg, "lane_congestion");
     if (v == NULL) {
-        PyErr_Clear();
         return 0;
     }
     int rc = 0;
