@@ -544,7 +544,8 @@ def test_abort_in_flight_no_late_writes(fail_bs, fail_closer, monkeypatch, path)
     "reads": over shared memory, contiguous runs read by the decode from the
     prefill's pages (256 KiB reads, csrc/cma.c), most of them by a reader
     thread while the engine thread takes the next descriptor."""
-    monkeypatch.setenv("UCX_TLS", TRANSPORTS["tcp" if path == "tcp" else "shm"])
+    tls = TRANSPORTS["tcp" if path == "tcp" else "shm"]
+    monkeypatch.setenv("UCX_TLS", tls)
     cfg = KVConfig(cross_memory_bytes=256 << 10) if path == "reads" else None
     rng = np.random.default_rng(91)
     pkv = [rng.integers(0, 256, BIG_PAGES * BIG_ITEM, dtype=np.uint8) for _ in range(BIG_NBUF)]
@@ -554,7 +555,7 @@ def test_abort_in_flight_no_late_writes(fail_bs, fail_closer, monkeypatch, path)
     fail_closer(p)
     d = KVManager(KVArgs.from_buffers(0, dkv, [BIG_ITEM] * BIG_NBUF), "decode", config=cfg)
     fail_closer(d)
-    assert f"UCX_TLS={TRANSPORTS['tcp' if path == 'tcp' else 'shm']}" in d.transport, d.transport
+    assert f"UCX_TLS={tls}" in d.transport, d.transport
     expected = BIG_PAGES * BIG_NBUF * BIG_ITEM
     src = np.arange(BIG_PAGES, dtype=np.int32)
     dst = src[::-1].copy() if path == "tcp" else src.copy()
