@@ -223,6 +223,7 @@ static void *kvr_engine_main(void *arg)
         if (e->stopping) {
             break;
         }
+        kvr_tp_lane_budget(e->tp, KVR_LANE_INLINE_BYTES);
         kvr_drain_work_locked(e);
         kvr_timer_silences_locked(e);
         kvr_tp_progress(e->tp);

@@ -77,6 +77,11 @@
  * data goes through UCX instead (lane.h); at most half the heartbeat
  * timeout (no PING goes meanwhile). */
 #define KVR_LANE_WAIT_MS 1000u
+/* Prefill: the most bytes one send() call (and one engine pass) writes to
+ * tcp lanes itself; the rest of its messages wait in the lanes' queues for
+ * the engine thread, so that a large room does not hold the scheduler's
+ * thread (and the engine lock) for as long as its transfer takes. */
+#define KVR_LANE_INLINE_BYTES (1u << 20)
 #define KVR_SHM_EAGER_ROOM_BYTES (512u << 10) /* rooms sent as eager messages over shm */
 /* Default cross_memory_bytes: messages of 1 MiB and more over shared memory
  * go as cross-memory reads (cma.c), one kernel copy against two through the

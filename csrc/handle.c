@@ -425,6 +425,9 @@ int kvr_handle_send(kvr_handle_t *h, const int32_t *pages, size_t n, const int64
         h->ready_ns = kvr_now_ns();
     }
     wake = 1;
+    if (e->tp != NULL) {
+        kvr_tp_lane_budget(e->tp, KVR_LANE_INLINE_BYTES);
+    }
     kvr_group_sync_locked(e, h); /* a lead's legs get the pages and post them */
     if (h->bound && h->peer != NULL && h->peer->state == KVR_PEER_READY) {
         /* Post from the caller's thread: the worker is serialized by the

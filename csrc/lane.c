@@ -235,19 +235,23 @@ static void kvr_lane_fail(kvr_lane_t *l, const char *detail)
 
 /* ---- sending ---- */
 
-/* The unwritten parts of the queued frames, from the head, into v. */
-static int kvr_lane_gather(const kvr_lane_t *l, struct iovec *v, size_t *want)
+/* The unwritten parts of the queued frames, from the head, into v: about
+ * max bytes (a piece is cut there; a frame's head is not). */
+static int kvr_lane_gather(const kvr_lane_t *l, struct iovec *v, size_t max, size_t *want)
 {
     int n = 0;
     *want = 0;
-    for (const kvr_lane_tx_t *tx = l->tx_head;
-         tx != NULL && n < KVR_LANE_IOV && *want < KVR_LANE_ROUND_BYTES; tx = tx->next) {
+    for (const kvr_lane_tx_t *tx = l->tx_head; tx != NULL && n < KVR_LANE_IOV && *want < max;
+         tx = tx->next) {
         size_t off = tx->done;
         if (off < tx->nhead) {
             v[n].iov_base = (void *)(tx->head + off);
             v[n].iov_len = tx->nhead - off;
             *want += v[n++].iov_len;
             off = 0;
+            if (*want >= max) {
+                return n;
+            }
         } else {
             off -= tx->nhead;
         }
@@ -258,27 +262,34 @@ static int kvr_lane_gather(const kvr_lane_t *l, struct iovec *v, size_t *want)
             }
             v[n].iov_base = (char *)tx->iov[i].buf + off;
             v[n].iov_len = tx->iov[i].len - off;
+            if (v[n].iov_len > max - *want) {
+                v[n].iov_len = max - *want; /* the rest goes in a later call */
+            }
             *want += v[n++].iov_len;
             off = 0;
+            if (*want >= max) {
+                return n;
+            }
         }
     }
     return n;
 }
 
-/* Writes from the queue until it is empty, the socket is full or a round's
- * bytes went; completes the frames written.  Returns the frames done. */
-static unsigned kvr_lane_flush(kvr_lane_t *l)
+/* Writes from the queue until it is empty, the socket is full or about max
+ * bytes went (*sent: how many); completes the frames written.  Returns the
+ * frames done. */
+static unsigned kvr_lane_flush(kvr_lane_t *l, size_t max, size_t *sent)
 {
     unsigned done = 0;
     size_t round = 0;
     l->flushing = 1;
-    while (l->tx_head != NULL && l->state != KVR_LANE_FAILED && round < KVR_LANE_ROUND_BYTES) {
+    while (l->tx_head != NULL && l->state != KVR_LANE_FAILED && round < max) {
         struct iovec v[KVR_LANE_IOV];
         size_t want;
         struct msghdr mh;
         memset(&mh, 0, sizeof(mh));
         mh.msg_iov = v;
-        mh.msg_iovlen = (size_t)kvr_lane_gather(l, v, &want);
+        mh.msg_iovlen = (size_t)kvr_lane_gather(l, v, max - round, &want);
         ssize_t k = sendmsg(l->fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
         if (k < 0) {
             if (errno == EINTR) {
@@ -317,11 +328,13 @@ static unsigned kvr_lane_flush(kvr_lane_t *l)
         }
     }
     l->flushing = 0;
+    *sent = round;
     return done;
 }
 
 int kvr_lane_send(kvr_lane_t *l, const void *hdr, size_t hdr_len, const kvr_tp_iov_t *iov,
-                  size_t iovcnt, int bad_magic, kvr_tp_op_t *op, const char **text)
+                  size_t iovcnt, int bad_magic, size_t *budget, kvr_tp_op_t *op,
+                  const char **text)
 {
     if (l->state == KVR_LANE_FAILED) {
         *text = l->why;
@@ -354,12 +367,14 @@ int kvr_lane_send(kvr_lane_t *l, const void *hdr, size_t hdr_len, const kvr_tp_i
         l->tx_head = tx;
     }
     l->tx_tail = tx;
-    if (!alone || l->flushing) {
+    if (!alone || l->flushing || *budget == 0) {
         return KVR_TP_PENDING;
     }
     /* Try it now: written whole, it needs no callback. */
     tx->op = NULL;
-    kvr_lane_flush(l);
+    size_t sent;
+    kvr_lane_flush(l, *budget, &sent);
+    *budget -= sent < *budget ? sent : *budget;
     if (l->state == KVR_LANE_FAILED) { /* tx went with the queue */
         *text = l->why;
         return KVR_TP_PEER_GONE;
@@ -561,7 +576,8 @@ unsigned kvr_lane_progress(kvr_lane_t *l)
     }
     unsigned n = 0;
     if (l->tx_head != NULL) {
-        n += kvr_lane_flush(l);
+        size_t sent;
+        n += kvr_lane_flush(l, KVR_LANE_ROUND_BYTES, &sent);
     }
     if (l->state != KVR_LANE_FAILED && l->state != KVR_LANE_CONNECTING) {
         n += kvr_lane_recv(l);

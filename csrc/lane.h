@@ -76,10 +76,14 @@ int kvr_lane_up(const kvr_lane_t *l);
 
 /* Prefill: sends hdr then the pieces of iov as one frame (hdr and iov valid
  * until the send completes; bad_magic: the test suite's malformed frame).
- * KVR_TP_OK: written at once (no callback); KVR_TP_PENDING: on_send_done
- * follows; KVR_TP_PEER_GONE or KVR_TP_ERROR (*text): failed. */
+ * With nothing queued before it, the frame is written at once, up to
+ * *budget bytes, which are taken from *budget (at 0 it is queued whole for
+ * kvr_lane_progress).  KVR_TP_OK: written at once (no callback);
+ * KVR_TP_PENDING: on_send_done follows; KVR_TP_PEER_GONE or KVR_TP_ERROR
+ * (*text): failed. */
 int kvr_lane_send(kvr_lane_t *l, const void *hdr, size_t hdr_len, const kvr_tp_iov_t *iov,
-                  size_t iovcnt, int bad_magic, kvr_tp_op_t *op, const char **text);
+                  size_t iovcnt, int bad_magic, size_t *budget, kvr_tp_op_t *op,
+                  const char **text);
 /* Writes what is queued and reads what arrived, each up to a bound; the
  * number of frames and handshake steps finished (0: nothing to do). */
 unsigned kvr_lane_progress(kvr_lane_t *l);

@@ -253,6 +253,11 @@ uint64_t kvr_tp_lane_frames(const kvr_transport_t *tp)
     return tp->lane_frames;
 }
 
+void kvr_tp_lane_budget(kvr_transport_t *tp, size_t bytes)
+{
+    tp->lane_budget = bytes;
+}
+
 void kvr_tp_test_bad_frames(kvr_transport_t *tp, int on)
 {
     tp->test_bad_frames = on;

@@ -764,8 +764,8 @@ int kvr_tp_send(kvr_transport_t *tp, kvr_tp_ep_t *e, const void *hdr, size_t hdr
     op->req = NULL;
     kvr_lane_t *lane = host ? kvr_tp_lane_for(e) : NULL;
     if (lane != NULL) {
-        int rc = kvr_lane_send(lane, hdr, hdr_len, iov, iovcnt, tp->test_bad_frames, op,
-                               status_text);
+        int rc = kvr_lane_send(lane, hdr, hdr_len, iov, iovcnt, tp->test_bad_frames,
+                               &tp->lane_budget, op, status_text);
         tp->lane_frames += rc == KVR_TP_OK || rc == KVR_TP_PENDING;
         kvr_tp_lane_sync(e->w);
         return rc;

@@ -271,6 +271,11 @@ int kvr_tp_ep_lane_state(const kvr_tp_ep_t *ep);
 void kvr_tp_lane_abandon(kvr_tp_ep_t *ep);
 /* Data messages sent (prefill) or accepted (decode) over lanes so far. */
 uint64_t kvr_tp_lane_frames(const kvr_transport_t *tp);
+/* Prefill: the bytes kvr_tp_send may write to lanes from now on in the
+ * calling thread (with the lock held) before it leaves the rest of the
+ * messages queued for the transport's progress; set before each batch of
+ * sends (an API call's, an engine pass's). */
+void kvr_tp_lane_budget(kvr_transport_t *tp, size_t bytes);
 /* Test suite only (testhook.h): frames sent from now on carry a wrong
  * magic while on is set. */
 void kvr_tp_test_bad_frames(kvr_transport_t *tp, int on);

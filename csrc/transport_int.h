@@ -74,6 +74,7 @@ struct kvr_transport {
     int pack_used;                     /* a buffer was taken since the last trim */
     kvr_lane_listener_t *lanes;        /* prefill: where decodes connect lanes */
     uint64_t lane_frames;              /* data messages sent or accepted over lanes */
+    size_t lane_budget;                /* kvr_tp_lane_budget */
     int test_bad_frames;               /* kvr_tp_test_bad_frames */
 };
 
