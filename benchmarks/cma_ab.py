@@ -47,6 +47,7 @@ def one_round(srv, kind, point, i):
     rr = r["rounds"][0] if r.get("rounds") else r
     return {"gbps": rr.get("gbps"), "verify": r.get("verify"),
             "cpu": (rr.get("decode_cpu") or 0) + (rr.get("prefill_cpu") or 0),
+            "send_ms": max(rr["send_call_us"]) / 1e3 if rr.get("send_call_us") else None,
             "read_share": (rr["decode_cma_bytes"] / rr["decode_bytes"]
                            if rr.get("decode_bytes") and "decode_cma_bytes" in rr else None)}
 
@@ -63,7 +64,8 @@ def rounds_in_turn(srv, point, rounds):
 
 def arm_rows(got, point):
     """Per arm, the figures of its rounds that moved data: GB/s, CPU s/GB
-    of both processes, share read across memory, the byte checks."""
+    of both processes, share read across memory, the longest send() call
+    (kvrecv), the byte checks."""
     gb = C.round_bytes(point) / 1e9
     row = {}
     for k, v in got.items():
@@ -71,6 +73,7 @@ def arm_rows(got, point):
         row[k] = {"gbps": [x["gbps"] for x in ok],
                   "cpu_s_per_gb": [x["cpu"] / gb for x in ok],
                   "read_share": [x["read_share"] for x in ok],
+                  "send_max_ms": [x.get("send_ms") for x in ok],
                   "verify": sorted({json.dumps(x["verify"]) for x in ok})}
     return row
 

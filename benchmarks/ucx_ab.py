@@ -13,8 +13,8 @@ variable an arm sets wins over kvrecv's own setting of it (ucxtune.c); an
 arm that sets PYTHONPATH to another source tree with its own in-place build
 runs that build (README, tcp messages: the build before a change against
 the one after).  Prints per point each
-arm's median GB/s, median CPU s/GB of both processes and its round-by-round
-ratio to NIXL (median), and writes benchmarks/results/ucx_ab.json (or
+arm's median GB/s, median CPU s/GB of both processes, its longest send()
+call and its round-by-round ratio to NIXL (median), and writes benchmarks/results/ucx_ab.json (or
 --out, a name in that folder).  Needs
 what run.py needs (NIXL optional)."""
 
@@ -69,7 +69,8 @@ def main():
             out["points"][C.point_name(p)] = row
             print(C.point_name(p), " ".join(
                 f"{k}: {statistics.median(v['gbps']):.3f} GB/s"
-                + (f" {statistics.median(v['cpu_s_per_gb']):.2f} CPU s/GB" if k != "nixl" else "")
+                + (f" {statistics.median(v['cpu_s_per_gb']):.2f} CPU s/GB"
+                   f" send() <= {max(v['send_max_ms']):.1f} ms" if k != "nixl" else "")
                 + (f" {v['per_nixl'][0]:.2f}x NIXL" if v.get("per_nixl") else "")
                 for k, v in row.items() if v["gbps"]), flush=True)
     finally:

@@ -93,6 +93,9 @@
 #define KVR_CMA_DEFAULT_READERS 2u
 #define KVR_POLL_PROGRESS_NS (10 * 1000) /* poll(): at most one UCX progress per */
 #define KVR_STAGE_NAP_NS (10 * 1000)  /* between polls of staging copies */
+/* A busy engine thread waits this long at most, between two passes, for
+ * the threads blocked on the engine lock to take it (engine.c). */
+#define KVR_LOCK_HANDOFF_NS (200 * 1000)
 #define KVR_EP_ERR_GRACE_NS (100 * KVR_MS) /* an endpoint error waits for a BYE (peer.c) */
 
 typedef struct kvr_peer {
@@ -325,6 +328,7 @@ struct kvr_engine {
     uint32_t state_pieces_max;
 
     pthread_mutex_t lock;   /* kvr_engine_lock / kvr_engine_unlock */
+    atomic_int lock_waiters; /* threads blocked in kvr_engine_lock */
 #ifdef KVRECV_DEBUG
     pthread_t lock_owner;   /* for KVR_ASSERT_LOCKED */
     int lock_held;
