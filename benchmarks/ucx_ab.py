@@ -12,11 +12,10 @@ Without --arm: "default", kvrecv with its default tcp fragment sizes
 variable an arm sets wins over kvrecv's own setting of it (ucxtune.c); an
 arm that sets PYTHONPATH to another source tree with its own in-place build
 runs that build (README, tcp messages: the build before a change against
-the one after).  Prints per point each
-arm's median GB/s, median CPU s/GB of both processes, its longest send()
-call and its round-by-round ratio to NIXL (median), and writes benchmarks/results/ucx_ab.json (or
---out, a name in that folder).  Needs
-what run.py needs (NIXL optional)."""
+the one after).  Prints per point each arm's median GB/s, median CPU s/GB
+of both processes, its longest send() call and its round-by-round ratio
+to NIXL (median), and writes benchmarks/results/ucx_ab.json (or --out, a
+name in that folder).  Needs what run.py needs (NIXL optional)."""
 
 from __future__ import annotations
 

@@ -97,8 +97,8 @@ def test_send_leaves_a_large_room_to_the_engine_thread(res):
     """send() writes at most KVR_LANE_INLINE_BYTES (1 MiB) of a room to the
     lane itself; the rest waits in the lane's queue for the engine thread.
     A 64 MiB room: before, send() wrote it all while the decode read it
-    (the scheduler's thread held for the whole transfer, 0.9 of the time to
-    Success); now it returns after a small part of that time."""
+    (the scheduler's thread held for the whole transfer, 0.99 of the time
+    to Success); now it returns after a small part of that time."""
     bs = res.server()
     big = Layout((65536,) * 8, 256)
     src, dst = Side(big, 0, seed=3), Side(big, 0)
@@ -117,12 +117,13 @@ def test_send_leaves_a_large_room_to_the_engine_thread(res):
         t0 = time.perf_counter()
         s.send(pages)
         t_send = time.perf_counter() - t0
-        while r.poll() not in (KVPoll.Success, KVPoll.Failed):
+        while r.poll() not in (KVPoll.Success, KVPoll.Failed) and time.perf_counter() < t0 + 20:
             pass
         t_done = time.perf_counter() - t0
         assert r.poll() == KVPoll.Success, describe_failure(r)
         assert wait_for(s, terminal(), 20) == KVPoll.Success, describe_failure(s)
-        assert np.array_equal(dst.pages(0)[pages], src.pages(0)[pages])
+        for b in range(len(big.kv_item_lens)):
+            assert np.array_equal(dst.pages(b)[pages], src.pages(b)[pages]), (room, b)
         ratios.append((t_send / t_done, t_send, t_done))
         r.clear()
         s.clear()
