@@ -80,8 +80,11 @@
 /* Prefill: the most bytes one send() call (and one engine pass) writes to
  * tcp lanes itself; the rest of its messages wait in the lanes' queues for
  * the engine thread, so that a large room does not hold the scheduler's
- * thread (and the engine lock) for as long as its transfer takes. */
-#define KVR_LANE_INLINE_BYTES (1u << 20)
+ * thread (and the engine lock) for as long as its transfer takes.  A room
+ * up to this size leaves without the engine thread: at 1 MiB, rooms of
+ * 4 MiB between two processes had a p90 of 7-11 ms in 4 of 6 runs,
+ * against 2 ms written whole (benchmarks/README.md). */
+#define KVR_LANE_INLINE_BYTES (8u << 20)
 #define KVR_SHM_EAGER_ROOM_BYTES (512u << 10) /* rooms sent as eager messages over shm */
 /* Default cross_memory_bytes: messages of 1 MiB and more over shared memory
  * go as cross-memory reads (cma.c), one kernel copy against two through the

@@ -94,7 +94,7 @@ def test_tcp_data_goes_over_the_lane(res):
 
 
 def test_send_leaves_a_large_room_to_the_engine_thread(res):
-    """send() writes at most KVR_LANE_INLINE_BYTES (1 MiB) of a room to the
+    """send() writes at most KVR_LANE_INLINE_BYTES (8 MiB) of a room to the
     lane itself; the rest waits in the lane's queue for the engine thread.
     A 64 MiB room: before, send() wrote it all while the decode read it
     (the scheduler's thread held for the whole transfer, 0.99 of the time
