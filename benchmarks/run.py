@@ -337,15 +337,19 @@ def perftest_lat(tls, test, size, reps, iters=2000):
             "p50_us_all": runs, "errors": errors[:2] if not runs else []}
 
 
-def build_c_ref():
+def build_c(name, flags=()):
+    """benchmarks/NAME.c built into benchmarks/build/NAME: (path, command)."""
     os.makedirs(BUILD, exist_ok=True)
-    exe = os.path.join(BUILD, "ref_ucx_put")
-    flags = cmd_out(["pkg-config", "--cflags", "--libs", "ucx"]).split()
-    cmd = ["gcc", "-O2", "-Wall", "-o", exe, os.path.join(HERE, "ref_ucx_put.c")] + flags
+    exe = os.path.join(BUILD, name)
+    cmd = ["gcc", "-O2", "-Wall", "-o", exe, os.path.join(HERE, name + ".c")] + list(flags)
     p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     if p.returncode != 0:
-        raise RuntimeError("building ref_ucx_put failed: " + " ".join(cmd) + "\n" + p.stdout)
+        raise RuntimeError(f"building {name} failed: " + " ".join(cmd) + "\n" + p.stdout)
     return exe, " ".join(cmd)
+
+
+def build_c_ref():
+    return build_c("ref_ucx_put", cmd_out(["pkg-config", "--cflags", "--libs", "ucx"]).split())
 
 
 def c_ref(exe, tls, point, mode, rounds, tmp):
