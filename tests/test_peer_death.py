@@ -365,6 +365,11 @@ def _prefill_killed_big_rooms(fail_bs, fail_closer, fail_spawn, tls, freeze=True
         if landed == total or not unfinished:
             for r in rooms.values():
                 r.clear()
+            # Dead all the same: the next prefill must not find its peer ready
+            # (a new room binds to a ready peer verified at the bootstrap
+            # server within the last 100 ms, peer.c, and the survivor check's
+            # in-process prefill registers within milliseconds of the kill).
+            _wait_until(lambda: d.stats()["ucx_workers"] == 0, 5, "the dead prefill's worker destroyed")
             continue
         trials += 1
         times = _wait_all_failed(unfinished, t_kill, 3)
