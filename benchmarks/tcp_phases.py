@@ -31,9 +31,13 @@ sys.path.insert(0, HERE)
 import common as C  # noqa: E402
 import run as R  # noqa: E402
 from cma_ab import one_round  # noqa: E402
+from kvrecv import KVConfig  # noqa: E402
 
 POINT = "contig-b64-i64k-p16-r2"
-PAIR_SEND_KIB, PAIR_RECV_KIB, PAIR_CC = 8192, 256, "reno"
+# As a lane writes and reads (lane.c: KVR_LANE_ROUND_BYTES, KVR_LANE_READ_MAX),
+# under the lanes' default congestion control.
+PAIR_SEND_KIB, PAIR_RECV_KIB = 8192, 256
+PAIR_CC = KVConfig().lane_congestion
 
 
 def pair_rounds(exe, point, rounds):
