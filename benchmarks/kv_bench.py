@@ -252,8 +252,7 @@ class Decode:
         self.bufs = None
         gc.collect()
         self.point = point
-        self.bufs = [np.zeros(C.pool_pages(point) * point["item"], dtype=np.uint8)
-                     for _ in range(point["nbuf"])]
+        self.bufs = C.dest_pool(point)
         self.plan = C.make_plan(point) if point.get("layout") else None
         self.mgr = KVManager(KVArgs.from_buffers(0, self.bufs, [point["item"]] * point["nbuf"]),
                              "decode", config=KVConfig(**cfg))

@@ -67,8 +67,7 @@ def decode_main(conn):
                 return
             if cmd == "setup":
                 point = arg
-                bufs = [np.zeros(C.pool_pages(point) * point["item"], dtype=np.uint8)
-                        for _ in range(point["nbuf"])]
+                bufs = C.dest_pool(point)
                 for b in bufs:
                     if e.register_memory(b.ctypes.data, b.nbytes) != 0:
                         raise RuntimeError("register_memory failed")

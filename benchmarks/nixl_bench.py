@@ -108,8 +108,7 @@ def decode_main(conn):
                     reg = None
                 bufs = None
                 gc.collect()
-                bufs = [np.zeros(C.pool_pages(point) * point["item"], dtype=np.uint8)
-                        for _ in range(point["nbuf"])]
+                bufs = C.dest_pool(point)
                 plan = C.make_plan(point)
                 samples = C.sample_pages(point["nbuf"], plan)
                 reg = agent.register_memory([(b.ctypes.data, b.nbytes, 0, "") for b in bufs],
